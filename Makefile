@@ -1,0 +1,37 @@
+# One entry point for set-up, tests, lint and the demo. Everything installs into .venv.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+JOBS ?= auto
+
+.PHONY: venv test test-gpu lint demo clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# torch is pinned to the CPU wheel through constraints-cpu.txt; pyproject keeps a wide range.
+$(STAMP): $(BIN)/python pyproject.toml constraints-cpu.txt
+	$(BIN)/pip install -q -c constraints-cpu.txt torch==2.13.0
+	$(BIN)/pip install -q -c constraints-cpu.txt -e '.[test,plot,dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n $(JOBS) -m "not gpu" tests
+
+test-gpu:
+	python3 -m pytest -q -m "gpu" tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check splash backends kernels_triton tests benchmarks ci
+	$(BIN)/mypy splash backends kernels_triton
+	$(BIN)/hadolint docker/Dockerfile.*
+
+demo: $(STAMP)
+	$(BIN)/splash demo
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,108 @@
+"""Backend base class and registry."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+
+from splash.backends.profiles import HardwareProfile, load_profile
+from splash.logging_utils import get_logger
+
+logger = get_logger("splash.backends")
+
+_REGISTRY: dict[str, type[BaseBackend]] = {}
+
+
+class BaseBackend(ABC):
+    """Contract: one accelerator family.
+
+    - ``device(local_rank)``: the torch device a worker of that local rank uses.
+    - ``dist_backend``: torch.distributed backend name (gloo / nccl; nccl on ROCm is RCCL).
+    - ``kv_dtypes``: KV-cache dtypes the hardware supports; ``fp8_dtype`` the fp8 flavour or None.
+    - ``wave_size``: threads per warp/wavefront (32 NVIDIA, 64 AMD/DCU).
+    - ``tuning``: per-kernel launch parameters (``kernel_config``), so tuning never lives in
+      kernel code.
+    - ``profile``: the hardware profile feeding the cost model.
+    """
+
+    name: ClassVar[str]
+    dist_backend: ClassVar[str]
+    wave_size: ClassVar[int] = 32
+    #: per kernel, per profile: launch parameters; "default" applies when no profile entry exists
+    TUNING: ClassVar[dict[str, dict[str, dict[str, Any]]]] = {}
+
+    def __init__(self, profile: str | None = None, calibration: str | None = None) -> None:
+        self.profile_name = profile or self.detect_profile()
+        self.profile: HardwareProfile = load_profile(self.profile_name, calibration)
+
+    @classmethod
+    @abstractmethod
+    def is_available(cls) -> bool:
+        """Whether this backend can run on this machine."""
+
+    @abstractmethod
+    def device(self, local_rank: int = 0) -> torch.device: ...
+
+    @abstractmethod
+    def detect_profile(self) -> str:
+        """The hardware profile name for the device present."""
+
+    @property
+    def fp8_dtype(self) -> torch.dtype | None:
+        return None
+
+    @property
+    def kv_dtypes(self) -> tuple[torch.dtype, ...]:
+        base = (torch.float32, torch.float16, torch.bfloat16)
+        return base + ((self.fp8_dtype,) if self.fp8_dtype is not None else ())
+
+    def kernel_config(self, kernel: str) -> dict[str, Any]:
+        """Launch parameters for ``kernel`` on this backend's profile."""
+        table = self.TUNING.get(kernel, {})
+        merged = dict(table.get("default", {}))
+        merged.update(table.get(self.profile_name, {}))
+        return merged
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (no-op on CPU)."""
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "backend": self.name,
+            "profile": self.profile_name,
+            "dist_backend": self.dist_backend,
+            "wave_size": self.wave_size,
+            "kv_dtypes": [str(d).replace("torch.", "") for d in self.kv_dtypes],
+        }
+
+
+def register_backend(cls: type[BaseBackend]) -> type[BaseBackend]:
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def available_backends() -> list[str]:
+    return [name for name, cls in _REGISTRY.items() if cls.is_available()]
+
+
+def get_backend(
+    name: str = "auto", profile: str | None = None, calibration: str | None = None
+) -> BaseBackend:
+    """The backend ``name`` ("auto" picks rocm, then cuda, then cpu, and logs the choice)."""
+    if name == "auto":
+        for candidate in ("rocm", "cuda", "cpu"):
+            if _REGISTRY[candidate].is_available():
+                name = candidate
+                break
+        backend = _REGISTRY[name](profile, calibration)
+        logger.info("backend=auto chose %s (profile %s)", name, backend.profile_name)
+        return backend
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown backend {name!r}; choose from {sorted(_REGISTRY)} or 'auto'")
+    if not _REGISTRY[name].is_available():
+        raise RuntimeError(
+            f"backend {name!r} is not available on this machine; available: {available_backends()}"
+        )
+    return _REGISTRY[name](profile, calibration)

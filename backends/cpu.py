@@ -1,0 +1,29 @@
+"""CPU backend: kernels under the Triton interpreter, collectives over gloo."""
+
+from __future__ import annotations
+
+import torch
+
+from splash.backends.base import BaseBackend, register_backend
+
+
+@register_backend
+class CPUBackend(BaseBackend):
+    name = "cpu"
+    dist_backend = "gloo"
+    wave_size = 1
+    TUNING = {
+        # small tiles keep the interpreter fast; values are per kernel launcher
+        "mla_decode": {"default": {"BLOCK_N": 16, "BLOCK_H": 16, "num_splits": 2}},
+        "mla_extend": {"default": {"BLOCK_M": 16, "BLOCK_N": 16}},
+    }
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return True
+
+    def device(self, local_rank: int = 0) -> torch.device:
+        return torch.device("cpu")
+
+    def detect_profile(self) -> str:
+        return "cpu"

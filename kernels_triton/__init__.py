@@ -1,0 +1,1 @@
+"""Triton kernels (installed as ``splash.kernels_triton``)."""

@@ -1,0 +1,1 @@
+"""SPLASH: serve MLA models and switch the attention layout while requests keep running."""

@@ -1,0 +1,28 @@
+"""The one reader of SPLASH_* environment variables. Anything configurable from the environment
+is listed here with its default, so `grep SPLASH_` finds every knob."""
+
+from __future__ import annotations
+
+import os
+
+_DEFAULTS: dict[str, str] = {
+    "SPLASH_LOG_LEVEL": "INFO",  # logging level of the splash logger
+    "SPLASH_CALIBRATION": "",  # path of a measured hardware profile (JSON) overriding spec values
+    "SPLASH_CACHE_DIR": os.path.join(os.path.expanduser("~"), ".cache", "splash"),
+    "SPLASH_WORKER_TIMEOUT_S": "60",  # a step that takes longer marks the worker group dead
+    "SPLASH_MASTER_PORT": "0",  # torch.distributed rendezvous port for spawned workers (0: pick)
+}
+
+
+def get(name: str) -> str:
+    if name not in _DEFAULTS:
+        raise KeyError(f"unknown SPLASH environment variable {name}")
+    return os.environ.get(name, _DEFAULTS[name])
+
+
+def get_float(name: str) -> float:
+    return float(get(name))
+
+
+def get_int(name: str) -> int:
+    return int(get(name))
