@@ -1,0 +1,71 @@
+"""Collectives a worker uses, over torch.distributed (nccl / rccl / gloo).
+
+Two process groups: ``group`` for the forward (all-reduce, all-gather, all-to-all) and
+``xfer_group`` for switch transfers, so a layer's transfer can run while another layer's
+forward collectives proceed (a separate NCCL communicator is a separate stream).
+With world == 1 every collective is the identity and torch.distributed is never touched.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class Comm:
+    def __init__(self, rank: int, world: int, use_dist: bool = True) -> None:
+        self.rank, self.world = rank, world
+        self.group = None
+        self.xfer_group = None
+        if world > 1 and use_dist:
+            self.group = dist.group.WORLD
+            self.xfer_group = dist.new_group(list(range(world)))
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            dist.all_reduce(t, group=self.group)
+        return t
+
+    def all_gather_same(self, t: torch.Tensor) -> torch.Tensor:
+        """(…) on every rank → (T, …), rank order."""
+        if self.world == 1:
+            return t.unsqueeze(0)
+        out = t.new_empty((self.world, *t.shape))
+        dist.all_gather_into_tensor(out, t.contiguous(), group=self.group)
+        return out
+
+    def all_gather_rows(self, t: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Variable-size row all-gather: rank r contributes counts[r] rows of t (n, …);
+        returns the concatenation in rank order (sum(counts), …). Pads to the largest."""
+        if self.world == 1:
+            return t
+        width = max(max(counts), 1)
+        padded = t.new_zeros((width, *t.shape[1:]))
+        padded[: t.shape[0]] = t
+        gathered = self.all_gather_same(padded)  # (T, width, …)
+        return torch.cat([gathered[r, : counts[r]] for r in range(self.world)])
+
+    def all_to_all_rows(
+        self,
+        send: torch.Tensor,
+        send_counts: list[int],
+        recv_counts: list[int],
+        group=None,
+        async_op: bool = False,
+    ):
+        """Uneven all-to-all of rows: send (sum(send_counts), …) in destination order; returns
+        (recv (sum(recv_counts), …) in source order, work handle or None). Ranks with no rows
+        still enter the collective."""
+        recv = send.new_empty((sum(recv_counts), *send.shape[1:]))
+        if self.world == 1:
+            recv.copy_(send)
+            return recv, None
+        work = dist.all_to_all_single(
+            recv,
+            send.contiguous(),
+            output_split_sizes=recv_counts,
+            input_split_sizes=send_counts,
+            group=group if group is not None else self.group,
+            async_op=async_op,
+        )
+        return recv, work

@@ -1,0 +1,41 @@
+"""EngineConfig: every engine knob in one frozen, self-validating dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from splash.errors import ConfigError
+from splash.layouts.ownership import LAYOUT_NAMES
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # checkpoint dir (config.json + safetensors)
+    tp_size: int = 1  # T ranks
+    backend: str = "auto"  # auto | cpu | cuda | rocm
+    layout: str = "auto"  # tp | dp | cp | dop | auto
+    dtype: str | None = None  # weights/activations (default: fp32 on CPU, bf16 on GPU)
+    kv_dtype: str | None = None  # KV cache (default: the activation dtype)
+    page_size: int | None = None  # tokens per KV page (default: 16 on CPU, 64 on GPU)
+    max_model_len: int | None = None  # prompt + output limit (default: the model's)
+    kv_pages_per_rank: int | None = None  # physical pages per rank (default: from memory)
+    memory_fraction: float = 0.85  # of device memory for weights + KV (GPU)
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # prefill chunk budget (default 256 CPU, 2048 GPU)
+    enable_chunked_prefill: bool = True
+    switch_mode: str = "live"  # live (layer-pipelined) | blocking (baseline)
+    policy_margin: float = 0.1  # auto: switch when the best layout leads by this fraction
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1:
+            raise ConfigError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.layout not in (*LAYOUT_NAMES, "auto"):
+            raise ConfigError(f"layout must be one of {[*LAYOUT_NAMES, 'auto']}, got {self.layout!r}")
+        if self.page_size is not None and self.page_size < 1:
+            raise ConfigError(f"page_size must be >= 1, got {self.page_size}")
+        if self.kv_pages_per_rank is not None and self.kv_pages_per_rank < 1:
+            raise ConfigError("kv_pages_per_rank must be >= 1")
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ConfigError("memory_fraction must lie in (0, 1]")
+        if self.switch_mode not in ("live", "blocking"):
+            raise ConfigError("switch_mode must be 'live' or 'blocking'")

@@ -1,0 +1,134 @@
+"""How the controller reaches its workers: in-process (T=1) or spawned processes over ZeroMQ.
+
+Both take one StepPlan per rank and return one StepResult per rank. A dead or silent worker
+raises WorkerDiedError within seconds; nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import time
+from dataclasses import replace
+
+import zmq
+
+from splash import envs
+from splash.engine.protocol import StepPlan, StepResult, WorkerReady, decode_result, encode
+from splash.engine.worker import Worker, WorkerConfig, worker_main
+from splash.errors import WorkerDiedError
+from splash.logging_utils import get_logger
+
+logger = get_logger("splash.executor")
+
+
+class InprocExecutor:
+    """T=1: the worker lives in the controller's process; plans still go through msgspec."""
+
+    def __init__(self, cfg: WorkerConfig) -> None:
+        self.worker = Worker(cfg)
+        self.pids: list[int] = []
+
+    def execute(self, plans: list[StepPlan]) -> list[StepResult]:
+        result = self.worker.execute(plans[0])
+        if result.error:
+            raise WorkerDiedError(f"worker 0 failed: {result.error}")
+        return [result]
+
+    def alive(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MPExecutor:
+    """T spawned worker processes; ROUTER here, one DEALER per worker."""
+
+    def __init__(self, cfg: WorkerConfig, start_timeout_s: float = 600.0) -> None:
+        self.world = cfg.world
+        self.timeout_s = envs.get_float("SPLASH_WORKER_TIMEOUT_S")
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        addr = f"tcp://127.0.0.1:{port}"
+        dist_port = envs.get_int("SPLASH_MASTER_PORT") or _free_port()
+        spawn = mp.get_context("spawn")
+        self.procs = []
+        for rank in range(cfg.world):
+            wcfg = replace(cfg, rank=rank, dist_init=f"tcp://127.0.0.1:{dist_port}")
+            proc = spawn.Process(target=worker_main, args=(wcfg, addr), daemon=True,
+                                 name=f"splash-worker-{rank}")
+            proc.start()
+            self.procs.append(proc)
+        self.pids = [p.pid for p in self.procs]
+        ready = self._gather(start_timeout_s, "start")
+        for msg in ready:
+            if not isinstance(msg, WorkerReady):
+                raise WorkerDiedError(f"unexpected start-up message {msg!r}")
+            if msg.error:
+                self.shutdown()
+                raise WorkerDiedError(f"worker {msg.rank} failed to start: {msg.error}")
+        logger.info("%d workers ready (pids %s)", cfg.world, self.pids)
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def _gather(self, timeout_s: float, what: str) -> list:
+        got: dict[int, object] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(got) < self.world:
+            if self.sock.poll(200):
+                ident, payload = self.sock.recv_multipart()
+                rank = int(ident.decode().split("-")[1])
+                got[rank] = decode_result(payload)
+                continue
+            dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+            if dead and not all(r in got for r in dead):
+                codes = {r: self.procs[r].exitcode for r in dead}
+                raise WorkerDiedError(f"worker(s) {dead} exited (codes {codes}) during {what}")
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.world)) - set(got))
+                raise WorkerDiedError(f"worker(s) {missing} did not answer within "
+                                      f"{timeout_s:.0f} s during {what}")
+        return [got[r] for r in range(self.world)]
+
+    def execute(self, plans: list[StepPlan]) -> list[StepResult]:
+        for rank, plan in enumerate(plans):
+            self.sock.send_multipart([f"worker-{rank}".encode(), encode(plan)])
+        results = self._gather(self.timeout_s, f"step {plans[0].step}")
+        errors = [r for r in results if isinstance(r, StepResult) and r.error]
+        if errors:
+            raise WorkerDiedError(f"worker {errors[0].rank} failed: {errors[0].error}")
+        return results  # type: ignore[return-value]
+
+    def shutdown(self) -> None:
+        for rank, proc in enumerate(self.procs):
+            if proc.is_alive():
+                try:
+                    self.sock.send_multipart(
+                        [f"worker-{rank}".encode(), encode(_shutdown_plan())], zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+        deadline = time.monotonic() + 5
+        for proc in self.procs:
+            proc.join(max(deadline - time.monotonic(), 0.1))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(1)
+        self.sock.close()
+        self.ctx.term()
+
+
+def _shutdown_plan() -> StepPlan:
+    from splash.engine.protocol import WORKER_PROTOCOL_VERSION
+
+    return StepPlan(WORKER_PROTOCOL_VERSION, -1, "tp", [], [], [], [], [], [], [], [], [],
+                    shutdown=True)

@@ -1,0 +1,52 @@
+"""Turn a scheduled batch (+ a switch manifest) into one StepPlan per rank."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from splash.engine.protocol import (
+    WORKER_PROTOCOL_VERSION,
+    SeqSampling,
+    StepPlan,
+    SwitchPlan,
+    TableUpdate,
+)
+
+
+def build_plans(engine: Any, batch: Any, manifest: Any) -> list[StepPlan]:
+    sched = engine.scheduler
+    ids: list[str] = []
+    query_lens: list[int] = []
+    context_lens: list[int] = []
+    owners: list[int] = []
+    input_ids: list[int] = []
+    positions: list[int] = []
+    sample: list[bool] = []
+    sampling: list[SeqSampling] = []
+    output_index: list[int] = []
+    for req, n in batch.entries:
+        start = req.num_computed
+        ids.append(req.request_id)
+        query_lens.append(n)
+        context_lens.append(start + n)
+        owners.append(req.owner)
+        input_ids.extend(req.token_at(i) for i in range(start, start + n))
+        positions.extend(range(start, start + n))
+        sample.append(start + n == req.num_tokens)
+        p = req.params
+        sampling.append(SeqSampling(p.temperature, p.top_p, p.top_k, p.seed))
+        output_index.append(len(req.output_token_ids))
+    released, sched.released = sched.released, []
+    plans = []
+    for rank in range(engine.world):
+        updates = [TableUpdate(rid, s, pages) for rid, s, pages in sched.take_table_updates(rank)]
+        switch = None
+        if manifest is not None:
+            switch = SwitchPlan(manifest.src.name, manifest.dst.name, manifest.weights[rank],
+                                manifest.kv[rank], blocking=engine.cfg.switch_mode == "blocking")
+        plans.append(StepPlan(
+            version=WORKER_PROTOCOL_VERSION, step=engine.step_count, layout=engine.layout,
+            request_ids=ids, query_lens=query_lens, context_lens=context_lens, owners=owners,
+            input_ids=input_ids, positions=positions, sample=sample, sampling=sampling,
+            output_index=output_index, table_updates=updates, released=released, switch=switch))
+    return plans

@@ -1,0 +1,108 @@
+"""Controller ↔ worker messages: the one typed step plan out, one result back (msgspec/msgpack).
+
+Control travels only here (ZeroMQ); tensors travel only over torch.distributed. Each worker
+gets its own plan: the batch is the same for all ranks, the block-table updates are its own.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+WORKER_PROTOCOL_VERSION = 1
+
+
+class SeqSampling(msgspec.Struct, frozen=True):
+    temperature: float  # 0 = greedy
+    top_p: float
+    top_k: int
+    seed: int | None  # with the output index, seeds this row's sampling
+
+
+class TableUpdate(msgspec.Struct, frozen=True):
+    request_id: str
+    start: int  # this rank's local block table becomes table[:start] + pages
+    pages: list[int]
+
+
+class WeightMove(msgspec.Struct, frozen=True):
+    """Placed projection heads [head_start, head_stop) that this rank must end up holding."""
+
+    head_start: int
+    head_stop: int
+    recv_from: list[list[int]]  # per source rank: head ids it sends this rank (ascending)
+    send_to: list[list[int]]  # per destination rank: head ids this rank sends (ascending)
+
+
+class KVMove(msgspec.Struct, frozen=True):
+    """KV rows moved by one all-to-all per layer. Slots index this rank's page pool; the
+    order of rows sent to rank d equals the order rank d expects from this rank."""
+
+    send_slots: list[list[int]]  # per destination rank
+    recv_slots: list[list[int]]  # per source rank
+
+
+class SwitchPlan(msgspec.Struct, frozen=True):
+    src: str  # layout before the step
+    dst: str  # layout the step computes in
+    weights: WeightMove
+    kv: KVMove
+    blocking: bool = False  # move everything first (baseline) instead of layer-pipelined
+
+
+class StepPlan(msgspec.Struct, frozen=True):
+    version: int
+    step: int
+    layout: str  # layout the step computes in
+    request_ids: list[str]  # scheduled requests in row order
+    query_lens: list[int]  # rows per request
+    context_lens: list[int]  # KV length per request after this step
+    owners: list[int]  # owner rank per request (used by owned layouts)
+    input_ids: list[int]  # N rows
+    positions: list[int]  # N rows
+    sample: list[bool]  # per request: sample a token after this step
+    sampling: list[SeqSampling]  # per request (only read where sample is True)
+    output_index: list[int]  # per request: index of the token being sampled (for seeds)
+    table_updates: list[TableUpdate] = []  # this rank's block-table changes
+    released: list[str] = []  # requests whose tables this rank drops
+    switch: SwitchPlan | None = None
+    shutdown: bool = False
+
+
+class StepResult(msgspec.Struct, tag=True):
+    version: int
+    step: int
+    rank: int
+    tokens: list[int] = []  # rank 0: one per request with sample=True, in order
+    elapsed_ms: float = 0.0  # forward time of this rank
+    switch_ms: float = 0.0  # time spent waiting for switch transfers
+    kv_bytes_received: int = 0
+    weight_bytes_received: int = 0
+    error: str | None = None  # a worker-side failure, reported instead of tokens
+
+
+class WorkerReady(msgspec.Struct, tag=True):
+    rank: int
+    pid: int
+    num_pages: int  # physical pages in this rank's KV pool
+    device: str
+    error: str | None = None
+
+
+_plan_encoder = msgspec.msgpack.Encoder()
+_plan_decoder = msgspec.msgpack.Decoder(StepPlan)
+_result_decoder = msgspec.msgpack.Decoder(StepResult | WorkerReady)  # type: ignore[arg-type]
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _plan_encoder.encode(msg)
+
+
+def decode_plan(buf: bytes) -> StepPlan:
+    plan = _plan_decoder.decode(buf)
+    if plan.version != WORKER_PROTOCOL_VERSION:
+        raise ValueError(f"worker protocol version {plan.version} != {WORKER_PROTOCOL_VERSION}")
+    return plan
+
+
+def decode_result(buf: bytes) -> StepResult | WorkerReady:
+    return _result_decoder.decode(buf)

@@ -1,0 +1,164 @@
+"""A worker: one device's model shard, KV pools and layouts; executes step plans.
+
+Runs in-process (T=1) or as a spawned process talking to the controller over ZeroMQ
+(`worker_main`). Under torchrun (multi-node) the same `worker_main` starts from
+`python -m splash.engine.worker`, taking rank and rendezvous from torchrun's environment.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from splash.backends import get_backend
+from splash.engine.comm import Comm
+from splash.engine.protocol import WORKER_PROTOCOL_VERSION, StepPlan, StepResult
+from splash.layouts.registry import make_layouts
+from splash.layouts.base import KVStore, StepMeta
+from splash.layouts.ownership import get_layout, heads_held
+from splash.model.loader import resolve_dtype
+from splash.model.model import MLAModel
+from splash.model.sampler import sample
+from splash.switching.executor import SwitchExecutor
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model: str  # checkpoint dir
+    rank: int
+    world: int
+    backend: str  # resolved backend name
+    dtype: str  # weights/activations
+    kv_dtype: str
+    page_size: int
+    num_pages: int  # physical KV pages of this rank
+    layout: str  # layout at start
+    dist_init: str = ""  # torch.distributed init method ("" with world == 1; "env://")
+
+
+def _kv_torch_dtype(name: str, backend) -> torch.dtype:
+    if name == "fp8":
+        if backend.fp8_dtype is None:
+            raise ValueError(f"backend {backend.name} ({backend.profile_name}) has no fp8 KV")
+        return backend.fp8_dtype
+    dtype = resolve_dtype(name)
+    assert dtype is not None
+    return dtype
+
+
+class Worker:
+    def __init__(self, cfg: WorkerConfig) -> None:
+        self.cfg = cfg
+        self.backend = get_backend(cfg.backend)
+        self.device = self.backend.device(cfg.rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if cfg.world > 1:
+            dist.init_process_group(self.backend.dist_backend, init_method=cfg.dist_init,
+                                    rank=cfg.rank, world_size=cfg.world)
+        self.comm = Comm(cfg.rank, cfg.world)
+        heads = self._heads(cfg.layout)
+        self.model = MLAModel.from_pretrained(
+            cfg.model, cfg.rank, cfg.world, heads.start, len(heads),
+            dtype=resolve_dtype(cfg.dtype), device=self.device)
+        mcfg = self.model.cfg
+        kv_dtype = _kv_torch_dtype(cfg.kv_dtype, self.backend)
+        shape = (cfg.num_pages, cfg.page_size, mcfg.kv_dim)
+        caches = [torch.zeros(shape, dtype=kv_dtype, device=self.device)
+                  for _ in range(mcfg.num_hidden_layers)]
+        scales = None
+        if kv_dtype.itemsize == 1:
+            scales = [torch.ones(shape[:2], dtype=torch.float32, device=self.device)
+                      for _ in range(mcfg.num_hidden_layers)]
+        self.store = KVStore(caches, scales)
+        self.layouts = make_layouts(self.comm, self.store, mcfg.kv_lora_rank)
+        self.tables: dict[str, list[int]] = {}
+
+    def _heads(self, layout: str) -> range:
+        mcfg_heads = _num_heads(self.cfg.model)
+        return heads_held(get_layout(layout), self.cfg.rank, self.cfg.world, mcfg_heads)
+
+    def _apply_tables(self, plan: StepPlan) -> None:
+        for rid in plan.released:
+            self.tables.pop(rid, None)
+        for up in plan.table_updates:
+            table = self.tables.setdefault(up.request_id, [])
+            del table[up.start:]
+            table.extend(up.pages)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        t0 = time.perf_counter()
+        self._apply_tables(plan)
+        switch = None
+        if plan.switch is not None:
+            switch = SwitchExecutor(plan.switch, self.comm, self.store, self.model.attn_layers,
+                                    self.device)
+            switch.start()
+        tokens: list[int] = []
+        if plan.input_ids:
+            tokens = self._forward(plan, switch)
+        elif switch is not None:  # nothing to compute: complete every layer's transfer
+            for layer in range(self.model.cfg.num_hidden_layers):
+                switch.before_layer(layer)
+        self.backend.synchronize()
+        return StepResult(
+            version=WORKER_PROTOCOL_VERSION, step=plan.step, rank=self.cfg.rank, tokens=tokens,
+            elapsed_ms=(time.perf_counter() - t0) * 1e3,
+            switch_ms=switch.wait_ms if switch else 0.0,
+            kv_bytes_received=switch.kv_bytes if switch else 0,
+            weight_bytes_received=switch.weight_bytes if switch else 0)
+
+    def _forward(self, plan: StepPlan, switch: SwitchExecutor | None) -> list[int]:
+        meta = StepMeta(plan, self.tables, self.cfg.rank, self.cfg.world, self.cfg.page_size,
+                        self.device)
+        impl = self.layouts[plan.layout]
+
+        def attn_fn(layer: int, attn, h: torch.Tensor) -> torch.Tensor:
+            if switch is not None:
+                switch.before_layer(layer)
+            return impl.forward(layer, attn, h, meta)
+
+        ids = torch.tensor(plan.input_ids, dtype=torch.long, device=self.device)
+        hidden = self.model.forward(ids, meta.positions, attn_fn, self.comm.all_reduce)
+        if self.cfg.rank != 0:
+            return []
+        picks = [b for b, s in enumerate(plan.sample) if s]
+        if not picks:
+            return []
+        rows = torch.tensor([meta.row_start[b + 1] - 1 for b in picks], device=self.device)
+        logits = self.model.compute_logits(hidden[rows])  # (n, V) fp32
+        sp = [plan.sampling[b] for b in picks]
+        out = sample(
+            logits,
+            torch.tensor([s.temperature for s in sp]),
+            torch.tensor([s.top_p for s in sp]),
+            torch.tensor([s.top_k for s in sp]),
+            seeds=[s.seed for s in sp],
+            steps=[plan.output_index[b] for b in picks],
+        )
+        return out.tolist()
+
+    def shutdown(self) -> None:
+        if self.cfg.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _num_heads(model_dir: str) -> int:
+    from splash.model.config import ModelConfig
+
+    return ModelConfig.from_hf(model_dir).num_attention_heads
+
+
+def worker_main(cfg: WorkerConfig, controller_addr: str) -> None:
+    """Process entry: connect to the controller, report ready, serve step plans until told
+    to stop or the controller goes away."""
+    from splash.engine.worker_loop import serve_plans
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    serve_plans(cfg, controller_addr)

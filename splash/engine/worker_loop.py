@@ -1,0 +1,62 @@
+"""The worker process's ZeroMQ loop: receive a plan, execute, send the result.
+
+The worker's DEALER socket connects to the controller's ROUTER. A worker exits when told to,
+when the controller process disappears, or after reporting an exception (a failed collective
+leaves the group unusable; the controller fails the in-flight requests).
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import zmq
+
+from splash.engine.protocol import (
+    WORKER_PROTOCOL_VERSION,
+    StepResult,
+    WorkerReady,
+    decode_plan,
+    encode,
+)
+
+
+def serve_plans(cfg, controller_addr: str) -> None:
+    from splash.engine.worker import Worker
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, f"worker-{cfg.rank}".encode())
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(controller_addr)
+    parent = os.getppid()
+    try:
+        worker = Worker(cfg)
+    except Exception as e:  # report start-up failures instead of dying silently
+        sock.send(encode(WorkerReady(cfg.rank, os.getpid(), 0, "", error=f"{type(e).__name__}: {e}")))
+        sock.close()
+        return
+    sock.send(encode(WorkerReady(cfg.rank, os.getpid(), cfg.num_pages, str(worker.device))))
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    try:
+        while True:
+            if not poller.poll(1000):
+                if os.getppid() != parent:  # controller gone: nothing left to serve
+                    break
+                continue
+            plan = decode_plan(sock.recv())
+            if plan.shutdown:
+                break
+            try:
+                result = worker.execute(plan)
+            except Exception as e:
+                traceback.print_exc()
+                sock.send(encode(StepResult(WORKER_PROTOCOL_VERSION, plan.step, cfg.rank,
+                                            error=f"{type(e).__name__}: {e}")))
+                break
+            sock.send(encode(result))
+    finally:
+        worker.shutdown()
+        sock.close()
+        ctx.term()

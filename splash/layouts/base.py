@@ -1,0 +1,135 @@
+"""What every layout's attention forward shares: the step's metadata on this rank, and
+`attend`, which runs the paged MLA kernels for a subset of requests.
+
+A layout is a small class with one method, ``forward(layer, attn, h, meta) -> (N, hidden)``:
+on entry every rank holds the full hidden states of the step (DESIGN §2 invariant), on exit
+every rank holds the attention output of every row.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Callable
+
+import torch
+
+from splash.engine.comm import Comm
+from splash.engine.protocol import StepPlan
+from splash.kernels_triton import kv_write, mla_decode, mla_extend
+from splash.layouts.ownership import Layout, local_kv_len, local_page_index, page_holders
+
+
+class StepMeta:
+    """Per-step, per-rank view of the batch. Built once per step; tensors cached by key."""
+
+    def __init__(
+        self,
+        plan: StepPlan,
+        tables: dict[str, list[int]],
+        rank: int,
+        world: int,
+        page_size: int,
+        device: torch.device,
+    ) -> None:
+        self.plan, self.rank, self.world = plan, rank, world
+        self.page_size, self.device = page_size, device
+        self.num_requests = len(plan.request_ids)
+        self.tables = [tables.get(rid, []) for rid in plan.request_ids]
+        starts = [0]
+        for n in plan.query_lens:
+            starts.append(starts[-1] + n)
+        self.row_start = starts
+        self.positions = torch.tensor(plan.positions, dtype=torch.long, device=device)
+        self.all_decode = all(n == 1 for n in plan.query_lens)
+        self._cache: dict[Any, Any] = {}
+
+    def cached(self, key: Any, build: Callable[[], Any]) -> Any:
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+    def rows(self, reqs: list[int]) -> torch.Tensor:
+        """Row indices (in step order) of the requests ``reqs``."""
+        idx = [i for b in reqs for i in range(self.row_start[b], self.row_start[b + 1])]
+        return torch.tensor(idx, dtype=torch.long, device=self.device)
+
+    def owned(self, rank: int) -> list[int]:
+        return [b for b, o in enumerate(self.plan.owners) if o == rank]
+
+    def write_slots(self, layout: Layout, reqs: list[int]) -> torch.Tensor:
+        """Slot on this rank of each row of ``reqs``; -1 where this rank does not hold it."""
+        slots = []
+        ps = self.page_size
+        for b in reqs:
+            owner = self.plan.owners[b]
+            for i in range(self.row_start[b], self.row_start[b + 1]):
+                pos = self.plan.positions[i]
+                holders = page_holders(layout, pos // ps, owner, self.world)
+                if self.rank in holders:
+                    page = self.tables[b][local_page_index(layout, pos // ps, self.world)]
+                    slots.append(page * ps + pos % ps)
+                else:
+                    slots.append(-1)
+        return torch.tensor(slots, dtype=torch.long, device=self.device)
+
+    def kernel_args(self, layout: Layout, reqs: list[int]) -> dict[str, torch.Tensor]:
+        """Block table, local KV lengths and query offsets of ``reqs`` on this rank."""
+        lens = [
+            local_kv_len(layout, self.plan.context_lens[b], self.rank, self.plan.owners[b],
+                         self.world, self.page_size)
+            for b in reqs
+        ]
+        width = max([len(self.tables[b]) for b in reqs] + [1])
+        table = torch.zeros((len(reqs), width), dtype=torch.int32)
+        for j, b in enumerate(reqs):
+            table[j, : len(self.tables[b])] = torch.tensor(self.tables[b], dtype=torch.int32)
+        q_start = [0]
+        for b in reqs:
+            q_start.append(q_start[-1] + self.plan.query_lens[b])
+        return {
+            "block_table": table.to(self.device),
+            "seq_lens": torch.tensor(lens, dtype=torch.int32, device=self.device),
+            "q_start_loc": torch.tensor(q_start, dtype=torch.int32, device=self.device),
+            "decode": all(self.plan.query_lens[b] == 1 for b in reqs),
+        }
+
+
+class KVStore:
+    """This rank's KV pools: one (P, PS, D) tensor per layer (+ fp8 scales (P, PS))."""
+
+    def __init__(self, caches: list[torch.Tensor], scales: list[torch.Tensor] | None) -> None:
+        self.caches, self.scales = caches, scales
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.caches[i], (self.scales[i] if self.scales is not None else None)
+
+
+def write_kv(store: KVStore, layer: int, rows: torch.Tensor, slots: torch.Tensor) -> None:
+    cache, scale = store.layer(layer)
+    kv_write(cache, rows, slots, kv_scale=scale)
+
+
+def attend(
+    q: torch.Tensor, store: KVStore, layer: int, args: dict, sm_scale: float, kv_lora_rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Paged absorbed attention of rows ``q`` (n, h, D) → (o (n, h, L), lse (n, h))."""
+    cache, scale = store.layer(layer)
+    if args["decode"]:
+        return mla_decode(q, cache, args["block_table"], args["seq_lens"], sm_scale,
+                          kv_lora_rank, kv_scale=scale)
+    return mla_extend(q, cache, args["block_table"], args["seq_lens"], args["q_start_loc"],
+                      sm_scale, kv_lora_rank, kv_scale=scale)
+
+
+class AttentionLayout(ABC):
+    """Contract: ``forward`` computes one layer's attention output for every row of the step,
+    on every rank, using only this rank's placed heads and KV pages plus collectives."""
+
+    layout: Layout
+
+    def __init__(self, comm: Comm, store: KVStore, kv_lora_rank: int) -> None:
+        self.comm, self.store, self.kv_lora_rank = comm, store, kv_lora_rank
+
+    @abstractmethod
+    def forward(self, layer: int, attn: Any, h: torch.Tensor, meta: StepMeta) -> torch.Tensor:
+        """h (N, hidden) normalised hidden states of every row → (N, hidden)."""

@@ -1,0 +1,125 @@
+"""CP: replicated projections, each request's pages round-robin over ranks (DESIGN §2).
+
+Decode: every rank attends the (replicated) query over its local pages and returns (o, lse);
+the partials are all-gathered and merged by log-sum-exp. Prefill: the chunk's requests'
+histories are all-gathered per layer into a transient paged buffer (latent KV is small), the
+query rows are split over ranks, and the output rows are all-gathered; only owned pages stay.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from splash.kernels_triton import kv_gather, lse_merge, mla_extend
+from splash.layouts.base import AttentionLayout, StepMeta, attend, write_kv
+from splash.layouts.ownership import LAYOUTS, local_kv_len
+
+
+class CPAttention(AttentionLayout):
+    layout = LAYOUTS["cp"]
+
+    def forward(self, layer: int, attn: Any, h: torch.Tensor, meta: StepMeta) -> torch.Tensor:
+        everyone = list(range(meta.num_requests))
+        slots = meta.cached("cp.slots", lambda: meta.write_slots(self.layout, everyone))
+        write_kv(self.store, layer, attn.latent(h, meta.positions), slots)  # holder rows only
+        out = torch.zeros_like(h)
+        dec = [b for b in everyone if meta.plan.query_lens[b] == 1]
+        pre = [b for b in everyone if meta.plan.query_lens[b] > 1]
+        if dec:
+            rows = meta.cached("cp.dec_rows", lambda: meta.rows(dec))
+            q = attn.query(h[rows], meta.positions[rows])  # (n, H, D), same on every rank
+            args = meta.cached("cp.dec_args", lambda: meta.kernel_args(self.layout, dec))
+            o, lse = attend(q, self.store, layer, args, attn.sm_scale, self.kv_lora_rank)
+            o_all = self.comm.all_gather_same(o)  # (T, n, H, L)
+            lse_all = self.comm.all_gather_same(lse)  # (T, n, H)
+            o, _ = lse_merge(o_all, lse_all)
+            out[rows] = attn.output(o.to(h.dtype))
+        if pre:
+            out_rows, result = self._prefill(layer, attn, h, meta, pre)
+            out[out_rows] = result
+        return out
+
+    def _prefill(self, layer: int, attn: Any, h: torch.Tensor, meta: StepMeta, pre: list[int]):
+        world, rank, ps = self.comm.world, self.comm.rank, meta.page_size
+        cache, scale = self.store.layer(layer)
+        plan = meta.cached("cp.pre_plan", lambda: self._prefill_plan(meta, pre))
+        local, local_scale = kv_gather(cache, plan["local_slots"], kv_scale=scale)
+        rows = self.comm.all_gather_rows(local, plan["counts"])  # every held row, rank order
+        flat = torch.zeros((plan["num_pages"] * ps, cache.shape[2]), dtype=cache.dtype,
+                           device=cache.device)
+        flat[plan["dst"]] = rows[plan["src"]]
+        transient = flat.view(plan["num_pages"], ps, cache.shape[2])
+        t_scale = None
+        if local_scale is not None:
+            all_scale = self.comm.all_gather_rows(local_scale, plan["counts"])
+            t_scale = torch.zeros(plan["num_pages"] * ps, dtype=local_scale.dtype,
+                                  device=cache.device)
+            t_scale[plan["dst"]] = all_scale[plan["src"]]
+            t_scale = t_scale.view(plan["num_pages"], ps)
+        q_rows = plan["my_rows"]
+        if q_rows.numel():
+            q = attn.query(h[q_rows], meta.positions[q_rows])  # (m, H, D)
+            o, _ = mla_extend(q, transient, plan["block_table"], plan["seq_lens"],
+                              plan["q_start_loc"], attn.sm_scale, self.kv_lora_rank,
+                              kv_scale=t_scale)
+            mine = attn.output(o)
+        else:
+            mine = h.new_zeros((0, h.shape[1]))
+        gathered = self.comm.all_gather_rows(mine, plan["row_counts"])
+        del rank, world
+        return plan["all_rows"], gathered
+
+    def _prefill_plan(self, meta: StepMeta, pre: list[int]) -> dict:
+        """Where each held row lands in the transient buffer, and this rank's query share."""
+        world, rank, ps, plan = meta.world, meta.rank, meta.page_size, meta.plan
+        dev = meta.device
+        local_slots, counts, src, dst = [], [0] * world, [], []
+        base_page, page_base = 0, {}
+        for b in pre:
+            page_base[b] = base_page
+            base_page += -(-plan.context_lens[b] // ps)
+        offset = 0
+        for r in range(world):
+            for b in pre:
+                ctx = plan.context_lens[b]
+                n_local = local_kv_len(self.layout, ctx, r, plan.owners[b], world, ps)
+                for k in range(n_local):  # k-th held row of rank r: logical page r + T*(k//ps)
+                    logical = r + world * (k // ps)
+                    src.append(offset + k)
+                    dst.append((page_base[b] + logical) * ps + k % ps)
+                    if r == rank:
+                        local_slots.append(meta.tables[b][k // ps] * ps + k % ps)
+                offset += n_local
+                counts[r] += n_local
+        # query rows split over ranks in contiguous pieces; each piece keeps its request's
+        # causal view by truncating that request's KV length at the piece's last row
+        all_rows = [i for b in pre for i in range(meta.row_start[b], meta.row_start[b + 1])]
+        bounds = [len(all_rows) * r // world for r in range(world + 1)]
+        row_counts = [bounds[r + 1] - bounds[r] for r in range(world)]
+        my = range(bounds[rank], bounds[rank + 1])
+        tables, lens, q_start = [], [], [0]
+        width = max(-(-plan.context_lens[b] // ps) for b in pre)
+        seen = 0
+        for b in pre:
+            n = plan.query_lens[b]
+            lo, hi = max(bounds[rank] - seen, 0), min(bounds[rank + 1] - seen, n)
+            seen += n
+            if lo >= hi:
+                continue
+            n_pages = -(-plan.context_lens[b] // ps)
+            tables.append(list(range(page_base[b], page_base[b] + n_pages)) + [0] * (width - n_pages))
+            lens.append(plan.context_lens[b] - (n - hi))
+            q_start.append(q_start[-1] + hi - lo)
+
+        def t(x, dtype=torch.long):
+            return torch.tensor(x, dtype=dtype, device=dev)
+
+        return {
+            "local_slots": t(local_slots), "counts": counts, "src": t(src), "dst": t(dst),
+            "num_pages": base_page, "all_rows": t(all_rows),
+            "my_rows": t([all_rows[i] for i in my]), "row_counts": row_counts,
+            "block_table": t(tables or [[0]], torch.int32), "seq_lens": t(lens, torch.int32),
+            "q_start_loc": t(q_start, torch.int32),
+        }

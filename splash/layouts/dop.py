@@ -1,0 +1,54 @@
+"""DOP: head-sharded projections, owner-held KV (DESIGN §2, paper §3).
+
+Each rank computes the absorbed query of its H/T heads for every row; an uneven all-to-all
+sends each row's head slice to the row's owner, which stores the row's latent KV and attends
+with all heads over its histories; the reverse all-to-all returns each head slice of the
+latent output to its rank, which applies W_UV and its O shard; an all-reduce completes O.
+Exchange volume scales with rows, never with context. Ranks with no rows still enter both
+collectives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from splash.kernels_triton import (
+    gather_rows,
+    merge_heads_from_ranks,
+    scatter_rows,
+    split_heads_to_ranks,
+)
+from splash.layouts.base import AttentionLayout, StepMeta, attend, write_kv
+from splash.layouts.ownership import LAYOUTS
+
+
+class DOPAttention(AttentionLayout):
+    layout = LAYOUTS["dop"]
+
+    def forward(self, layer: int, attn: Any, h: torch.Tensor, meta: StepMeta) -> torch.Tensor:
+        world, rank = self.comm.world, self.comm.rank
+        owned = [meta.owned(r) for r in range(world)]
+        counts = [sum(meta.plan.query_lens[b] for b in reqs) for reqs in owned]
+        perm = meta.cached("dop.perm", lambda: meta.rows([b for reqs in owned for b in reqs]))
+        q = attn.query(h, meta.positions)  # (N, H/T, D)
+        send = gather_rows(q, perm)  # (N, H/T, D) grouped by owner
+        n_own = counts[rank]
+        recv, _ = self.comm.all_to_all_rows(send, counts, [n_own] * world)  # (T*n_own, H/T, D)
+        q_own = merge_heads_from_ranks(recv.view(world, n_own, *q.shape[1:]), world)  # (n, H, D)
+        if n_own:
+            mine = owned[rank]
+            rows = meta.cached("dop.rows", lambda: meta.rows(mine))
+            slots = meta.cached("dop.slots", lambda: meta.write_slots(self.layout, mine))
+            write_kv(self.store, layer, attn.latent(h[rows], meta.positions[rows]), slots)
+            args = meta.cached("dop.args", lambda: meta.kernel_args(self.layout, mine))
+            o_own, _ = attend(q_own, self.store, layer, args, attn.sm_scale, self.kv_lora_rank)
+        else:
+            o_own = q_own.new_zeros((0, q_own.shape[1], self.kv_lora_rank))  # (0, H, L)
+        back = split_heads_to_ranks(o_own, world)  # (T, n_own, H/T, L)
+        back = back.reshape(world * n_own, *back.shape[2:])
+        o_rows, _ = self.comm.all_to_all_rows(back, [n_own] * world, counts)  # (N, H/T, L)
+        o = torch.empty_like(o_rows)
+        scatter_rows(o, perm, o_rows)  # back to step row order
+        return self.comm.all_reduce(attn.output(o))  # (N, hidden)

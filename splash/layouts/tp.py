@@ -1,0 +1,24 @@
+"""TP: head-sharded projections, replicated latent KV (DESIGN §2)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from splash.layouts.base import AttentionLayout, StepMeta, attend, write_kv
+from splash.layouts.ownership import LAYOUTS
+
+
+class TPAttention(AttentionLayout):
+    layout = LAYOUTS["tp"]
+
+    def forward(self, layer: int, attn: Any, h: torch.Tensor, meta: StepMeta) -> torch.Tensor:
+        reqs = list(range(meta.num_requests))
+        q = attn.query(h, meta.positions)  # (N, H/T, D)
+        kv = attn.latent(h, meta.positions)  # (N, D): every rank stores every row
+        slots = meta.cached("tp.slots", lambda: meta.write_slots(self.layout, reqs))
+        write_kv(self.store, layer, kv, slots)
+        args = meta.cached("tp.args", lambda: meta.kernel_args(self.layout, reqs))
+        o, _ = attend(q, self.store, layer, args, attn.sm_scale, self.kv_lora_rank)
+        return self.comm.all_reduce(attn.output(o))  # (N, hidden)

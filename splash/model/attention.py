@@ -1,0 +1,145 @@
+"""Absorbed Multi-head Latent Attention projections for a held range of heads.
+
+State is split in two (docs/internals.md §3):
+- **common** (every rank, never moved): q_a_proj + q_a_layernorm (or nothing when q_proj is
+  used), kv_a_proj_with_mqa, kv_a_layernorm;
+- **placed** (a head range, moved by layout switches), four head-first tensors:
+  `q_b (h, nope+R, q_in)`, `w_uk (h, nope, L)`, `w_uv (h, v, L)`, `w_o (h, v, hidden)`.
+
+Attention itself (softmax over the latent KV history) is not here: layouts run it on what
+`latent` and `query` return and hand the latent output back to `output`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from splash.errors import ConfigError
+from splash.model.config import ModelConfig
+from splash.model.loader import take
+from splash.model.norm import LATENT_NORM_EPS, rms_norm
+from splash.model.rope import RotaryEmbedding
+
+PLACED_NAMES = ("q_b", "w_uk", "w_uv", "w_o")
+
+
+class MLAAttention:
+    """MLA projections of one layer for heads [head_start, head_start + num_heads).
+
+    Contract (N rows, all on this rank):
+    - `latent(x (N, hidden), positions (N,)) -> (N, L+R)`: normalised c_kv ‖ roped k_rope,
+      the KV row to store; independent of the held heads.
+    - `query(x, positions) -> (N, h, L+R)`: absorbed query q_nope·W_UK ‖ roped q_rope.
+    - `output(o_latent (N, h, L)) -> (N, hidden)`: this head range's share of o_proj's output;
+      summing over disjoint head ranges covering all heads gives the full attention output.
+    - `sm_scale`: softmax scale including the YaRN mscale.
+    """
+
+    def __init__(self, cfg: ModelConfig, common: Mapping[str, torch.Tensor], head_start: int,
+                 placed: Mapping[str, torch.Tensor], rope: RotaryEmbedding) -> None:
+        self.cfg, self.rope = cfg, rope
+        self.q_a_proj = common.get("q_a_proj")  # (q_lora, hidden) or None
+        self.q_a_layernorm = common.get("q_a_layernorm")  # (q_lora,) or None
+        self.kv_a_proj = common["kv_a_proj_with_mqa"]  # (L+R, hidden)
+        self.kv_a_layernorm = common["kv_a_layernorm"]  # (L,)
+        if (self.q_a_proj is None) != (cfg.q_lora_rank is None):
+            raise ConfigError("q_a_proj must be given exactly when q_lora_rank is set")
+        self.set_placed(head_start, placed)
+
+    @classmethod
+    def from_weights(cls, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], layer_idx: int,
+                     head_start: int = 0, num_heads: int | None = None,
+                     rope: RotaryEmbedding | None = None, prefix: str | None = None,
+                     dtype: torch.dtype | None = None,
+                     device: torch.device | str | None = None) -> MLAAttention:
+        """Slice HF weights of one layer (names under `prefix`, default
+        `model.layers.{layer_idx}.self_attn.`) to heads [head_start, head_start + num_heads)."""
+        H = cfg.num_attention_heads
+        h = H - head_start if num_heads is None else num_heads
+        if not (0 <= head_start and h > 0 and head_start + h <= H):
+            raise ConfigError(f"head range [{head_start}, {head_start + h}) outside [0, {H})")
+        p = f"model.layers.{layer_idx}.self_attn." if prefix is None else prefix
+        nope, R, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        L, hs, he = cfg.kv_lora_rank, head_start, head_start + h
+
+        def prep(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=device, dtype=dtype or t.dtype).contiguous()
+
+        def get(name: str, dim: int | None = None, a: int = 0, b: int | None = None) -> torch.Tensor:
+            return prep(take(weights, p + name, dim, a, b))
+
+        common = {"kv_a_proj_with_mqa": get("kv_a_proj_with_mqa.weight"),
+                  "kv_a_layernorm": get("kv_a_layernorm.weight")}
+        if cfg.q_lora_rank is not None:
+            common["q_a_proj"] = get("q_a_proj.weight")
+            common["q_a_layernorm"] = get("q_a_layernorm.weight")
+            q_b = get("q_b_proj.weight", 0, hs * (nope + R), he * (nope + R))
+        else:
+            q_b = get("q_proj.weight", 0, hs * (nope + R), he * (nope + R))
+        kv_b = get("kv_b_proj.weight", 0, hs * (nope + v), he * (nope + v)).view(h, nope + v, L)
+        w_o = get("o_proj.weight", 1, hs * v, he * v)  # (hidden, h*v)
+        placed = {
+            "q_b": q_b.view(h, nope + R, cfg.q_in_dim),
+            "w_uk": kv_b[:, :nope].contiguous(),  # (h, nope, L)
+            "w_uv": kv_b[:, nope:].contiguous(),  # (h, v, L)
+            "w_o": w_o.t().reshape(h, v, cfg.hidden_size).contiguous(),  # (h, v, hidden)
+        }
+        return cls(cfg, common, head_start, placed, rope or RotaryEmbedding(cfg, device))
+
+    # --- placement -----------------------------------------------------------------------
+    def placed_weights(self) -> dict[str, torch.Tensor]:
+        """The four head-first tensors this instance holds (no copies)."""
+        return {"q_b": self.q_b, "w_uk": self.w_uk, "w_uv": self.w_uv, "w_o": self.w_o}
+
+    def set_placed(self, head_start: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Hold heads [head_start, head_start + h) given their four placed tensors."""
+        cfg = self.cfg
+        h = tensors["q_b"].shape[0]
+        want = {"q_b": (h, cfg.qk_head_dim, cfg.q_in_dim),
+                "w_uk": (h, cfg.qk_nope_head_dim, cfg.kv_lora_rank),
+                "w_uv": (h, cfg.v_head_dim, cfg.kv_lora_rank),
+                "w_o": (h, cfg.v_head_dim, cfg.hidden_size)}
+        for name, shape in want.items():
+            if tuple(tensors[name].shape) != shape:
+                raise ConfigError(f"placed {name} has shape {tuple(tensors[name].shape)}, "
+                                  f"expected {shape}")
+        if not (0 <= head_start and h > 0 and head_start + h <= cfg.num_attention_heads):
+            raise ConfigError(f"head range [{head_start}, {head_start + h}) outside "
+                              f"[0, {cfg.num_attention_heads})")
+        self.head_start, self.num_heads = head_start, h
+        self.q_b, self.w_uk = tensors["q_b"], tensors["w_uk"]
+        self.w_uv, self.w_o = tensors["w_uv"], tensors["w_o"]
+
+    @property
+    def sm_scale(self) -> float:
+        return self.cfg.sm_scale
+
+    # --- compute -------------------------------------------------------------------------
+    def q_input(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) -> (N, q_in): normalised q_a latent, or x itself under q_proj."""
+        if self.q_a_proj is None:
+            return x
+        return rms_norm(x @ self.q_a_proj.t(), self.q_a_layernorm, LATENT_NORM_EPS)
+
+    def latent(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        L = self.cfg.kv_lora_rank
+        kv = x @ self.kv_a_proj.t()  # (N, L+R)
+        c_kv = rms_norm(kv[:, :L], self.kv_a_layernorm, LATENT_NORM_EPS)
+        return torch.cat((c_kv, self.rope(kv[:, L:], positions)), dim=-1)  # (N, L+R)
+
+    def query(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        nope, h, n = self.cfg.qk_nope_head_dim, self.num_heads, x.shape[0]
+        q = self.q_input(x) @ self.q_b.reshape(h * self.cfg.qk_head_dim, -1).t()
+        q = q.view(n, h, self.cfg.qk_head_dim)  # (N, h, nope+R)
+        q_nope = torch.bmm(q[..., :nope].transpose(0, 1), self.w_uk)  # (h, N, L)
+        q_rope = self.rope(q[..., nope:], positions)  # (N, h, R)
+        return torch.cat((q_nope.transpose(0, 1), q_rope), dim=-1)  # (N, h, L+R)
+
+    def output(self, o_latent: torch.Tensor) -> torch.Tensor:
+        h, v = self.num_heads, self.cfg.v_head_dim
+        o_latent = o_latent.to(self.w_uv.dtype)
+        o = torch.bmm(o_latent.transpose(0, 1), self.w_uv.transpose(1, 2))  # (h, N, v)
+        o = o.transpose(0, 1).reshape(-1, h * v)  # (N, h*v)
+        return o @ self.w_o.reshape(h * v, self.cfg.hidden_size)  # (N, hidden)

@@ -1,0 +1,144 @@
+"""Tensor-parallel SwiGLU MLP and DeepSeek MoE (routed + shared experts).
+
+Every rank holds a contiguous slice of the intermediate dimension of the dense MLP, of each
+routed expert and of the shared experts (`shard_range`; uneven sizes allowed). `forward`
+returns a partial (N, hidden) sum; summing the partials of all ranks (the caller's
+all-reduce) gives the full output. The router runs replicated, in fp32, on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from splash.model.config import ModelConfig
+from splash.model.loader import take
+
+
+def shard_range(n: int, rank: int, world: int) -> tuple[int, int]:
+    """[start, end) of rank's contiguous share of n items (sizes differ by at most one)."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} outside world of {world}")
+    base, rem = divmod(n, world)
+    start = rank * base + min(rank, rem)
+    return start, start + base + (1 if rank < rem else 0)
+
+
+def _prep(t: torch.Tensor, dtype: torch.dtype | None, device: torch.device | str | None) -> torch.Tensor:
+    return t.to(device=device, dtype=dtype or t.dtype).contiguous()
+
+
+class DenseMLP:
+    """down(silu(gate(x)) * up(x)) over this rank's intermediate slice; returns a partial sum."""
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+        self.size = gate.shape[0]
+        self.gate_up = torch.cat((gate, up), dim=0)  # (2i, hidden)
+        self.down = down  # (hidden, i)
+
+    @classmethod
+    def from_weights(cls, weights: Mapping[str, torch.Tensor], prefix: str, intermediate: int,
+                     rank: int = 0, world: int = 1, dtype: torch.dtype | None = None,
+                     device: torch.device | str | None = None) -> DenseMLP:
+        s, e = shard_range(intermediate, rank, world)
+        return cls(_prep(take(weights, prefix + "gate_proj.weight", 0, s, e), dtype, device),
+                   _prep(take(weights, prefix + "up_proj.weight", 0, s, e), dtype, device),
+                   _prep(take(weights, prefix + "down_proj.weight", 1, s, e), dtype, device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gu = x @ self.gate_up.t()  # (N, 2i)
+        return (F.silu(gu[:, :self.size]) * gu[:, self.size:]) @ self.down.t()  # (N, hidden)
+
+    __call__ = forward
+
+
+def select_experts(logits: torch.Tensor, cfg: ModelConfig,
+                   bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits (N, E) fp32 -> (weights (N, k) fp32, expert ids (N, k) int64).
+
+    deepseek_v2: softmax scores; greedy, or group-limited with group score = max (masked to 0).
+    noaux_tc (v3 family): sigmoid scores; choice = score + correction bias; groups scored by
+    the sum of their top-2 choices (masked to -inf); weights are the unbiased scores.
+    """
+    scores = logits.softmax(-1) if cfg.scoring_func == "softmax" else logits.sigmoid()
+    choice = scores if bias is None else scores + bias
+    n, num_experts = logits.shape
+    groups = cfg.n_group
+    if cfg.topk_method != "greedy" and groups > 1:
+        grouped = choice.view(n, groups, num_experts // groups)  # (N, G, E/G)
+        if cfg.topk_method == "noaux_tc":
+            group_score = grouped.topk(2, dim=-1).values.sum(-1)
+        else:
+            group_score = grouped.max(dim=-1).values
+        keep = torch.zeros_like(group_score, dtype=torch.bool)
+        keep.scatter_(1, group_score.topk(cfg.topk_group, dim=-1).indices, True)
+        keep = keep.repeat_interleave(num_experts // groups, dim=1)  # (N, E)
+        choice = choice.masked_fill(~keep, float("-inf") if cfg.topk_method == "noaux_tc" else 0.0)
+    ids = choice.topk(cfg.num_experts_per_tok, dim=-1).indices
+    weights = (scores if cfg.topk_method == "noaux_tc" else choice).gather(1, ids)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor, ids
+
+
+class MoE:
+    """Routed experts (this rank's intermediate slice of each) plus optional shared experts."""
+
+    def __init__(self, cfg: ModelConfig, router: torch.Tensor, bias: torch.Tensor | None,
+                 w13: torch.Tensor, w2: torch.Tensor, shared: DenseMLP | None) -> None:
+        self.cfg = cfg
+        self.router = router.float()  # (E, hidden)
+        self.bias = None if bias is None else bias.float()  # (E,)
+        self.w13 = w13  # (E, 2i, hidden): gate rows then up rows
+        self.w2 = w2  # (E, hidden, i)
+        self.size = w2.shape[2]
+        self.shared = shared
+
+    @classmethod
+    def from_weights(cls, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], prefix: str,
+                     rank: int = 0, world: int = 1, dtype: torch.dtype | None = None,
+                     device: torch.device | str | None = None) -> MoE:
+        """Build from HF names under `prefix` (e.g. `model.layers.3.mlp.`): per-expert
+        `experts.{e}.{gate,up,down}_proj.weight` or fused `experts.gate_up_proj` / `down_proj`."""
+        size = cfg.moe_intermediate_size
+        s, e = shard_range(size, rank, world)
+        if prefix + "experts.gate_up_proj" in weights:
+            gu = take(weights, prefix + "experts.gate_up_proj")  # (E, 2I, hidden)
+            w13 = torch.cat((gu[:, s:e], gu[:, size + s:size + e]), dim=1)
+            w2 = take(weights, prefix + "experts.down_proj")[:, :, s:e]  # (E, hidden, i)
+        else:
+            def one(x: int, proj: str, dim: int) -> torch.Tensor:
+                return take(weights, f"{prefix}experts.{x}.{proj}_proj.weight", dim, s, e)
+
+            w13 = torch.stack([torch.cat((one(x, "gate", 0), one(x, "up", 0)), dim=0)
+                               for x in range(cfg.n_routed_experts)])
+            w2 = torch.stack([one(x, "down", 1) for x in range(cfg.n_routed_experts)])
+        bias = None
+        if cfg.topk_method == "noaux_tc":
+            bias = take(weights, prefix + "gate.e_score_correction_bias").to(device)
+        shared = None
+        if cfg.n_shared_experts:
+            shared = DenseMLP.from_weights(weights, prefix + "shared_experts.",
+                                           size * cfg.n_shared_experts, rank, world, dtype, device)
+        router = take(weights, prefix + "gate.weight").to(device)
+        return cls(cfg, router, bias, _prep(w13, dtype, device), _prep(w2, dtype, device), shared)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (N, hidden) -> (weights (N, k) fp32, ids (N, k)); identical on every rank."""
+        return select_experts(x.float() @ self.router.t(), self.cfg, self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        out = torch.zeros_like(x)
+        for expert in torch.unique(ids).tolist():
+            rows, slot = (ids == expert).nonzero(as_tuple=True)
+            gu = x[rows] @ self.w13[expert].t()  # (n_e, 2i)
+            y = (F.silu(gu[:, :self.size]) * gu[:, self.size:]) @ self.w2[expert].t()
+            out.index_add_(0, rows, (y.float() * weights[rows, slot, None]).to(out.dtype))
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out
+
+    __call__ = forward

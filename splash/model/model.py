@@ -1,0 +1,153 @@
+"""MLAModel: embeddings, decoder layers, final norm and lm_head, with attention injected.
+
+Each layer is `h += attn_fn(i, attn, norm(h))` then `h += all_reduce(mlp(norm(h)))`. The
+caller's `attn_fn` runs attention in its layout (paged TP / DP / CP / DOP) on the layer's
+`MLAAttention` and returns the complete attention output for every row; `all_reduce` sums
+the tensor-parallel MLP partials over ranks. `DenseReferenceAttention` is a plain-torch,
+non-paged `attn_fn` for tests and references.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from splash.errors import ConfigError
+from splash.model.attention import MLAAttention
+from splash.model.config import ModelConfig
+from splash.model.loader import from_pretrained_dir, take
+from splash.model.mlp import DenseMLP, MoE
+from splash.model.norm import rms_norm
+from splash.model.rope import RotaryEmbedding
+
+AttnFn = Callable[[int, MLAAttention, torch.Tensor], torch.Tensor]
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class DecoderLayer:
+    input_layernorm: torch.Tensor  # (hidden,)
+    self_attn: MLAAttention
+    post_attention_layernorm: torch.Tensor  # (hidden,)
+    mlp: DenseMLP | MoE
+
+
+class MLAModel:
+    """One rank's share of an MLA model: replicated embeddings, norms and lm_head; attention
+    heads [head_start, head_start + num_heads) of every layer; slice `rank` of `world` of the
+    MLP/MoE intermediate dims.
+
+    `forward(input_ids (N,), positions (N,), attn_fn, all_reduce) -> (N, hidden)` final-normed
+    hidden states; `attn_fn(layer_idx, attn, h_normed (N, hidden)) -> (N, hidden)` must return
+    the full attention output (it knows the step's positions and histories);
+    `compute_logits(rows (n, hidden)) -> (n, vocab)` fp32.
+    """
+
+    def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], rank: int = 0,
+                 world: int = 1, head_start: int = 0, num_heads: int | None = None,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+        if not 0 <= rank < world:
+            raise ConfigError(f"rank {rank} outside world of {world}")
+        self.cfg, self.rank, self.world = cfg, rank, world
+
+        def get(name: str) -> torch.Tensor:
+            return take(weights, name).to(device=device, dtype=dtype).contiguous()
+
+        self.embed_tokens = get("model.embed_tokens.weight")  # (V, hidden)
+        if "lm_head.weight" in weights or not cfg.tie_word_embeddings:
+            self.lm_head = get("lm_head.weight")  # (V, hidden)
+        else:
+            self.lm_head = self.embed_tokens
+        self.norm = get("model.norm.weight")
+        self.rope = RotaryEmbedding(cfg, device)
+        self.layers: list[DecoderLayer] = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            attn = MLAAttention.from_weights(cfg, weights, i, head_start, num_heads, self.rope,
+                                             dtype=dtype, device=device)
+            mlp: DenseMLP | MoE
+            if cfg.is_moe_layer(i):
+                mlp = MoE.from_weights(cfg, weights, p + "mlp.", rank, world, dtype, device)
+            else:
+                mlp = DenseMLP.from_weights(weights, p + "mlp.", cfg.intermediate_size, rank,
+                                            world, dtype, device)
+            self.layers.append(DecoderLayer(get(p + "input_layernorm.weight"), attn,
+                                            get(p + "post_attention_layernorm.weight"), mlp))
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, rank: int = 0, world: int = 1,
+                        head_start: int = 0, num_heads: int | None = None,
+                        dtype: torch.dtype | str | None = None,
+                        device: torch.device | str | None = None) -> MLAModel:
+        """Load a checkpoint directory, reading only this rank's slices from disk."""
+        cfg, weights = from_pretrained_dir(path, dtype=dtype, device="cpu")
+        return cls(cfg, weights, rank, world, head_start, num_heads, weights.dtype, device)
+
+    @property
+    def attn_layers(self) -> list[MLAAttention]:
+        return [layer.self_attn for layer in self.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_fn: AttnFn,
+                all_reduce: AllReduce | None = None) -> torch.Tensor:
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(f"input_ids and positions must both be (N,), got "
+                             f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
+        eps = self.cfg.rms_norm_eps
+        h = self.embed_tokens[input_ids]  # (N, hidden)
+        for i, layer in enumerate(self.layers):
+            h = h + attn_fn(i, layer.self_attn, rms_norm(h, layer.input_layernorm, eps))
+            partial = layer.mlp(rms_norm(h, layer.post_attention_layernorm, eps))
+            h = h + (partial if all_reduce is None else all_reduce(partial))
+        return rms_norm(h, self.norm, eps)
+
+    __call__ = forward
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (n, hidden) final-normed rows -> (n, vocab) fp32 logits."""
+        return (hidden.to(self.lm_head.dtype) @ self.lm_head.t()).float()
+
+
+class DenseReferenceAttention:
+    """Reference `attn_fn`: exact causal softmax over each sequence's latent history, kept in
+    plain per-(layer, sequence) tensors. Call `set_step(seq_ids, positions)` before each
+    forward; a sequence's rows must continue its history (positions len(history), +1, ...).
+    Returns this rank's partial for the held heads (all heads: the full output).
+    """
+
+    def __init__(self) -> None:
+        self.history: dict[tuple[int, int], torch.Tensor] = {}  # (layer, seq) -> (T, L+R)
+        self.seq_ids: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
+
+    def set_step(self, seq_ids: Sequence[int] | torch.Tensor, positions: torch.Tensor) -> None:
+        self.seq_ids = torch.as_tensor(seq_ids, device=positions.device)
+        self.positions = positions
+
+    def forget(self, seq_id: int) -> None:
+        for key in [k for k in self.history if k[1] == seq_id]:
+            del self.history[key]
+
+    def __call__(self, layer_idx: int, attn: MLAAttention, x: torch.Tensor) -> torch.Tensor:
+        assert self.seq_ids is not None and self.positions is not None, "call set_step first"
+        L = attn.cfg.kv_lora_rank
+        latent = attn.latent(x, self.positions)  # (N, D)
+        query = attn.query(x, self.positions)  # (N, h, D)
+        out = torch.empty(x.shape[0], attn.cfg.hidden_size, dtype=x.dtype, device=x.device)
+        for seq in dict.fromkeys(self.seq_ids.tolist()):
+            rows = (self.seq_ids == seq).nonzero(as_tuple=True)[0]
+            pos = self.positions[rows]
+            past = self.history.get((layer_idx, seq), latent[:0])
+            if pos.tolist() != list(range(past.shape[0], past.shape[0] + rows.numel())):
+                raise ValueError(f"sequence {seq}: positions {pos.tolist()} do not continue a "
+                                 f"history of {past.shape[0]} tokens")
+            kv = torch.cat((past, latent[rows]))  # (T, D)
+            self.history[(layer_idx, seq)] = kv
+            scores = torch.einsum("nhd,td->nht", query[rows].float(), kv.float()) * attn.sm_scale
+            future = torch.arange(kv.shape[0], device=x.device)[None, :] > pos[:, None]  # (n, T)
+            scores = scores.masked_fill(future[:, None, :], float("-inf"))
+            o = torch.einsum("nht,tl->nhl", scores.softmax(-1), kv[:, :L].float())  # (n, h, L)
+            out[rows] = attn.output(o.to(x.dtype)).to(x.dtype)
+        return out

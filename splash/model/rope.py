@@ -1,0 +1,69 @@
+"""Rotary embedding of the `qk_rope_head_dim` slice, plain or YaRN, interleaved or half split.
+
+Frequencies follow HF `_compute_yarn_parameters` exactly (fp32, truncated correction range);
+cos/sin carry the YaRN attention factor, so both q_rope and k_rope are scaled by it.
+Interleaved RoPE rotates adjacent pairs (x0, x1), (x2, x3), ... and keeps that layout;
+HF's deepseek_v3 de-interleaves the output instead, which permutes q and k alike and leaves
+every q·k unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from splash.model.config import ModelConfig, RopeScaling
+
+
+def inv_frequencies(dim: int, theta: float, scaling: RopeScaling | None) -> tuple[torch.Tensor, float]:
+    """Return (inv_freq (dim/2,) fp32, cos/sin scale) for plain RoPE or YaRN."""
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+    inv_extra = 1.0 / pos_freqs
+    if scaling is None:
+        return inv_extra, 1.0
+    inv_inter = 1.0 / (scaling.factor * pos_freqs)
+    orig = scaling.original_max_position_embeddings
+
+    def correction_dim(num_rot: float) -> float:
+        return dim * math.log(orig / (num_rot * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extra_weight = 1 - ramp  # 1: keep original frequency (high-frequency dims)
+    return inv_inter * (1 - extra_weight) + inv_extra * extra_weight, scaling.cos_sin_scale
+
+
+class RotaryEmbedding:
+    """Applies RoPE to (N, ..., R) tensors given (N,) integer positions."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None) -> None:
+        self.dim = cfg.qk_rope_head_dim
+        self.interleave = cfg.rope_interleave
+        inv_freq, self.scale = inv_frequencies(self.dim, cfg.rope_theta, cfg.rope_scaling)
+        self.inv_freq = inv_freq.to(device)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (N,) -> cos, sin (N, R/2) fp32, YaRN-scaled."""
+        inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * inv_freq[None, :]  # (N, R/2)
+        return freqs.cos() * self.scale, freqs.sin() * self.scale
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x (N, ..., R) -> rotated, same shape and dtype."""
+        cos, sin = self.cos_sin(positions)
+        shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
+        cos, sin = cos.view(shape), sin.view(shape)  # broadcast over heads
+        xf = x.float()
+        if self.interleave:
+            x1, x2 = xf[..., 0::2], xf[..., 1::2]
+            out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (..., R/2, 2)
+            return out.flatten(-2).to(x.dtype)
+        half = self.dim // 2
+        x1, x2 = xf[..., :half], xf[..., half:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

@@ -1,0 +1,348 @@
+"""Per-step cost of each attention layout (DESIGN §4, paper Appendix B).
+
+A stage costs max(FLOPs / peak, bytes / HBM bandwidth) on a rank (roofline); every collective is
+a barrier, so each stage costs its slowest rank and dependent stages add up. Collectives pay
+`collective_latency_us` each plus bytes / link bandwidth; a fraction `overlap_fraction` of the
+bandwidth time can hide behind attention. MLP/MoE (tensor-parallel over all T ranks in every
+layout) and the LM head are included so that layout ratios are realistic.
+
+Absorbed MLA: a query row costs 2·h·(D + L) FLOPs per attended KV token (D = L + R); KV bytes read
+grow with context. DSA models (`index_topk`) attend at most `index_topk` tokens per row and pay a
+lightning indexer over the whole history (2·index_heads·index_dim FLOPs per token, fp8 keys).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from splash.backends.profiles import HardwareProfile
+from splash.layouts.memory import MemoryModel, dtype_bytes
+from splash.layouts.ownership import KVPlacement, Layout, get_layout
+from splash.scheduler.feasibility import ACT_BYTES, assign_owners, held_tokens
+
+LSE_BYTES = 4
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """One step's work. ``decode_ctx``: per decode row, the KV tokens it attends (its context
+    including the new token). ``prefill``: per prefill chunk, (chunk_len, prefix_len). ``owners``:
+    optional owner rank per request (decode rows first, then chunks); None = greedy by tokens."""
+
+    decode_ctx: tuple[int, ...] = ()
+    prefill: tuple[tuple[int, int], ...] = ()
+    owners: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "decode_ctx", tuple(int(c) for c in self.decode_ctx))
+        object.__setattr__(self, "prefill", tuple((int(n), int(p)) for n, p in self.prefill))
+        if any(c < 1 for c in self.decode_ctx):
+            raise ValueError("decode contexts must be >= 1")
+        if any(n < 1 or p < 0 for n, p in self.prefill):
+            raise ValueError("prefill chunks need chunk_len >= 1 and prefix_len >= 0")
+        if self.owners is not None:
+            object.__setattr__(self, "owners", tuple(int(o) for o in self.owners))
+            if len(self.owners) != self.num_requests or min(self.owners, default=0) < 0:
+                raise ValueError("owners needs one rank >= 0 per request")
+
+    @classmethod
+    def decode(cls, batch: int, context_len: int) -> BatchShape:
+        return cls(decode_ctx=(context_len,) * batch)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.decode_ctx) + len(self.prefill)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.decode_ctx) + sum(n for n, _ in self.prefill)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, prefix) per request as int64 arrays."""
+        rows = np.array([1] * len(self.decode_ctx) + [n for n, _ in self.prefill], dtype=np.int64)
+        prefix = np.array([c - 1 for c in self.decode_ctx] + [p for _, p in self.prefill],
+                          dtype=np.int64)
+        return rows, prefix
+
+    def tokens_after(self) -> np.ndarray:
+        """KV tokens each request holds once this step has written its rows."""
+        rows, prefix = self.arrays()
+        return rows + prefix
+
+
+@dataclass(frozen=True)
+class SwitchCost:
+    """Predicted cost of one live switch at a step boundary (bytes: the busiest rank)."""
+
+    src: str
+    dst: str
+    primitives: tuple[str, ...]  # e.g. ("weight all-gather", "kv all-to-all"); () = discards
+    weight_bytes_per_rank_per_layer: int
+    kv_bytes_per_rank_per_layer: int
+    transfer_ms_per_layer: float
+    live_ms: float  # layer-pipelined: only what compute cannot hide, plus the first layer
+    blocking_ms: float  # move everything, then compute
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Predicted step time of each layout for one model on ``world`` ranks of ``profile``."""
+
+    cfg: Any  # ModelConfig (HF field names)
+    world: int
+    profile: HardwareProfile
+    weight_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+    page_size: int = 64
+    sparse_attention: bool | None = None  # DSA top-k + indexer; None: when cfg has index_topk
+    memory: MemoryModel = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.world < 1:
+            raise ValueError("world must be >= 1")
+        object.__setattr__(self, "memory", MemoryModel(
+            self.cfg, self.world, self.weight_dtype, self.kv_dtype, self.page_size))
+        c = self.cfg
+        wb = dtype_bytes(self.weight_dtype)
+        q_in = c.q_lora_rank or c.hidden_size
+        topk = getattr(c, "index_topk", None) or 0
+        if self.sparse_attention is False:
+            topk = 0
+        idx_heads = (getattr(c, "index_n_heads", 0) or 0) if topk else 0
+        idx_dim = (getattr(c, "index_head_dim", 0) or 0) if topk else 0
+        common = c.hidden_size * (c.kv_lora_rank + c.qk_rope_head_dim)  # kv_a
+        common += c.hidden_size * c.q_lora_rank if c.q_lora_rank else 0  # q_a
+        common += q_in * idx_heads * idx_dim + c.hidden_size * (idx_dim + idx_heads)  # indexer
+        num_moe = sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
+        fp8_ok = wb == 1 and self.profile.peak_fp8_tflops > 0
+        object.__setattr__(self, "_k", {
+            "wb": wb,
+            "gemm_tflops": self.profile.peak_fp8_tflops if fp8_ok else self.profile.peak_bf16_tflops,
+            "topk": topk,
+            "idx_flops_per_pair": 2 * idx_heads * idx_dim,
+            "idx_bytes_per_token": idx_dim + 4 if idx_dim else 0,  # fp8 key + fp32 scale
+            "common_params": common,
+            "q_params_per_head": q_in * (c.qk_nope_head_dim + c.qk_rope_head_dim)
+            + c.qk_nope_head_dim * c.kv_lora_rank,  # q_b + W_UK (absorption)
+            "o_params_per_head": c.v_head_dim * (c.kv_lora_rank + c.hidden_size),  # W_UV + O
+            "num_moe_layers": num_moe,
+            "num_dense_layers": c.num_hidden_layers - num_moe,
+        })
+
+    @property
+    def kv_bytes_per_token_per_layer(self) -> int:
+        """Bytes one token's KV occupies and moves per layer (latent + DSA indexer key)."""
+        return self.memory.kv_bytes_per_token_per_layer + self._k["idx_bytes_per_token"]
+
+    # -- public ----------------------------------------------------------------------------
+    def step_time_ms(self, layout: str | Layout, batch: BatchShape) -> float:
+        """Predicted wall time of one engine step of ``batch`` under ``layout``."""
+        return self.breakdown(layout, batch)["total"]
+
+    def breakdown(self, layout: str | Layout, batch: BatchShape) -> dict[str, float]:
+        """Stage times (ms, summed over layers), collective count and busiest-rank comm bytes."""
+        lay = get_layout(layout) if isinstance(layout, str) else layout
+        if batch.num_rows == 0:
+            return {"total": 0.0}
+        rows, prefix = batch.arrays()
+        owners = self._owners(batch, rows + prefix)
+        st = self._attention_layer(lay, rows, prefix, owners)
+        n = int(rows.sum())
+        mlp = self._mlp_ms(n)
+        mlp_ar = self._allreduce(n * self.cfg.hidden_size * ACT_BYTES)
+        layers = self.cfg.num_hidden_layers
+        comm_ms = (st["comm_ms"] + mlp_ar[0]) * layers
+        count = (st["count"] + mlp_ar[2]) * layers
+        hidden = self.profile.overlap_fraction * min(st["comm_ms"], st["attention"]) * layers
+        out = {
+            "common_proj": st["common"] * layers,
+            "proj": (st["proj_in"] + st["proj_out"]) * layers,
+            "attention": st["attention"] * layers,
+            "mlp": mlp,
+            "comm": comm_ms,
+            "latency": count * self._latency_ms(),
+            "hidden": -hidden,
+            "lm_head": self._lm_head_ms(len(batch.decode_ctx) + len(batch.prefill)),
+        }
+        out["total"] = sum(out.values())
+        out["collectives"] = float(count)
+        out["comm_bytes_per_rank"] = float((st["comm_bytes"] + mlp_ar[1]) * layers)
+        return out
+
+    def switch_cost(self, src: str, dst: str, batch: BatchShape) -> SwitchCost:
+        """Bytes each rank receives per layer (DESIGN §1 switch table) and the switch's time."""
+        s, d = get_layout(src), get_layout(dst)
+        T, layers = self.world, self.cfg.num_hidden_layers
+        tokens = batch.tokens_after() - 1 if batch.num_requests else np.zeros(0, np.int64)
+        tokens = np.maximum(tokens, 0)
+        prims: list[str] = []
+        w_bytes = 0
+        if s.shards_heads and not d.shards_heads and T > 1:
+            w_bytes = self.memory.weight_allgather_bytes_per_rank_per_layer
+            prims.append("weight all-gather")
+        owners = self._owners(batch, tokens)
+        ps = self.page_size
+        held_src = held_tokens(s, tokens, owners, T, ps, whole_pages=False)
+        held_dst = held_tokens(d, tokens, owners, T, ps, whole_pages=False)
+        kv_tokens = 0
+        if s.kv != d.kv and T > 1:
+            if d.kv is KVPlacement.REPLICATED:
+                kv_tokens = int((held_dst - held_src).max())  # each rank gathers what it lacks
+                prims.append("kv all-gather")
+            elif s.kv is not KVPlacement.REPLICATED:  # CP <-> owned: (T-1)/T moves
+                recv = held_dst * (T - 1) // T
+                send = held_src * (T - 1) // T
+                kv_tokens = int(np.maximum(recv, send).max())
+                prims.append("kv all-to-all")
+        kv_bytes = kv_tokens * self.kv_bytes_per_token_per_layer
+        per_layer = (w_bytes + kv_bytes) / (self.profile.link_gbps * 1e9) * 1e3
+        per_layer += len(prims) * self._latency_ms()
+        compute = self.step_time_ms(d, batch) / layers if batch.num_rows else 0.0
+        live = (layers - 1) * max(0.0, per_layer - compute) + per_layer if prims else 0.0
+        return SwitchCost(src, dst, tuple(prims), w_bytes, kv_bytes, per_layer, live,
+                          per_layer * layers)
+
+    def switch_cost_ms(self, src: str, dst: str, batch: BatchShape) -> float:
+        """Live (layer-pipelined) switch overhead in ms; 0 for pure discards."""
+        return 0.0 if src == dst else self.switch_cost(src, dst, batch).live_ms
+
+    # -- pieces ----------------------------------------------------------------------------
+    def _owners(self, batch: BatchShape, tokens: np.ndarray) -> np.ndarray:
+        if batch.owners is not None:
+            return np.minimum(np.asarray(batch.owners, dtype=np.int64), self.world - 1)
+        return assign_owners(tokens, self.world)
+
+    def _roof(self, flops: Any, nbytes: Any, tflops: float) -> Any:
+        return np.maximum(np.asarray(flops) / (tflops * 1e9),
+                          np.asarray(nbytes) / (self.profile.hbm_gbps * 1e6))
+
+    def _latency_ms(self) -> float:
+        return self.profile.collective_latency_us / 1e3 if self.world > 1 else 0.0
+
+    def _link_ms(self, nbytes: float) -> float:
+        return nbytes / (self.profile.link_gbps * 1e6)
+
+    def _allreduce(self, nbytes: int) -> tuple[float, float, int]:
+        """(bandwidth ms, bytes per rank, collective count) of a ring all-reduce."""
+        if self.world == 1:
+            return 0.0, 0.0, 0
+        moved = 2 * (self.world - 1) / self.world * nbytes
+        return self._link_ms(moved), moved, 1
+
+    def _pairs(self, rows: np.ndarray, prefix: np.ndarray, sparse: bool) -> np.ndarray:
+        """Attended (query row, KV token) pairs per request; causal within a chunk."""
+        dense = rows * prefix + rows * (rows + 1) // 2
+        k = self._k["topk"]
+        if not sparse or not k:
+            return dense
+        # rows j = 1..n attend min(prefix + j, k) tokens
+        m = np.clip(k - prefix, 0, rows)  # rows still below the top-k limit
+        below = m * prefix + m * (m + 1) // 2
+        return below + (rows - m) * k
+
+    def _kv_read(self, rows: np.ndarray, prefix: np.ndarray) -> np.ndarray:
+        """KV tokens a request's attention reads once (top-k gathers for DSA)."""
+        hist = rows + prefix
+        k = self._k["topk"]
+        return np.minimum(hist, rows * k) if k else hist
+
+    def _attention_layer(self, lay: Layout, rows: np.ndarray, prefix: np.ndarray,
+                         owners: np.ndarray) -> dict[str, float]:
+        """One layer's attention block on the busiest rank of each stage."""
+        c, T, H = self.cfg, self.world, self.cfg.num_attention_heads
+        D, L = c.kv_lora_rank + c.qk_rope_head_dim, c.kv_lora_rank
+        kvb = self.kv_bytes_per_token_per_layer
+        ib = self._k["idx_bytes_per_token"]
+        n = int(rows.sum())
+        hist = rows + prefix
+        pairs = self._pairs(rows, prefix, sparse=True)
+        idx_pairs = self._pairs(rows, prefix, sparse=False) if ib else np.zeros_like(rows)
+        attn_fl = pairs * 2 * (D + L)  # per head
+        attn_by = self._kv_read(rows, prefix) * kvb + rows * kvb  # read + write
+        idx_fl = idx_pairs * self._k["idx_flops_per_pair"]
+        idx_by = hist * ib
+        hd = H // T if lay.shards_heads else H
+        bytes_row = c.hidden_size * ACT_BYTES
+        comm: list[tuple[float, float]] = []  # (bandwidth ms, bytes) per collective
+        if lay.kv is KVPlacement.OWNED:
+            own_rows = np.bincount(owners, weights=rows, minlength=T)[:T]
+            per_rank = [np.bincount(owners, weights=x, minlength=T)[:T]
+                        for x in (attn_fl * H, attn_by, idx_fl, idx_by)]
+            q_rows = own_rows if not lay.shards_heads else np.full(T, n)
+        elif lay.kv is KVPlacement.REPLICATED:
+            per_rank = [np.full(T, float(x.sum())) for x in (attn_fl * hd, attn_by, idx_fl, idx_by)]
+            q_rows = np.full(T, n)
+        else:  # CP: decode splits positions, prefill splits query rows over a gathered prefix
+            dec = rows == 1
+            by = attn_by[dec].sum() / T + attn_by[~dec].sum()
+            iby = idx_by[dec].sum() / T + idx_by[~dec].sum()
+            per_rank = [np.full(T, float(v)) for v in
+                        (attn_fl.sum() * H / T, by, idx_fl.sum() / T, iby)]
+            q_rows = np.full(T, dec.sum() + -(-int(rows[~dec].sum()) // T))
+        if T > 1:
+            if lay.shards_heads:
+                if lay.uses_owners:  # DOP: rows -> owners with H/T heads of D, back with L
+                    own_rows = np.bincount(owners, weights=rows, minlength=T)[:T]
+                    for width in (D, L):
+                        send = (n - own_rows) * hd * width * ACT_BYTES
+                        recv = own_rows * (H - hd) * width * ACT_BYTES
+                        b = float(np.maximum(send, recv).max())
+                        comm.append((self._link_ms(b), b))
+                ar = self._allreduce(n * bytes_row)
+                comm.append((ar[0], ar[1]))
+            elif lay.uses_owners:  # DP: variable row all-gather
+                b = float(((n - own_rows) * bytes_row).max())
+                comm.append((self._link_ms(b), b))
+            else:  # CP
+                n_dec, pf = int((rows == 1).sum()), rows != 1
+                if n_dec:
+                    b = (T - 1) * n_dec * H * (L * ACT_BYTES + LSE_BYTES)
+                    comm.append((self._link_ms(b), b))
+                if pf.any():
+                    b = float(prefix[pf].sum() * kvb * (T - 1) / T)
+                    comm.append((self._link_ms(b), b))
+                    b = float(rows[pf].sum() * bytes_row * (T - 1) / T)
+                    comm.append((self._link_ms(b), b))
+        gemm = self._k["gemm_tflops"]
+        wb = self._k["wb"]
+        busy = q_rows > 0
+        common_rows = np.full(T, n) if not (lay.uses_owners and not lay.shards_heads) else q_rows
+        common = self._roof(2 * common_rows * self._k["common_params"],
+                            (common_rows > 0) * self._k["common_params"] * wb, gemm)
+        proj_in = self._roof(2 * q_rows * hd * self._k["q_params_per_head"],
+                             busy * hd * self._k["q_params_per_head"] * wb, gemm)
+        proj_out = self._roof(2 * q_rows * hd * self._k["o_params_per_head"],
+                              busy * hd * self._k["o_params_per_head"] * wb, gemm)
+        attn = self._roof(per_rank[0], per_rank[1], self.profile.peak_bf16_tflops)
+        idx_tflops = self.profile.peak_fp8_tflops or self.profile.peak_bf16_tflops
+        attn = attn + self._roof(per_rank[2], per_rank[3], idx_tflops)
+        return {"common": float(common.max()), "proj_in": float(proj_in.max()),
+                "proj_out": float(proj_out.max()), "attention": float(attn.max()),
+                "comm_ms": sum(x for x, _ in comm), "comm_bytes": sum(b for _, b in comm),
+                "count": len(comm)}
+
+    def _mlp_ms(self, n: int) -> float:
+        """All layers' MLP/MoE, tensor-parallel over T ranks (identical in every layout)."""
+        c, T, wb, gemm = self.cfg, self.world, self._k["wb"], self._k["gemm_tflops"]
+        dense_p = 3 * c.hidden_size * c.intermediate_size / T
+        total = self._num_layers_ms(self._k["num_dense_layers"], 2 * n * dense_p, dense_p * wb, gemm)
+        if self._k["num_moe_layers"]:
+            E, k = c.n_routed_experts, c.num_experts_per_tok
+            expert_p = 3 * c.hidden_size * c.moe_intermediate_size / T
+            touched = E * (1 - (1 - k / E) ** n) + (c.n_shared_experts or 0)
+            fl = 2 * n * (k + (c.n_shared_experts or 0)) * expert_p + 2 * n * c.hidden_size * E
+            total += self._num_layers_ms(self._k["num_moe_layers"], fl, touched * expert_p * wb,
+                                         gemm)
+        return total
+
+    def _num_layers_ms(self, layers: int, flops: float, nbytes: float, tflops: float) -> float:
+        return layers * float(self._roof(flops, nbytes, tflops)) if layers else 0.0
+
+    def _lm_head_ms(self, sampled_rows: int) -> float:
+        c = self.cfg
+        p = c.vocab_size * c.hidden_size
+        return float(self._roof(2 * sampled_rows * p, p * self._k["wb"], self._k["gemm_tflops"]))
+

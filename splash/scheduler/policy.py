@@ -1,0 +1,190 @@
+"""Transition-aware layout policy (DESIGN §4, paper §4.2).
+
+Every feasible layout is scored on the current batch. The policy switches only when the best
+leads the current by ``margin`` (hysteresis near a crossover), the current layout has been held
+for ``min_dwell_steps`` decisions, the predicted gain over the expected remaining steps outlasts
+the predicted switch cost, and the switch fits the one-layer headroom. An infeasible current
+layout overrides margin and dwell.
+
+Beyond the paper, admission is layout-aware: when requests wait for KV room, each layout is
+scored by rows per millisecond *including the waiting requests it could admit*, so a layout with
+more room (DOP) can win even at a slower step.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from splash.layouts.memory import MemoryModel
+from splash.layouts.ownership import LAYOUT_NAMES, fitting_layouts, get_layout
+from splash.scheduler.cost_model import BatchShape, CostModel
+from splash.scheduler.feasibility import Feasibility
+
+CostFn = Callable[[str, BatchShape], float]
+SwitchCostFn = Callable[[str, str, BatchShape], float]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to run the next step in, and why."""
+
+    layout: str  # layout of the next step
+    switch: bool  # True when ``layout`` differs from the current one
+    reason: str  # human-readable justification
+    predicted_ms: dict[str, float]  # step time per feasible layout (incl. admitted requests)
+    switch_cost_ms: float = 0.0  # predicted live-switch overhead (0 when staying)
+    admitted: dict[str, int] = field(default_factory=dict)  # waiting requests each could admit
+
+
+class LayoutPolicy:
+    """Chooses the layout of each step. Build one with `build_policy` from a ModelConfig.
+
+    ``cost_fn`` / ``switch_cost_fn`` replace the cost model's predictions (tests, measured
+    tables). ``reserve_bytes`` is scratch + graphs + reserve per rank.
+    """
+
+    def __init__(self, cost_model: CostModel, memory_model: MemoryModel | None,
+                 budget_bytes: int, margin: float = 0.1, min_dwell_steps: int = 16,
+                 reserve_bytes: int = 0, layouts: Sequence[str] | None = None,
+                 cost_fn: CostFn | None = None, switch_cost_fn: SwitchCostFn | None = None,
+                 history_len: int = 512, max_admission_probe: int = 64) -> None:
+        if not 0 <= margin < 1:
+            raise ValueError("margin must lie in [0, 1)")
+        if min_dwell_steps < 0 or budget_bytes <= 0:
+            raise ValueError("min_dwell_steps must be >= 0 and budget_bytes > 0")
+        self.cost_model = cost_model
+        memory = memory_model or cost_model.memory
+        aux = cost_model.kv_bytes_per_token_per_layer - memory.kv_bytes_per_token_per_layer
+        self.feasibility = Feasibility(memory, reserve_bytes, aux)
+        self.budget_bytes = int(budget_bytes)
+        self.margin = margin
+        self.min_dwell_steps = min_dwell_steps
+        fit = fitting_layouts(memory.cfg.num_attention_heads, memory.world)
+        self.layouts = [n for n in (layouts or LAYOUT_NAMES) if get_layout(n).name in fit]
+        if not self.layouts:
+            raise ValueError(f"no candidate layout fits {memory.world} ranks")
+        self.cost_fn = cost_fn or cost_model.step_time_ms
+        self.switch_cost_fn = switch_cost_fn or cost_model.switch_cost_ms
+        self.max_admission_probe = max_admission_probe
+        self.history: deque[Decision] = deque(maxlen=history_len)
+        self._since_switch = min_dwell_steps  # the first decision may switch at once
+
+    # -- the decision ----------------------------------------------------------------------
+    def decide(self, current: str, batch: BatchShape, expected_remaining_steps: float,
+               waiting_prompt_lens: Sequence[int] = ()) -> Decision:
+        """Layout of the next step for ``batch`` (this step's work, live requests' contexts).
+
+        ``expected_remaining_steps``: steps the current mix is expected to last (the gain
+        horizon). ``waiting_prompt_lens``: prompts queued for KV room, in admission order.
+        """
+        self._since_switch += 1
+        tokens = batch.tokens_after()
+        feas = {n: self._fits(n, batch, tokens) for n in self.layouts}
+        ok = [n for n in self.layouts if feas[n]]
+        times, rows, admitted = {}, {}, {}
+        for n in ok:
+            b, k = self._with_admissions(n, batch, tokens, waiting_prompt_lens)
+            times[n], rows[n], admitted[n] = self.cost_fn(n, b), b.num_rows, k
+        if not ok:
+            return self._record(Decision(current, False, "no layout fits the memory budget: "
+                                         "hold admission", times, 0.0, admitted))
+        score = {n: rows[n] / max(times[n], 1e-9) for n in ok}
+        best = max(ok, key=lambda n: (score[n], n == current))
+        cur_ok = current in feas and feas[current]
+        if best == current:
+            return self._record(Decision(current, False, f"{current} is best "
+                                         f"({_describe(current, times, admitted)})", times, 0.0,
+                                         admitted))
+        cost = self.switch_cost_fn(current, best, batch)
+        if not cur_ok:
+            for cand in sorted(ok, key=lambda n: -score[n]):
+                if self.feasibility.switch_feasible(current, cand, tokens, self.budget_bytes):
+                    return self._switch(current, cand, f"{current} no longer fits the budget; "
+                                        f"{_describe(cand, times, admitted)}", times, admitted,
+                                        self.switch_cost_fn(current, cand, batch))
+            return self._record(Decision(current, False, f"{current} no longer fits and no "
+                                         "switch fits the headroom: hold admission", times, 0.0,
+                                         admitted))
+        lead = 1.0 - score[current] / score[best]
+        versus = (f"{_describe(best, times, admitted)} vs {_describe(current, times, admitted)} "
+                  f"(-{lead:.0%})")
+        if lead <= self.margin:
+            return self._record(Decision(current, False, f"{versus} within margin "
+                                         f"{self.margin:.0%}", times, 0.0, admitted))
+        if self._since_switch <= self.min_dwell_steps:
+            return self._record(Decision(current, False, f"{versus}; dwell {self._since_switch}"
+                                         f"/{self.min_dwell_steps} steps", times, 0.0, admitted))
+        # the current step's work done at the best layout's rate: ms saved per step
+        gain = rows[current] / score[current] - rows[current] / score[best]
+        horizon = gain * max(expected_remaining_steps, 0.0)
+        economics = (f"gain {horizon:.1f} ms over {expected_remaining_steps:.0f} steps "
+                     f"{'>' if horizon > cost else '<='} switch {cost:.1f} ms")
+        if horizon <= cost:
+            return self._record(Decision(current, False, f"{versus}; {economics}: stay", times,
+                                         0.0, admitted))
+        if not self.feasibility.switch_feasible(current, best, tokens, self.budget_bytes):
+            return self._record(Decision(current, False, f"{versus}; switch deferred: one "
+                                         "layer of headroom does not fit", times, 0.0, admitted))
+        return self._switch(current, best, f"{versus} > margin {self.margin:.0%}; {economics}",
+                            times, admitted, cost)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _fits(self, name: str, batch: BatchShape, tokens: np.ndarray) -> bool:
+        owners = batch.owners if get_layout(name).uses_owners else None
+        return self.feasibility.feasible(name, tokens, self.budget_bytes, owners)
+
+    def _with_admissions(self, name: str, batch: BatchShape, tokens: np.ndarray,
+                         waiting: Sequence[int]) -> tuple[BatchShape, int]:
+        """``batch`` plus, as decode rows, the longest prefix of ``waiting`` that fits."""
+        waiting = list(waiting)[: self.max_admission_probe]
+        if not waiting:
+            return batch, 0
+        lo, hi = 0, len(waiting)  # largest k whose admission stays feasible (binary search)
+        while lo < hi:
+            k = (lo + hi + 1) // 2
+            extra = np.concatenate([tokens, np.asarray(waiting[:k], dtype=np.int64)])
+            if self.feasibility.feasible(name, extra, self.budget_bytes):
+                lo = k
+            else:
+                hi = k - 1
+        if lo == 0:
+            return batch, 0
+        owners = None  # admissions rebalance owners
+        return BatchShape(batch.decode_ctx + tuple(int(p) for p in waiting[:lo]),
+                          batch.prefill, owners), lo
+
+    def _switch(self, src: str, dst: str, reason: str, times: dict[str, float],
+                admitted: dict[str, int], cost: float) -> Decision:
+        self._since_switch = 0
+        return self._record(Decision(dst, True, reason, times, cost, admitted))
+
+    def _record(self, decision: Decision) -> Decision:
+        self.history.append(decision)
+        return decision
+
+    def stats(self) -> dict:
+        """Counts over the bounded history: decisions, switches, chosen layouts."""
+        hist = list(self.history)
+        return {"decisions": len(hist), "switches": sum(d.switch for d in hist),
+                "chosen": dict(Counter(d.layout for d in hist)),
+                "last_reason": hist[-1].reason if hist else None}
+
+
+def _describe(name: str, times: dict[str, float], admitted: dict[str, int]) -> str:
+    extra = f", admits {admitted[name]} waiting" if admitted.get(name) else ""
+    return f"{name} predicted {times[name]:.2f} ms{extra}"
+
+
+def build_policy(cfg, world: int, profile, budget_bytes: int, *, weight_dtype: str = "bf16",
+                 kv_dtype: str = "bf16", page_size: int = 64, reserve_bytes: int = 0,
+                 margin: float = 0.1, min_dwell_steps: int = 16,
+                 sparse_attention: bool | None = None) -> LayoutPolicy:
+    """The policy the engine uses: cost model + memory accounting of ``cfg`` on ``world`` ranks
+    of hardware ``profile`` (a HardwareProfile), ``budget_bytes`` of device memory per rank."""
+    cm = CostModel(cfg, world, profile, weight_dtype, kv_dtype, page_size, sparse_attention)
+    return LayoutPolicy(cm, cm.memory, budget_bytes, margin=margin,
+                        min_dwell_steps=min_dwell_steps, reserve_bytes=reserve_bytes)

@@ -1,0 +1,239 @@
+"""OpenAI-compatible HTTP front end (standard library only): `/v1/completions`,
+`/v1/chat/completions` (SSE with ``"stream": true``), `/v1/models`, `/health`, `/metrics`.
+
+Threads, not the engine: each HTTP request runs in its own thread and talks to the engine
+thread through the ZeroMQ server's inproc endpoint with a ``Client`` — the same protocol,
+leases and aborts as remote clients; the engine is only ever touched by its one thread. A
+client that disconnects mid-stream breaks the socket write; the stream is then closed, which
+aborts the request. With a server token every endpoint but `/health` wants
+``Authorization: Bearer <token>``. Prompts: token-id lists always; text when the model has a
+tokenizer; chat needs a tokenizer with a chat template.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from splash.client import Client
+from splash.errors import InvalidRequestError, SplashError
+from splash.logging_utils import get_logger
+from splash.sampling_params import SamplingParams
+from splash.server import protocol as P
+from splash.server.metrics import CONTENT_TYPE, render_metrics
+
+logger = get_logger(__name__)
+
+_STATUS = {"invalid_request": 400, "config": 400, "layout_infeasible": 400, "protocol": 400,
+           "unauthorized": 401, "not_found": 404, "worker_died": 503, "timeout": 504}
+_PARAM_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids",
+               "ignore_eos")
+
+
+class OpenAIHTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, host: str, port: int, zmq_endpoint: str, context: Any,
+                 token: str | None, tokenizer: Any, model_name: str,
+                 max_body_bytes: int = P.DEFAULT_MAX_FRAME_BYTES, timeout: float = 30.0) -> None:
+        super().__init__((host, port), _Handler)
+        self.zmq_endpoint, self.context, self.token = zmq_endpoint, context, token
+        self.tokenizer, self.model_name = tokenizer, model_name
+        self.max_body_bytes, self.timeout = max_body_bytes, timeout
+
+    def client(self) -> Client:
+        return Client(self.zmq_endpoint, timeout=self.timeout, token=self.token or "",
+                      context=self.context)
+
+    def start(self) -> threading.Thread:
+        thread = threading.Thread(target=self.serve_forever, name="splash-http", daemon=True)
+        thread.start()
+        return thread
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: OpenAIHTTPServer
+    protocol_version = "HTTP/1.0"  # one request per connection; SSE ends by closing
+
+    def log_message(self, fmt: str, *args: Any) -> None:
+        logger.debug("http %s " + fmt, self.client_address[0], *args)
+
+    # ------------------------------------------------------------------ routing
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0]
+        if path == "/health":
+            self._guard(self._health, auth=False)
+        elif path == "/metrics":
+            self._guard(self._metrics)
+        elif path == "/v1/models":
+            self._guard(lambda: self._json(200, {"object": "list", "data": [
+                {"id": self.server.model_name, "object": "model", "owned_by": "splash"}]}))
+        else:
+            self._error(404, "not_found", f"no route GET {path}")
+
+    def do_POST(self) -> None:
+        path = self.path.split("?", 1)[0]
+        if path == "/v1/completions":
+            self._guard(lambda: self._complete(chat=False))
+        elif path == "/v1/chat/completions":
+            self._guard(lambda: self._complete(chat=True))
+        else:
+            self._error(404, "not_found", f"no route POST {path}")
+
+    def _guard(self, fn: Any, auth: bool = True) -> None:
+        try:
+            if auth and self.server.token:
+                given = self.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+                if not hmac.compare_digest(given.encode(), self.server.token.encode()):
+                    self._error(401, "unauthorized", "missing or wrong bearer token")
+                    return
+            fn()
+        except SplashError as e:
+            code = P.error_code(e)
+            self._error(_STATUS.get(code, 500), code, str(e))
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        except Exception as e:
+            logger.exception("http handler failed")
+            self._error(500, "server", f"{type(e).__name__}: {e}")
+
+    # ------------------------------------------------------------------ endpoints
+    def _health(self) -> None:
+        try:
+            with self.server.client() as c:
+                healthy = c.health()
+        except SplashError as e:
+            self._json(503, {"status": "unhealthy", "detail": str(e)})
+            return
+        self._json(200 if healthy else 503, {"status": "ok" if healthy else "unhealthy"})
+
+    def _metrics(self) -> None:
+        with self.server.client() as c:
+            body = render_metrics(c.stats()).encode()
+        self._send(200, CONTENT_TYPE, body)
+
+    def _complete(self, chat: bool) -> None:
+        body = self._read_json()
+        prompt_ids = self._chat_prompt(body) if chat else self._text_prompt(body.get("prompt"))
+        if body.get("n", 1) != 1:
+            raise InvalidRequestError("only n=1 is supported")
+        params = {k: body[k] for k in _PARAM_KEYS if body.get(k) is not None}
+        sampling = P.parse_params(params)
+        created, kind = int(time.time()), "chat.completion" if chat else "text_completion"
+        with self.server.client() as c:
+            if not body.get("stream"):
+                out = c.generate(prompt_ids, sampling)
+                choice = self._choice(chat, out.token_ids, out.finish_reason, final=True)
+                self._json(200, {"id": f"cmpl-{out.request_id}", "object": kind,
+                                 "created": created, "model": self.server.model_name,
+                                 "choices": [choice], "usage": {
+                                     "prompt_tokens": len(prompt_ids),
+                                     "completion_tokens": len(out.token_ids),
+                                     "total_tokens": len(prompt_ids) + len(out.token_ids)}})
+                return
+            self._stream(c, prompt_ids, sampling, chat, created, kind + ("" if not chat else ".chunk"))
+
+    def _stream(self, c: Client, prompt_ids: list[int], sampling: SamplingParams, chat: bool,
+                created: int, kind: str) -> None:
+        with c.stream(prompt_ids, sampling) as stream:
+            first = next(stream, None)  # errors before the first token still get a JSON status
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.end_headers()
+            ids: list[int] = []
+            deltas = [] if first is None else [first]
+            head = {"id": f"cmpl-{stream.request_id}", "object": kind, "created": created,
+                    "model": self.server.model_name}
+            try:
+                for delta in _chain(deltas, stream):
+                    prev = self._decode(ids)
+                    ids += delta
+                    choice = self._choice(chat, delta, None, final=False,
+                                          text=self._decode(ids)[len(prev):])
+                    self._sse({**head, "choices": [choice]})
+                reason = stream.output.finish_reason if stream.output else None
+                self._sse({**head, "choices": [self._choice(chat, [], reason, final=False,
+                                                             text="")]})
+            except SplashError as e:  # headers are out: report in-band
+                self._sse({"error": {"message": str(e), "code": P.error_code(e)}})
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+
+    # ------------------------------------------------------------------ helpers
+    def _text_prompt(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return prompt
+        if isinstance(prompt, str):
+            tok = self.server.tokenizer
+            if tok is None:
+                raise InvalidRequestError("this model has no tokenizer: send `prompt` as a list "
+                                          "of token ids")
+            return list(tok.encode(prompt))
+        raise InvalidRequestError("`prompt` must be one string or one non-empty list of token ids")
+
+    def _chat_prompt(self, body: dict[str, Any]) -> list[int]:
+        tok = self.server.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise InvalidRequestError("chat completions need a tokenizer with a chat template; "
+                                      "this model has none: use /v1/completions with token ids")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequestError("`messages` must be a non-empty list")
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        tok = self.server.tokenizer
+        return "" if tok is None or not ids else tok.decode(ids, skip_special_tokens=True)
+
+    def _choice(self, chat: bool, ids: list[int], reason: str | None, final: bool,
+                text: str | None = None) -> dict[str, Any]:
+        text = self._decode(ids) if text is None else text
+        if chat:
+            body = {"role": "assistant", "content": text}
+            return {"index": 0, ("message" if final else "delta"): body, "token_ids": ids,
+                    "finish_reason": reason}
+        return {"index": 0, "text": text, "token_ids": ids, "logprobs": None,
+                "finish_reason": reason}
+
+    def _read_json(self) -> dict[str, Any]:
+        length = int(self.headers.get("Content-Length") or 0)
+        if not 0 < length <= self.server.max_body_bytes:
+            raise InvalidRequestError(f"body must be 1..{self.server.max_body_bytes} bytes of JSON")
+        try:
+            body = json.loads(self.rfile.read(length))
+        except ValueError as e:
+            raise InvalidRequestError(f"body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise InvalidRequestError("body must be a JSON object")
+        return body
+
+    def _sse(self, obj: dict[str, Any]) -> None:
+        self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+        self.wfile.flush()
+
+    def _json(self, status: int, obj: dict[str, Any]) -> None:
+        self._send(status, "application/json", json.dumps(obj).encode())
+
+    def _error(self, status: int, code: str, message: str) -> None:
+        try:
+            self._json(status, {"error": {"message": message, "type": code, "code": code}})
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    def _send(self, status: int, content_type: str, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def _chain(first: list[list[int]], rest: Any) -> Any:
+    yield from first
+    yield from rest
