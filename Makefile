@@ -25,10 +25,13 @@ test: $(STAMP)
 test-gpu:
 	python3 -m pytest -q -m "gpu" tests
 
+# All three run even when one fails, so one pass shows every finding; any failure fails lint.
 lint: $(STAMP)
-	$(BIN)/ruff check splash backends kernels_triton tests benchmarks ci
-	$(BIN)/mypy splash backends kernels_triton
-	$(BIN)/hadolint docker/Dockerfile.*
+	rc=0; \
+	$(BIN)/ruff check splash backends kernels_triton tests benchmarks ci docker || rc=1; \
+	$(BIN)/mypy splash backends kernels_triton ci docker/requirements.py || rc=1; \
+	$(BIN)/hadolint docker/Dockerfile.* || rc=1; \
+	exit $$rc
 
 demo: $(STAMP)
 	$(BIN)/splash demo
