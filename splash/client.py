@@ -31,7 +31,7 @@ import zmq
 import zmq.asyncio
 
 from splash import envs
-from splash.errors import ProtocolError, RequestTimeoutError, SplashError
+from splash.errors import ConfigError, ProtocolError, RequestTimeoutError, SplashError
 from splash.outputs import RequestOutput
 from splash.sampling_params import SamplingParams
 from splash.server import protocol as P
@@ -50,7 +50,11 @@ class _Base:
         self._sock.setsockopt(zmq.LINGER, 500)  # lets a closing stream's abort out
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
-        self._sock.connect(addr)
+        try:
+            self._sock.connect(addr)
+        except zmq.ZMQError as e:
+            self._sock.close(linger=0)
+            raise ConfigError(f"cannot connect to {addr!r}: {e}") from None
         self._open: set[str] = set()  # generate ids whose lease this client renews
         self._closed = False
 
@@ -83,7 +87,7 @@ class _Base:
         """Fire-and-forget abort (stream closed early); the Ok/not_found reply is dropped."""
         if not self._closed:
             try:  # a plain (non-asyncio) view of the socket, so no Future is left behind
-                raw = zmq.Socket.shadow(self._sock.underlying)
+                raw: zmq.Socket = zmq.Socket.shadow(self._sock.underlying)
                 raw.send(P.encode(self._msg(P.Abort, request_id=request_id)), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass

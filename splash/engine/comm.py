@@ -30,9 +30,11 @@ class Comm:
         """(…) on every rank → (T, …), rank order."""
         if self.world == 1:
             return t.unsqueeze(0)
-        out = t.new_empty((self.world, *t.shape))
-        dist.all_gather_into_tensor(out, t.contiguous(), group=self.group)
-        return out
+        t = t.contiguous()
+        flat = t.reshape(1, -1) if t.dim() == 0 else t
+        out = flat.new_empty((self.world * flat.shape[0], *flat.shape[1:]))  # gloo: concat dim 0
+        dist.all_gather_into_tensor(out, flat, group=self.group)
+        return out.view(self.world, *t.shape)
 
     def all_gather_rows(self, t: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Variable-size row all-gather: rank r contributes counts[r] rows of t (n, …);

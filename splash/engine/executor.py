@@ -15,7 +15,8 @@ import zmq
 
 from splash import envs
 from splash.engine.protocol import StepPlan, StepResult, WorkerReady, decode_result, encode
-from splash.engine.worker import Worker, WorkerConfig, worker_main
+from splash.engine.worker import Worker, worker_main
+from splash.engine.worker_config import WorkerConfig
 from splash.errors import WorkerDiedError
 from splash.logging_utils import get_logger
 
@@ -110,8 +111,11 @@ class MPExecutor:
         return results  # type: ignore[return-value]
 
     def shutdown(self) -> None:
+        graceful = self.alive()  # a group with a dead member may be stuck in a collective
         for rank, proc in enumerate(self.procs):
-            if proc.is_alive():
+            if proc.is_alive() and not graceful:
+                proc.kill()
+            elif proc.is_alive():
                 try:
                     self.sock.send_multipart(
                         [f"worker-{rank}".encode(), encode(_shutdown_plan())], zmq.NOBLOCK)

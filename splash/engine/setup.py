@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 
 from splash.backends import get_backend
 from splash.engine.config import EngineConfig
-from splash.engine.worker import WorkerConfig
+from splash.engine.worker_config import WorkerConfig
 from splash.errors import ConfigError, LayoutInfeasibleError
 from splash.kv.allocator import RankAllocators
 from splash.layouts.memory import MemoryModel
@@ -32,6 +33,12 @@ class EngineSetup:
         backend = get_backend(cfg.backend)
         self.backend_name = backend.name
         on_cpu = backend.name == "cpu"
+        if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
+            # CPU kernels run under the Triton interpreter; spawned workers inherit this
+            if "splash.kernels_triton.mla_decode" in sys.modules:
+                logger.warning("Triton kernels were imported before TRITON_INTERPRET=1 was set; "
+                               "set it in the environment to run them on the CPU")
+            os.environ["TRITON_INTERPRET"] = "1"
         self.dtype = cfg.dtype or ("fp32" if on_cpu else "bf16")
         self.kv_dtype = cfg.kv_dtype or self.dtype
         self.page_size = cfg.page_size or (16 if on_cpu else 64)
@@ -44,7 +51,9 @@ class EngineSetup:
         self.num_pages = cfg.kv_pages_per_rank or self._pages_from_memory(backend, on_cpu)
         extra = self.memory.projection_bytes_per_rank(LAYOUTS["dp"]) - \
             self.memory.projection_bytes_per_rank(LAYOUTS["tp"])
-        self.replica_pages = math.ceil(extra / self.memory.page_bytes) if world > 1 else 0
+        # an explicit pool size is the KV pool alone; a derived one lends replica bytes to KV
+        derived = cfg.kv_pages_per_rank is None
+        self.replica_pages = math.ceil(extra / self.memory.page_bytes) if world > 1 and derived else 0
         if self.replica_pages >= self.num_pages:
             self.fitting = [n for n in fits if LAYOUTS[n].shards_heads]
             if not get_layout(self.initial_layout).shards_heads:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -17,37 +16,28 @@ import torch.distributed as dist
 from splash.backends import get_backend
 from splash.engine.comm import Comm
 from splash.engine.protocol import WORKER_PROTOCOL_VERSION, StepPlan, StepResult
+from splash.engine.worker_config import WorkerConfig
 from splash.layouts.registry import make_layouts
 from splash.layouts.base import KVStore, StepMeta
 from splash.layouts.ownership import get_layout, heads_held
-from splash.model.loader import resolve_dtype
 from splash.model.model import MLAModel
 from splash.model.sampler import sample
 from splash.switching.executor import SwitchExecutor
 
 
-@dataclass(frozen=True)
-class WorkerConfig:
-    model: str  # checkpoint dir
-    rank: int
-    world: int
-    backend: str  # resolved backend name
-    dtype: str  # weights/activations
-    kv_dtype: str
-    page_size: int
-    num_pages: int  # physical KV pages of this rank
-    layout: str  # layout at start
-    dist_init: str = ""  # torch.distributed init method ("" with world == 1; "env://")
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
 
-def _kv_torch_dtype(name: str, backend) -> torch.dtype:
+def torch_dtype(name: str, backend=None) -> torch.dtype:
+    """'fp32' | 'bf16' | 'fp16' | 'fp8' (the backend's fp8 flavour) -> torch dtype."""
     if name == "fp8":
-        if backend.fp8_dtype is None:
-            raise ValueError(f"backend {backend.name} ({backend.profile_name}) has no fp8 KV")
+        if backend is None or backend.fp8_dtype is None:
+            raise ValueError("this backend has no fp8 KV dtype")
         return backend.fp8_dtype
-    dtype = resolve_dtype(name)
-    assert dtype is not None
-    return dtype
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; use fp32, bf16, fp16 or fp8")
+    return _DTYPES[name]
 
 
 class Worker:
@@ -64,9 +54,9 @@ class Worker:
         heads = self._heads(cfg.layout)
         self.model = MLAModel.from_pretrained(
             cfg.model, cfg.rank, cfg.world, heads.start, len(heads),
-            dtype=resolve_dtype(cfg.dtype), device=self.device)
+            dtype=torch_dtype(cfg.dtype), device=self.device)
         mcfg = self.model.cfg
-        kv_dtype = _kv_torch_dtype(cfg.kv_dtype, self.backend)
+        kv_dtype = torch_dtype(cfg.kv_dtype, self.backend)
         shape = (cfg.num_pages, cfg.page_size, mcfg.kv_dim)
         caches = [torch.zeros(shape, dtype=kv_dtype, device=self.device)
                   for _ in range(mcfg.num_hidden_layers)]

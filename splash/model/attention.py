@@ -119,7 +119,7 @@ class MLAAttention:
     # --- compute -------------------------------------------------------------------------
     def q_input(self, x: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, q_in): normalised q_a latent, or x itself under q_proj."""
-        if self.q_a_proj is None:
+        if self.q_a_proj is None or self.q_a_layernorm is None:
             return x
         return rms_norm(x @ self.q_a_proj.t(), self.q_a_layernorm, LATENT_NORM_EPS)
 

@@ -200,3 +200,13 @@ def _random(name: str, shape: tuple[int, ...], gen: Any) -> Any:
     if name == "model.embed_tokens.weight":
         return x
     return x * shape[-1] ** -0.5
+
+
+def make_model_main(args: Any) -> int:
+    """`splash make-model OUT_DIR --preset P [--layers N] [--seed S] [--scale tiny|full]`."""
+    out = make_model(args.out_dir, args.preset, layers=args.layers, seed=args.seed,
+                     scale=args.scale)
+    cfg = ModelConfig.from_hf(out)
+    print(f"wrote {args.preset} ({args.scale}, {cfg.num_hidden_layers} layers, "
+          f"seed {args.seed}) to {out}")
+    return 0

@@ -52,8 +52,10 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     rand_rows = (temperature > 0).nonzero(as_tuple=True)[0]
     if rand_rows.numel() == 0:
         return out
-    sub = logits[rand_rows] / temperature[rand_rows, None]
-    probs = _filter(sub, top_p[rand_rows], top_k[rand_rows]).softmax(-1)  # (m, V)
+    sub = logits[rand_rows] / temperature[rand_rows, None]  # (m, V)
+    if bool((top_k[rand_rows] > 0).any() | (top_p[rand_rows] < 1).any()):
+        sub = _filter(sub, top_p[rand_rows], top_k[rand_rows])
+    probs = sub.softmax(-1)
     # Exponential race: argmax(p / E), E ~ Exp(1), draws from p (one noise row per request).
     noise = torch.empty_like(probs)
     seeded = [] if seeds is None else [i for i, r in enumerate(rand_rows.tolist())
@@ -62,8 +64,10 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
         noise.exponential_(generator=generator)
     for i in seeded:
         r = int(rand_rows[i])
+        seed = seeds[r] if seeds is not None else None
+        assert seed is not None
         g = torch.Generator(device=dev)
-        g.manual_seed(mix_seed(int(seeds[r]), 0 if steps is None else int(steps[r])))  # type: ignore[index]
+        g.manual_seed(mix_seed(int(seed), 0 if steps is None else int(steps[r])))
         noise[i].exponential_(generator=g)
     # A zero draw would make filtered tokens 0/0 = nan; keep noise strictly positive.
     out[rand_rows] = (probs / noise.clamp_(min=1e-20)).argmax(dim=-1)

@@ -147,10 +147,9 @@ class CostModel:
         lay = get_layout(layout) if isinstance(layout, str) else layout
         if batch.num_rows == 0:
             return {"total": 0.0}
-        rows, prefix = batch.arrays()
-        owners = self._owners(batch, rows + prefix)
-        st = self._attention_layer(lay, rows, prefix, owners)
-        n = int(rows.sum())
+        w = self._work(batch)
+        st = self._attention_layer(lay, w)
+        n = w["n"]
         mlp = self._mlp_ms(n)
         mlp_ar = self._allreduce(n * self.cfg.hidden_size * ACT_BYTES)
         layers = self.cfg.num_hidden_layers
@@ -159,7 +158,7 @@ class CostModel:
         hidden = self.profile.overlap_fraction * min(st["comm_ms"], st["attention"]) * layers
         out = {
             "common_proj": st["common"] * layers,
-            "proj": (st["proj_in"] + st["proj_out"]) * layers,
+            "proj": st["proj"] * layers,
             "attention": st["attention"] * layers,
             "mlp": mlp,
             "comm": comm_ms,
@@ -216,8 +215,8 @@ class CostModel:
         return assign_owners(tokens, self.world)
 
     def _roof(self, flops: Any, nbytes: Any, tflops: float) -> Any:
-        return np.maximum(np.asarray(flops) / (tflops * 1e9),
-                          np.asarray(nbytes) / (self.profile.hbm_gbps * 1e6))
+        """ms of a stage: FLOPs at peak or bytes at HBM bandwidth, whichever is slower."""
+        return np.maximum(flops / (tflops * 1e9), nbytes / (self.profile.hbm_gbps * 1e6))
 
     def _latency_ms(self) -> float:
         return self.profile.collective_latency_us / 1e3 if self.world > 1 else 0.0
@@ -243,86 +242,97 @@ class CostModel:
         below = m * prefix + m * (m + 1) // 2
         return below + (rows - m) * k
 
-    def _kv_read(self, rows: np.ndarray, prefix: np.ndarray) -> np.ndarray:
-        """KV tokens a request's attention reads once (top-k gathers for DSA)."""
+    def _work(self, batch: BatchShape) -> dict[str, Any]:
+        """Per-request attention work of ``batch`` (shared by every layout; memoised)."""
+        cache = self.__dict__.setdefault("_work_cache", {})
+        hit = cache.get(batch)
+        if hit is not None:
+            return hit
+        c = self.cfg
+        rows, prefix = batch.arrays()
         hist = rows + prefix
-        k = self._k["topk"]
-        return np.minimum(hist, rows * k) if k else hist
+        k, ib = self._k["topk"], self._k["idx_bytes_per_token"]
+        kvb = self.kv_bytes_per_token_per_layer
+        kv_read = np.minimum(hist, rows * k) if k else hist  # DSA reads the top-k it gathers
+        per_req = np.stack([
+            self._pairs(rows, prefix, sparse=True) * 2.0 * (2 * c.kv_lora_rank
+                                                            + c.qk_rope_head_dim),  # per head
+            (kv_read + rows) * float(kvb),  # KV read + the step's rows written
+            self._pairs(rows, prefix, sparse=False) * float(self._k["idx_flops_per_pair"])
+            if ib else np.zeros(len(rows)),
+            hist * float(ib),
+        ])  # (4, R): attention FLOPs/head, attention bytes, indexer FLOPs, indexer bytes
+        dec = rows == 1
+        work = {"batch": batch, "rows": rows, "hist": hist, "per_req": per_req,
+                "n": int(rows.sum()), "n_dec": int(dec.sum()),
+                "pf_rows": int(rows[~dec].sum()), "pf_prefix": int(prefix[~dec].sum()),
+                "total": per_req.sum(axis=1), "dec_total": per_req[:, dec].sum(axis=1)}
+        if len(cache) > 16:
+            cache.clear()
+        cache[batch] = work
+        return work
 
-    def _attention_layer(self, lay: Layout, rows: np.ndarray, prefix: np.ndarray,
-                         owners: np.ndarray) -> dict[str, float]:
-        """One layer's attention block on the busiest rank of each stage."""
+    def _by_owner(self, w: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+        """(work (4, T), rows (T,)) summed per owner rank; owners greedy unless given."""
+        if "by_owner" not in w:
+            owners = self._owners(w["batch"], w["hist"])
+            onehot = np.zeros((len(owners), self.world))
+            onehot[np.arange(len(owners)), owners] = 1.0
+            w["by_owner"], w["own_rows"] = w["per_req"] @ onehot, w["rows"] @ onehot
+        return w["by_owner"], w["own_rows"]
+
+    def _attention_layer(self, lay: Layout, w: dict[str, Any]) -> dict[str, float]:
+        """One layer's attention block: each stage costs its busiest rank."""
         c, T, H = self.cfg, self.world, self.cfg.num_attention_heads
         D, L = c.kv_lora_rank + c.qk_rope_head_dim, c.kv_lora_rank
-        kvb = self.kv_bytes_per_token_per_layer
-        ib = self._k["idx_bytes_per_token"]
-        n = int(rows.sum())
-        hist = rows + prefix
-        pairs = self._pairs(rows, prefix, sparse=True)
-        idx_pairs = self._pairs(rows, prefix, sparse=False) if ib else np.zeros_like(rows)
-        attn_fl = pairs * 2 * (D + L)  # per head
-        attn_by = self._kv_read(rows, prefix) * kvb + rows * kvb  # read + write
-        idx_fl = idx_pairs * self._k["idx_flops_per_pair"]
-        idx_by = hist * ib
+        n = w["n"]
+        by_owner, own_rows = self._by_owner(w) if lay.uses_owners else (None, None)
         hd = H // T if lay.shards_heads else H
         bytes_row = c.hidden_size * ACT_BYTES
-        comm: list[tuple[float, float]] = []  # (bandwidth ms, bytes) per collective
+        comm: list[float] = []  # bytes of each collective on the busiest rank
         if lay.kv is KVPlacement.OWNED:
-            own_rows = np.bincount(owners, weights=rows, minlength=T)[:T]
-            per_rank = [np.bincount(owners, weights=x, minlength=T)[:T]
-                        for x in (attn_fl * H, attn_by, idx_fl, idx_by)]
-            q_rows = own_rows if not lay.shards_heads else np.full(T, n)
+            per_rank = by_owner * np.array([[H], [1], [1], [1]])  # (4, T)
+            q_rows = own_rows if not lay.shards_heads else np.full(T, float(n))
         elif lay.kv is KVPlacement.REPLICATED:
-            per_rank = [np.full(T, float(x.sum())) for x in (attn_fl * hd, attn_by, idx_fl, idx_by)]
-            q_rows = np.full(T, n)
-        else:  # CP: decode splits positions, prefill splits query rows over a gathered prefix
-            dec = rows == 1
-            by = attn_by[dec].sum() / T + attn_by[~dec].sum()
-            iby = idx_by[dec].sum() / T + idx_by[~dec].sum()
-            per_rank = [np.full(T, float(v)) for v in
-                        (attn_fl.sum() * H / T, by, idx_fl.sum() / T, iby)]
-            q_rows = np.full(T, dec.sum() + -(-int(rows[~dec].sum()) // T))
+            per_rank = np.repeat((w["total"] * np.array([hd, 1, 1, 1]))[:, None], T, axis=1)
+            q_rows = np.full(T, float(n))
+        else:  # CP: decode splits positions; prefill splits query rows over a gathered prefix
+            tot, dec = w["total"], w["dec_total"]
+            v = np.array([tot[0] * H / T, dec[1] / T + tot[1] - dec[1], tot[2] / T,
+                          dec[3] / T + tot[3] - dec[3]])
+            per_rank = np.repeat(v[:, None], T, axis=1)
+            q_rows = np.full(T, float(w["n_dec"] + -(-w["pf_rows"] // T)))
         if T > 1:
             if lay.shards_heads:
                 if lay.uses_owners:  # DOP: rows -> owners with H/T heads of D, back with L
-                    own_rows = np.bincount(owners, weights=rows, minlength=T)[:T]
                     for width in (D, L):
                         send = (n - own_rows) * hd * width * ACT_BYTES
                         recv = own_rows * (H - hd) * width * ACT_BYTES
-                        b = float(np.maximum(send, recv).max())
-                        comm.append((self._link_ms(b), b))
-                ar = self._allreduce(n * bytes_row)
-                comm.append((ar[0], ar[1]))
+                        comm.append(float(np.maximum(send, recv).max()))
+                comm.append(2 * (T - 1) / T * n * bytes_row)  # all-reduce after O
             elif lay.uses_owners:  # DP: variable row all-gather
-                b = float(((n - own_rows) * bytes_row).max())
-                comm.append((self._link_ms(b), b))
+                comm.append(float(((n - own_rows) * bytes_row).max()))
             else:  # CP
-                n_dec, pf = int((rows == 1).sum()), rows != 1
-                if n_dec:
-                    b = (T - 1) * n_dec * H * (L * ACT_BYTES + LSE_BYTES)
-                    comm.append((self._link_ms(b), b))
-                if pf.any():
-                    b = float(prefix[pf].sum() * kvb * (T - 1) / T)
-                    comm.append((self._link_ms(b), b))
-                    b = float(rows[pf].sum() * bytes_row * (T - 1) / T)
-                    comm.append((self._link_ms(b), b))
-        gemm = self._k["gemm_tflops"]
-        wb = self._k["wb"]
+                if w["n_dec"]:  # (o, lse) partials of every decode row from every rank
+                    comm.append((T - 1) * w["n_dec"] * H * (L * ACT_BYTES + LSE_BYTES))
+                if w["pf_rows"]:  # prefix latent all-gather, then output rows all-gather
+                    comm.append(w["pf_prefix"] * self.kv_bytes_per_token_per_layer * (T - 1) / T)
+                    comm.append(w["pf_rows"] * bytes_row * (T - 1) / T)
+        gemm, wb, k = self._k["gemm_tflops"], self._k["wb"], self._k
         busy = q_rows > 0
-        common_rows = np.full(T, n) if not (lay.uses_owners and not lay.shards_heads) else q_rows
-        common = self._roof(2 * common_rows * self._k["common_params"],
-                            (common_rows > 0) * self._k["common_params"] * wb, gemm)
-        proj_in = self._roof(2 * q_rows * hd * self._k["q_params_per_head"],
-                             busy * hd * self._k["q_params_per_head"] * wb, gemm)
-        proj_out = self._roof(2 * q_rows * hd * self._k["o_params_per_head"],
-                              busy * hd * self._k["o_params_per_head"] * wb, gemm)
+        common_rows = q_rows if (lay.uses_owners and not lay.shards_heads) else np.full(T, n)
+        common = self._roof(2 * common_rows * k["common_params"],
+                            (common_rows > 0) * k["common_params"] * wb, gemm)
+        proj = self._roof(2 * q_rows * hd * k["q_params_per_head"],
+                          busy * hd * k["q_params_per_head"] * wb, gemm)
+        proj = proj + self._roof(2 * q_rows * hd * k["o_params_per_head"],
+                                 busy * hd * k["o_params_per_head"] * wb, gemm)
         attn = self._roof(per_rank[0], per_rank[1], self.profile.peak_bf16_tflops)
         idx_tflops = self.profile.peak_fp8_tflops or self.profile.peak_bf16_tflops
         attn = attn + self._roof(per_rank[2], per_rank[3], idx_tflops)
-        return {"common": float(common.max()), "proj_in": float(proj_in.max()),
-                "proj_out": float(proj_out.max()), "attention": float(attn.max()),
-                "comm_ms": sum(x for x, _ in comm), "comm_bytes": sum(b for _, b in comm),
-                "count": len(comm)}
+        return {"common": float(common.max()), "proj": float(proj.max()),
+                "attention": float(attn.max()), "comm_ms": self._link_ms(sum(comm)),
+                "comm_bytes": sum(comm), "count": len(comm)}
 
     def _mlp_ms(self, n: int) -> float:
         """All layers' MLP/MoE, tensor-parallel over T ranks (identical in every layout)."""

@@ -14,21 +14,22 @@ from dataclasses import dataclass
 import numpy as np
 
 from splash.layouts.memory import MemoryModel
-from splash.layouts.ownership import KVPlacement, Layout, get_layout
+from splash.layouts.ownership import LAYOUTS, KVPlacement, Layout, get_layout
 
 FIXED_RESERVE_BYTES = 1 << 30  # graphs + allocator slack at full scale (paper B.1: 1 GiB)
 ACT_BYTES = 2  # activations are bf16
 
 
 def assign_owners(tokens: Sequence[int] | np.ndarray, world: int) -> np.ndarray:
-    """Greedy balance: largest request first onto the least-loaded rank (ties: lowest rank)."""
+    """Greedy balance: largest request first onto the least-loaded rank (ties: fewest requests,
+    then lowest rank)."""
     tokens = np.asarray(tokens, dtype=np.int64)
     owners = np.zeros(len(tokens), dtype=np.int64)
-    heap = [(0, r) for r in range(world)]
+    heap = [(0, 0, r) for r in range(world)]
     for i in np.argsort(-tokens, kind="stable"):
-        load, r = heapq.heappop(heap)
+        load, count, r = heapq.heappop(heap)
         owners[i] = r
-        heapq.heappush(heap, (load + int(tokens[i]), r))
+        heapq.heappush(heap, (load + int(tokens[i]), count + 1, r))
     return owners
 
 
@@ -72,6 +73,12 @@ class Feasibility:
     def __post_init__(self) -> None:
         if self.reserve_bytes < 0 or self.aux_kv_bytes_per_token_per_layer < 0:
             raise ValueError("reserve and aux KV bytes must be >= 0")
+        static = {n: self.memory.static_bytes_per_rank(lay) for n, lay in LAYOUTS.items()}
+        object.__setattr__(self, "_static", static)  # MemoryModel recomputes it per call
+
+    def static_bytes(self, layout: str | Layout) -> int:
+        """Common + projection bytes per rank (no KV, no reserve)."""
+        return self._static[layout if isinstance(layout, str) else layout.name]
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -91,7 +98,7 @@ class Feasibility:
         """Bytes the busiest rank needs for ``layout`` holding these live requests."""
         lay = get_layout(layout) if isinstance(layout, str) else layout
         kv = int(self.held_tokens(lay, tokens, owners).max()) * self.kv_bytes_per_token
-        return self.memory.static_bytes_per_rank(lay) + kv + self.reserve_bytes
+        return self._static[lay.name] + kv + self.reserve_bytes
 
     def feasible(self, layout: str | Layout, tokens: Sequence[int] | np.ndarray,
                  budget_bytes: int, owners: Sequence[int] | None = None) -> bool:
@@ -100,7 +107,7 @@ class Feasibility:
     def kv_capacity_tokens(self, layout: str | Layout, budget_bytes: int) -> int:
         """Distinct KV tokens the group can hold under ``layout`` (page-rounded)."""
         lay = get_layout(layout) if isinstance(layout, str) else layout
-        room = budget_bytes - self.memory.static_bytes_per_rank(lay) - self.reserve_bytes
+        room = budget_bytes - self._static[lay.name] - self.reserve_bytes
         pages = max(room // (self.kv_bytes_per_token * self.memory.page_size), 0)
         per_rank = pages * self.memory.page_size
         return per_rank if lay.kv is KVPlacement.REPLICATED else per_rank * self.memory.world

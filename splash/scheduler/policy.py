@@ -14,7 +14,7 @@ more room (DOP) can win even at a slower step.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,9 +51,12 @@ class LayoutPolicy:
                  budget_bytes: int, margin: float = 0.1, min_dwell_steps: int = 16,
                  reserve_bytes: int = 0, layouts: Sequence[str] | None = None,
                  cost_fn: CostFn | None = None, switch_cost_fn: SwitchCostFn | None = None,
-                 history_len: int = 512, max_admission_probe: int = 64) -> None:
+                 history_len: int = 512, max_admission_probe: int = 64,
+                 smoothing: float = 0.5) -> None:
         if not 0 <= margin < 1:
             raise ValueError("margin must lie in [0, 1)")
+        if not 0 < smoothing <= 1:
+            raise ValueError("smoothing (weight of the newest score) must lie in (0, 1]")
         if min_dwell_steps < 0 or budget_bytes <= 0:
             raise ValueError("min_dwell_steps must be >= 0 and budget_bytes > 0")
         self.cost_model = cost_model
@@ -70,46 +73,55 @@ class LayoutPolicy:
         self.cost_fn = cost_fn or cost_model.step_time_ms
         self.switch_cost_fn = switch_cost_fn or cost_model.switch_cost_ms
         self.max_admission_probe = max_admission_probe
+        self.smoothing = smoothing
+        self._ema: dict[str, float] = {}  # smoothed rows/ms per layout across decisions
         self.history: deque[Decision] = deque(maxlen=history_len)
         self._since_switch = min_dwell_steps  # the first decision may switch at once
 
     # -- the decision ----------------------------------------------------------------------
     def decide(self, current: str, batch: BatchShape, expected_remaining_steps: float,
-               waiting_prompt_lens: Sequence[int] = ()) -> Decision:
+               waiting_prompt_lens: Sequence[int] = (),
+               candidate_batches: Mapping[str, BatchShape] | None = None) -> Decision:
         """Layout of the next step for ``batch`` (this step's work, live requests' contexts).
 
         ``expected_remaining_steps``: steps the current mix is expected to last (the gain
         horizon). ``waiting_prompt_lens``: prompts queued for KV room, in admission order.
+        ``candidate_batches``: the step the scheduler would build under another layout (owned
+        layouts share the prefill budget among owners); a layout missing there uses ``batch``.
+        Layouts are compared by rows per millisecond, so compositions may differ.
         """
         self._since_switch += 1
-        tokens = batch.tokens_after()
-        feas = {n: self._fits(n, batch, tokens) for n in self.layouts}
+        cands = {n: (candidate_batches or {}).get(n, batch) for n in self.layouts}
+        feas = {n: self._fits(n, cands[n]) for n in self.layouts}
         ok = [n for n in self.layouts if feas[n]]
         times, rows, admitted = {}, {}, {}
         for n in ok:
-            b, k = self._with_admissions(n, batch, tokens, waiting_prompt_lens)
+            b, k = self._with_admissions(n, cands[n], waiting_prompt_lens)
             times[n], rows[n], admitted[n] = self.cost_fn(n, b), b.num_rows, k
         if not ok:
             return self._record(Decision(current, False, "no layout fits the memory budget: "
                                          "hold admission", times, 0.0, admitted))
-        score = {n: rows[n] / max(times[n], 1e-9) for n in ok}
-        best = max(ok, key=lambda n: (score[n], n == current))
-        cur_ok = current in feas and feas[current]
-        if best == current:
-            return self._record(Decision(current, False, f"{current} is best "
-                                         f"({_describe(current, times, admitted)})", times, 0.0,
-                                         admitted))
-        cost = self.switch_cost_fn(current, best, batch)
-        if not cur_ok:
-            for cand in sorted(ok, key=lambda n: -score[n]):
-                if self.feasibility.switch_feasible(current, cand, tokens, self.budget_bytes):
+        raw = {n: rows[n] / max(times[n], 1e-9) for n in ok}  # rows per ms
+        if not feas.get(current, False):  # forced: margin, dwell and smoothing do not apply
+            self._ema.clear()
+            for cand in sorted(ok, key=lambda n: -raw[n]):
+                if self._switch_fits(current, cand, cands):
                     return self._switch(current, cand, f"{current} no longer fits the budget; "
                                         f"{_describe(cand, times, admitted)}", times, admitted,
                                         self.switch_cost_fn(current, cand, batch))
             return self._record(Decision(current, False, f"{current} no longer fits and no "
                                          "switch fits the headroom: hold admission", times, 0.0,
                                          admitted))
-        lead = 1.0 - score[current] / score[best]
+        for n in set(self._ema) - set(ok):  # a layout that stopped fitting starts afresh
+            del self._ema[n]
+        rel = {n: self._smooth(n, raw[n] / raw[current]) for n in ok}  # speed vs current
+        best = max(ok, key=lambda n: (rel[n], n == current))
+        if best == current:
+            return self._record(Decision(current, False, f"{current} is best "
+                                         f"({_describe(current, times, admitted)})", times, 0.0,
+                                         admitted))
+        cost = self.switch_cost_fn(current, best, batch)
+        lead = 1.0 - 1.0 / rel[best]
         versus = (f"{_describe(best, times, admitted)} vs {_describe(current, times, admitted)} "
                   f"(-{lead:.0%})")
         if lead <= self.margin:
@@ -118,31 +130,46 @@ class LayoutPolicy:
         if self._since_switch <= self.min_dwell_steps:
             return self._record(Decision(current, False, f"{versus}; dwell {self._since_switch}"
                                          f"/{self.min_dwell_steps} steps", times, 0.0, admitted))
-        # the current step's work done at the best layout's rate: ms saved per step
-        gain = rows[current] / score[current] - rows[current] / score[best]
-        horizon = gain * max(expected_remaining_steps, 0.0)
+        # the current step's work at the best layout's (smoothed) rate: ms saved per step
+        horizon = times[current] * lead * max(expected_remaining_steps, 0.0)
         economics = (f"gain {horizon:.1f} ms over {expected_remaining_steps:.0f} steps "
                      f"{'>' if horizon > cost else '<='} switch {cost:.1f} ms")
         if horizon <= cost:
             return self._record(Decision(current, False, f"{versus}; {economics}: stay", times,
                                          0.0, admitted))
-        if not self.feasibility.switch_feasible(current, best, tokens, self.budget_bytes):
+        if not self._switch_fits(current, best, cands):
             return self._record(Decision(current, False, f"{versus}; switch deferred: one "
                                          "layer of headroom does not fit", times, 0.0, admitted))
         return self._switch(current, best, f"{versus} > margin {self.margin:.0%}; {economics}",
                             times, admitted, cost)
 
     # -- helpers ---------------------------------------------------------------------------
-    def _fits(self, name: str, batch: BatchShape, tokens: np.ndarray) -> bool:
-        owners = batch.owners if get_layout(name).uses_owners else None
-        return self.feasibility.feasible(name, tokens, self.budget_bytes, owners)
+    def _smooth(self, name: str, score: float) -> float:
+        """Exponential average of a layout's speed relative to the current layout, so one
+        unusual step (a lone prefill chunk) does not flip the layout; ``smoothing`` 1.0 uses
+        the current step alone. Cleared on every switch (the reference changes)."""
+        prev = self._ema.get(name)
+        value = score if prev is None else self.smoothing * score + (1 - self.smoothing) * prev
+        self._ema[name] = value
+        return value
 
-    def _with_admissions(self, name: str, batch: BatchShape, tokens: np.ndarray,
+    def _fits(self, name: str, batch: BatchShape) -> bool:
+        owners = batch.owners if get_layout(name).uses_owners else None
+        return self.feasibility.feasible(name, batch.tokens_after(), self.budget_bytes, owners)
+
+    def _switch_fits(self, src: str, dst: str, cands: Mapping[str, BatchShape]) -> bool:
+        b = cands[dst]
+        owners = b.owners if get_layout(dst).uses_owners else None
+        return self.feasibility.switch_feasible(src, dst, b.tokens_after(), self.budget_bytes,
+                                                owners)
+
+    def _with_admissions(self, name: str, batch: BatchShape,
                          waiting: Sequence[int]) -> tuple[BatchShape, int]:
         """``batch`` plus, as decode rows, the longest prefix of ``waiting`` that fits."""
         waiting = list(waiting)[: self.max_admission_probe]
         if not waiting:
             return batch, 0
+        tokens = batch.tokens_after()
         lo, hi = 0, len(waiting)  # largest k whose admission stays feasible (binary search)
         while lo < hi:
             k = (lo + hi + 1) // 2
@@ -160,11 +187,18 @@ class LayoutPolicy:
     def _switch(self, src: str, dst: str, reason: str, times: dict[str, float],
                 admitted: dict[str, int], cost: float) -> Decision:
         self._since_switch = 0
+        self._ema.clear()
         return self._record(Decision(dst, True, reason, times, cost, admitted))
 
     def _record(self, decision: Decision) -> Decision:
         self.history.append(decision)
         return decision
+
+    def reset(self) -> None:
+        """Forget history, smoothed scores and dwell (a new run)."""
+        self.history.clear()
+        self._ema.clear()
+        self._since_switch = self.min_dwell_steps
 
     def stats(self) -> dict:
         """Counts over the bounded history: decisions, switches, chosen layouts."""
@@ -175,8 +209,9 @@ class LayoutPolicy:
 
 
 def _describe(name: str, times: dict[str, float], admitted: dict[str, int]) -> str:
-    extra = f", admits {admitted[name]} waiting" if admitted.get(name) else ""
-    return f"{name} predicted {times[name]:.2f} ms{extra}"
+    if any(admitted.values()):  # scores are rows per ms once admissions differ
+        return f"{name} predicted {times[name]:.2f} ms admitting {admitted[name]} waiting"
+    return f"{name} predicted {times[name]:.2f} ms"
 
 
 def build_policy(cfg, world: int, profile, budget_bytes: int, *, weight_dtype: str = "bf16",

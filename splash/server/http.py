@@ -39,14 +39,15 @@ class OpenAIHTTPServer(ThreadingHTTPServer):
 
     def __init__(self, host: str, port: int, zmq_endpoint: str, context: Any,
                  token: str | None, tokenizer: Any, model_name: str,
-                 max_body_bytes: int = P.DEFAULT_MAX_FRAME_BYTES, timeout: float = 30.0) -> None:
+                 max_body_bytes: int = P.DEFAULT_MAX_FRAME_BYTES,
+                 request_timeout_s: float = 30.0) -> None:
         super().__init__((host, port), _Handler)
         self.zmq_endpoint, self.context, self.token = zmq_endpoint, context, token
         self.tokenizer, self.model_name = tokenizer, model_name
-        self.max_body_bytes, self.timeout = max_body_bytes, timeout
+        self.max_body_bytes, self.request_timeout_s = max_body_bytes, request_timeout_s
 
     def client(self) -> Client:
-        return Client(self.zmq_endpoint, timeout=self.timeout, token=self.token or "",
+        return Client(self.zmq_endpoint, timeout=self.request_timeout_s, token=self.token or "",
                       context=self.context)
 
     def start(self) -> threading.Thread:

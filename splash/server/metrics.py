@@ -7,7 +7,7 @@ left out rather than invented.
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import Counter, defaultdict
 from typing import Any
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -55,7 +55,7 @@ def render_metrics(stats: dict[str, Any]) -> str:
     by_dir = Counter((str(s.get("from")), str(s.get("to"))) for s in switches if isinstance(s, dict))
     w.family("layout_switches_total", "counter", "live layout switches by direction",
              [({"from": a, "to": b}, n) for (a, b), n in sorted(by_dir.items())])
-    overhead: Counter[tuple[str, str]] = Counter()
+    overhead: defaultdict[tuple[str, str], float] = defaultdict(float)
     for s in switches:
         if isinstance(s, dict) and _number(s.get("overhead_ms")) is not None:
             overhead[(str(s.get("from")), str(s.get("to")))] += float(s["overhead_ms"])

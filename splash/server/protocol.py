@@ -39,8 +39,7 @@ TokenId = Annotated[int, msgspec.Meta(ge=0)]
 
 
 # ----------------------------------------------------------------------------- requests
-class Request(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, frozen=True,
-              kw_only=True):
+class Request(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, kw_only=True):
     v: int  # sender's PROTOCOL_VERSION
     id: RequestId  # correlation id, echoed by every reply to this message
     token: str = ""  # shared secret; required when the server has one (health excepted)
@@ -78,8 +77,7 @@ AnyRequest = Generate | Abort | Stats | SwitchLayout | Health | KeepAlive
 
 
 # ----------------------------------------------------------------------------- replies
-class Reply(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, frozen=True,
-            kw_only=True):
+class Reply(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, kw_only=True):
     v: int = PROTOCOL_VERSION
     id: str  # correlation id of the request answered ("" if it could not be read)
 

@@ -108,6 +108,7 @@ class ZmqServer:
         self._failed_at = 0.0
         self._exit_code = 0
         self._next_lease_check = 0.0
+        self._next_health_check = 0.0
         self._bad_log_times: list[float] = []
 
     # ------------------------------------------------------------------ loop
@@ -123,6 +124,7 @@ class ZmqServer:
                 if self._monitor in events:
                     self._drain_monitor()
                 self._expire_leases()
+                self._check_health()
                 if self._failure is not None:
                     if time.monotonic() - self._failed_at >= self.config.fail_grace_s:
                         break
@@ -148,6 +150,15 @@ class ZmqServer:
             return
         for out in outputs:
             self._deliver(out)
+
+    def _check_health(self) -> None:
+        """About once a second: a worker that died while the engine was idle is noticed here
+        (a busy engine notices it in step())."""
+        now = time.monotonic()
+        if self._failure is None and now >= self._next_health_check:
+            self._next_health_check = now + 1.0
+            if not self.engine.is_healthy():
+                self._fail_all("worker died: the engine reports its worker group down")
 
     def _deliver(self, out: RequestOutput) -> None:
         lease = self._leases.get(out.request_id)

@@ -1,0 +1,19 @@
+"""What a worker needs to start (picklable; imports nothing heavy)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model: str  # checkpoint dir
+    rank: int
+    world: int
+    backend: str  # resolved backend name
+    dtype: str  # weights/activations
+    kv_dtype: str
+    page_size: int
+    num_pages: int  # physical KV pages of this rank
+    layout: str  # layout at start
+    dist_init: str = ""  # torch.distributed init method ("" with world == 1; "env://")

@@ -1,0 +1,59 @@
+"""`splash generate`: offline generation from the command line (CONTRACT)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from splash.errors import InvalidRequestError
+from splash.sampling_params import SamplingParams
+
+
+def parse_layout_plan(text: str | None) -> list[tuple[int, str]]:
+    """'3:dop,6:tp' -> [(3, 'dop'), (6, 'tp')]."""
+    if not text:
+        return []
+    plan = []
+    for item in text.split(","):
+        step, _, name = item.partition(":")
+        if not step.strip().isdigit() or not name:
+            raise InvalidRequestError(f"bad --layout-plan item {item!r}; expected STEP:LAYOUT")
+        plan.append((int(step), name.strip()))
+    return plan
+
+
+def parse_prompt_ids(items: list[str]) -> list[list[int]]:
+    prompts = []
+    for item in items:
+        try:
+            prompts.append([int(t) for t in item.split(",") if t.strip()])
+        except ValueError:
+            raise InvalidRequestError(f"bad --prompt-ids {item!r}; expected 1,2,3") from None
+    return prompts
+
+
+def generate_main(args: Any) -> int:
+    from splash.llm import LLM
+
+    prompts = parse_prompt_ids(args.prompt_ids) or [[1, 2, 3]]
+    plan = parse_layout_plan(args.layout_plan)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    engine_kw = {k: getattr(args, k) for k in ("dtype", "kv_dtype", "page_size", "max_model_len",
+                                                "kv_pages_per_rank") if getattr(args, k) is not None}
+    with LLM(args.model, tp_size=args.tp_size, backend=args.backend, layout=args.layout,
+             **engine_kw) as llm:
+        outs = llm.generate(prompts, params, layout_plan=plan)
+        stats = llm.stats()
+    for out in outs:
+        if args.json:
+            print(json.dumps({"request_id": out.request_id, "token_ids": out.token_ids,
+                              "finish_reason": out.finish_reason}))
+        else:
+            print(f"{out.request_id}: {out.token_ids} ({out.finish_reason})")
+    if args.json:
+        print(json.dumps({"stats": stats}))
+    else:
+        print(f"layout {stats['layout']}, switches: "
+              f"{[(s['from'], s['to']) for s in stats['switches']]}", file=sys.stderr)
+    return 0

@@ -1,0 +1,212 @@
+"""The serving surface against a stand-in engine (fast): protocol, client, leases, faults,
+HTTP. The same paths against the real engine are in test_serve_e2e.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+
+import msgspec
+import pytest
+from serve_helpers import FakeEngine, RawPeer, fake_tokens, thread_server
+
+from splash.client import AsyncClient, Client
+from splash.errors import (
+    InvalidRequestError,
+    NotFoundError,
+    ProtocolError,
+    RequestTimeoutError,
+    WorkerDiedError,
+)
+from splash.sampling_params import SamplingParams
+from splash.server import protocol as P
+
+pytestmark = pytest.mark.timeout(60)
+GREEDY = SamplingParams(max_tokens=5, temperature=0.0)
+
+
+def test_generate_stream_and_control() -> None:
+    with thread_server(FakeEngine()) as server, Client(server.endpoint, timeout=5) as c:
+        out = c.generate([1, 2, 3], GREEDY)
+        assert out.token_ids == fake_tokens([1, 2, 3], 5, 1000)
+        assert out.finished and out.finish_reason == "length"
+        with c.stream([4, 5], GREEDY) as s:
+            deltas = list(s)
+        assert deltas == [[t] for t in fake_tokens([4, 5], 5, 1000)]
+        assert s.output is not None and s.output.token_ids == fake_tokens([4, 5], 5, 1000)
+        assert c.health() is True
+        c.switch_layout("dop")
+        stats = c.stats()
+        assert stats["layout"] == "dop" and stats["server"]["requests_finished"] == 2
+        with pytest.raises(InvalidRequestError, match="unknown layout"):
+            c.switch_layout("zz")
+        with pytest.raises(InvalidRequestError, match="empty prompt"):
+            c.generate([], GREEDY)
+        with pytest.raises(InvalidRequestError, match="max_tokens"):
+            c.generate([1], {"max_tokens": 0})  # type: ignore[arg-type]
+        with pytest.raises(NotFoundError):
+            c.abort("nope")
+
+
+def test_async_client_many_concurrent() -> None:
+    async def run(addr: str) -> None:
+        async with AsyncClient(addr, timeout=10) as c:
+            prompts = [[i, i + 1] for i in range(100)]
+            outs = await asyncio.gather(*(c.generate(p, GREEDY) for p in prompts))
+            for p, o in zip(prompts, outs):
+                assert o.token_ids == fake_tokens(p, 5, 1000)
+            s = await c.stream([7], GREEDY)
+            got = [d async for d in s]
+            assert sum(got, []) == fake_tokens([7], 5, 1000)
+            assert await c.health()
+
+    with thread_server(FakeEngine()) as server:
+        asyncio.run(run(server.endpoint))
+
+
+def test_stream_close_aborts_and_frees_pages() -> None:
+    engine = FakeEngine(step_delay_s=0.01)
+    with thread_server(engine) as server, Client(server.endpoint, timeout=5) as c:
+        base = c.stats()["kv_pages_used"]
+        s = c.stream([1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True))
+        next(s)
+        assert c.stats()["kv_pages_used"] != base
+        s.close()
+        _wait_for(lambda: c.stats()["kv_pages_used"] == base)
+        assert c.stats()["server"]["aborts"] == 1
+
+
+def test_silent_client_lease_expires() -> None:
+    engine = FakeEngine(step_delay_s=0.01)
+    with thread_server(engine, client_timeout_s=0.5) as server:
+        peer = RawPeer(server.endpoint)  # sends generate, then never renews its lease
+        msg = P.Generate(v=1, id="gone-1", prompt_token_ids=[1], stream=True,
+                         params={"max_tokens": 400, "ignore_eos": True})
+        peer.send(P.encode(msg))
+        assert isinstance(P.decode_reply(peer.recv()), P.Delta)
+        with Client(server.endpoint, timeout=5) as c:
+            _wait_for(lambda: c.stats()["server"]["lease_expired"] == 1)
+            assert c.stats()["kv_pages_used"] == [0, 0]
+        peer.close()
+
+
+def test_bad_frames_get_error_replies() -> None:
+    with thread_server(FakeEngine(), max_frame_bytes=4096) as server:
+        peer = RawPeer(server.endpoint)
+        cases = [b"", b"\xc1", b"\x93\x01\x02\x03", msgspec.msgpack.encode({"type": "health"}),
+                 msgspec.msgpack.encode({"type": "health", "v": 9, "id": "x"}),
+                 msgspec.msgpack.encode({"type": "generate", "v": 1, "id": "g",
+                                         "prompt_token_ids": [-1]}),
+                 msgspec.msgpack.encode({"type": "stats", "v": 1, "id": "s", "extra": 1}),
+                 b"\x00" * 5000]
+        for frame in cases:
+            peer.send(frame)
+            reply = P.decode_reply(peer.recv())
+            assert isinstance(reply, P.Error) and reply.code == "protocol", frame[:20]
+        peer.send(b"a", b"b")
+        assert P.decode_reply(peer.recv()).code == "protocol"
+        peer.send(b"\x00" * 10_000)  # over the hard limit: zmq drops the connection
+        assert peer.recv(0.5) is None
+        with Client(server.endpoint, timeout=5) as c:
+            assert c.generate([3], GREEDY).token_ids == fake_tokens([3], 5, 1000)
+            _wait_for(lambda: c.stats()["server"]["dropped_connections"] >= 1)
+        peer.close()
+
+
+def test_token_required_and_checked() -> None:
+    with thread_server(FakeEngine(), token="s3cret") as server:
+        with Client(server.endpoint, timeout=5, token="wrong") as c:
+            assert c.health()  # health is exempt
+            with pytest.raises(ProtocolError, match="token"):
+                c.stats()
+        with Client(server.endpoint, timeout=5, token="s3cret") as c:
+            assert c.generate([1], GREEDY).token_ids == fake_tokens([1], 5, 1000)
+
+
+def test_worker_death_fails_waiters_fast() -> None:
+    engine = FakeEngine(step_delay_s=0.01)
+    with thread_server(engine, fail_grace_s=0.5) as server:
+        with Client(server.endpoint, timeout=5) as c:
+            s = c.stream([1], SamplingParams(max_tokens=400, ignore_eos=True))
+            next(s)
+            t0 = time.monotonic()
+            engine.kill_worker()
+            with pytest.raises(WorkerDiedError, match="worker"):
+                list(s)
+            assert time.monotonic() - t0 < 2
+            assert c.health() is False
+        _wait_for(lambda: server.exit_codes == [3])  # type: ignore[attr-defined]
+
+
+def test_timeout_when_nobody_answers() -> None:
+    with Client("tcp://127.0.0.1:9", timeout=0.3) as c:
+        t0 = time.monotonic()
+        with pytest.raises(RequestTimeoutError):
+            c.health()
+        assert time.monotonic() - t0 < 2
+
+
+def test_http_endpoints() -> None:
+    from splash.server.http import OpenAIHTTPServer
+
+    with thread_server(FakeEngine()) as server:
+        http = OpenAIHTTPServer("127.0.0.1", 0, server.inproc_endpoint, server.context,
+                                None, None, "fake")
+        http.start()
+        url = f"http://127.0.0.1:{http.server_address[1]}"
+        try:
+            body = {"prompt": [1, 2], "max_tokens": 4, "temperature": 0}
+            got = _post(url + "/v1/completions", body)
+            assert got["choices"][0]["token_ids"] == fake_tokens([1, 2], 4, 1000)
+            events = _post_sse(url + "/v1/completions", {**body, "stream": True})
+            assert sum((e["choices"][0]["token_ids"] for e in events), []) == \
+                fake_tokens([1, 2], 4, 1000)
+            assert events[-1]["choices"][0]["finish_reason"] == "length"
+            with pytest.raises(urllib.error.HTTPError) as err:
+                _post(url + "/v1/chat/completions", {"messages": [{"role": "user",
+                                                                   "content": "hi"}]})
+            assert err.value.code == 400 and b"chat template" in err.value.read()
+            with pytest.raises(urllib.error.HTTPError) as err:
+                _post(url + "/v1/completions", {"prompt": "text needs a tokenizer"})
+            assert err.value.code == 400
+            assert json.loads(urllib.request.urlopen(url + "/health", timeout=5).read()) == \
+                {"status": "ok"}
+            text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+            assert 'splash_layout_info{layout="tp"} 1.0' in text
+        finally:
+            http.shutdown()
+            http.server_close()
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    return json.loads(urllib.request.urlopen(req, timeout=10).read())
+
+
+def _post_sse(url: str, body: dict) -> list[dict]:
+    req = urllib.request.Request(url, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert resp.headers["Content-Type"] == "text/event-stream"
+        chunks = [ln[6:] for ln in resp.read().decode().split("\n\n") if ln.startswith("data: ")]
+    assert chunks[-1] == "[DONE]"
+    return [json.loads(c) for c in chunks[:-1]]
+
+
+def _wait_for(cond, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def test_fuzzed_frames_never_break_the_server() -> None:
+    from serve_helpers import fuzz_server
+
+    with thread_server(FakeEngine()) as server:
+        assert fuzz_server(server.endpoint, examples_per_kind=260) >= 1000
+        with Client(server.endpoint, timeout=5) as c:
+            assert c.generate([9], GREEDY).token_ids == fake_tokens([9], 5, 1000)

@@ -1,0 +1,161 @@
+"""mla_decode against its fp64 torch reference, and its argument checks."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from kernel_data import assert_close, assert_lse, block_table, paged_cache
+
+from splash.kernels_triton import mla_decode, mla_decode_ref
+
+decode_module = importlib.import_module("splash.kernels_triton.mla_decode")
+
+# (L, R, page size, heads, lengths): ragged lengths with 0 and 1, pages crossed and filled
+# exactly, heads not a multiple of BLOCK_H (16 on the CPU), L/R not powers of two
+CASES = {
+    "ragged-p16": (32, 16, 16, 20, [0, 1, 35, 77]),
+    "npow2-p64": (24, 8, 64, 5, [64, 65, 3]),
+    "long-p64": (32, 16, 64, 16, [130]),
+}
+
+
+def _inputs(setting, L, R, PS, H, lens, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    dev = setting.device
+    num_pages = sum(-(-n // PS) for n in lens) + 3
+    kv, scale = paged_cache(num_pages, PS, L + R, setting.kv_dtype, dev, gen)
+    table = block_table(lens, PS, num_pages, dev, gen)
+    q = torch.randn(len(lens), H, L + R, generator=gen).to(setting.q_dtype).to(dev)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+    return q, kv, scale, table, seq_lens
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+@pytest.mark.parametrize("case", list(CASES))
+def test_decode_matches_reference(setting, case, num_splits):
+    L, R, PS, H, lens = CASES[case]
+    q, kv, scale, table, seq_lens = _inputs(setting, L, R, PS, H, lens)
+    sm_scale = (L + R) ** -0.5
+    out, lse = mla_decode(q, kv, table, seq_lens, sm_scale, L, kv_scale=scale, num_splits=num_splits)
+    ref_out, ref_lse = mla_decode_ref(q, kv, table, seq_lens, sm_scale, L, kv_scale=scale)
+    assert out.shape == (len(lens), H, L) and out.dtype == q.dtype
+    assert lse.shape == (len(lens), H) and lse.dtype == torch.float32
+    assert_close(out, ref_out, setting.atol, setting.rtol)
+    assert_lse(lse, ref_lse, setting.lse_tol)
+    empty = torch.tensor(lens) == 0
+    assert torch.all(out.cpu()[empty] == 0) and torch.all(torch.isneginf(lse.cpu()[empty]))
+
+
+# launch variants the GPU tables use, run on small shapes: the transposed (small head group)
+# form, wider tiles than a page, wider head groups
+CONFIGS = {
+    "transposed": {"transposed": True},
+    "tile-gt-page": {"BLOCK_N": 32},
+    "block-h-32": {"BLOCK_H": 32, "BLOCK_N": 32},
+}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_decode_launch_variants(device, config):
+    from conftest import make_setting
+
+    setting = make_setting("fp32")
+    L, R, PS, H, lens = CASES["ragged-p16"]
+    q, kv, scale, table, seq_lens = _inputs(setting, L, R, PS, H, lens, seed=1)
+    out, lse = mla_decode(q, kv, table, seq_lens, 0.1, L, num_splits=2, config=CONFIGS[config])
+    ref_out, ref_lse = mla_decode_ref(q, kv, table, seq_lens, 0.1, L)
+    assert_close(out, ref_out, setting.atol, setting.rtol)
+    assert_lse(lse, ref_lse, setting.lse_tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_kind", ["bf16", "fp8"])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_decode_deepseek_shapes(gpu_device, heads, kv_kind):
+    """The production shapes (L=512, R=64, page 64) with the default GPU launch parameters."""
+    gen = torch.Generator().manual_seed(3)
+    L, R, PS = 512, 64, 64
+    kv_dtype = torch.float8_e4m3fn if kv_kind == "fp8" else torch.bfloat16
+    lens = [1, 700, 2500]
+    num_pages = sum(-(-n // PS) for n in lens) + 2
+    kv, scale = paged_cache(num_pages, PS, L + R, kv_dtype, gpu_device, gen)
+    table = block_table(lens, PS, num_pages, gpu_device, gen)
+    q = torch.randn(len(lens), heads, L + R, generator=gen).to(torch.bfloat16).to(gpu_device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=gpu_device)
+    for splits in (1, None):
+        out, lse = mla_decode(q, kv, table, seq_lens, 0.1147, L, kv_scale=scale, num_splits=splits)
+        ref_out, ref_lse = mla_decode_ref(q, kv, table, seq_lens, 0.1147, L, kv_scale=scale)
+        assert_close(out, ref_out, 2e-2, 2e-2)
+        assert_lse(lse, ref_lse, 2e-3)
+
+
+def test_decode_empty_batch_does_not_launch(device, monkeypatch):
+    def boom(*args, **kwargs):
+        raise AssertionError("launched on an empty batch")
+
+    monkeypatch.setattr(decode_module._mla_decode_kernel, "run", boom)
+    q = torch.zeros(0, 4, 48, device=device)
+    kv = torch.zeros(3, 16, 48, device=device)
+    out, lse = mla_decode(
+        q, kv, torch.zeros(0, 2, dtype=torch.int32, device=device),
+        torch.zeros(0, dtype=torch.int32, device=device), 0.1, 32,
+    )
+    assert out.shape == (0, 4, 32) and lse.shape == (0, 4)
+
+
+def test_num_splits_heuristic():
+    cpu = torch.device("cpu")
+    cfg = decode_module.decode_config(16, cpu, {"split_waves": 2.0, "min_split_tokens": 256})
+    # 4 "SMs" on the CPU: few long requests get several splits, capped by the length
+    assert decode_module.choose_num_splits(1, 1, 4096, cpu, cfg) == 8
+    assert decode_module.choose_num_splits(1, 1, 300, cpu, cfg) == 2
+    assert decode_module.choose_num_splits(64, 1, 4096, cpu, cfg) == 1
+
+
+# ------------------------------------------------------------------ bad inputs
+
+
+def _good(device):
+    q = torch.zeros(2, 4, 48, device=device)
+    kv = torch.zeros(6, 16, 48, device=device)
+    table = torch.zeros(2, 3, dtype=torch.int32, device=device)
+    lens = torch.tensor([5, 40], dtype=torch.int32, device=device)
+    return dict(q=q, kv_cache=kv, block_table=table, seq_lens=lens, sm_scale=0.1, kv_lora_rank=32)
+
+
+BAD = {
+    "q int dtype": (lambda a: a.update(q=a["q"].int()), "q has dtype"),
+    "q/kv dtype mismatch": (lambda a: a.update(q=a["q"].half()), "must match"),
+    "q 2-D": (lambda a: a.update(q=a["q"][0]), "q must have 3 dims"),
+    "D mismatch": (lambda a: a.update(q=a["q"][..., :40]), "row width"),
+    "kv_lora_rank too big": (lambda a: a.update(kv_lora_rank=48), "kv_lora_rank"),
+    "block table too short": (lambda a: a.update(block_table=a["block_table"][:, :2]), "block table too short"),
+    "page outside pool": (lambda a: a["block_table"].fill_(6), "outside the pool"),
+    "negative length": (lambda a: a["seq_lens"].fill_(-1), "negative"),
+    "seq_lens float": (lambda a: a.update(seq_lens=a["seq_lens"].float()), "seq_lens has dtype"),
+    "seq_lens count": (lambda a: a.update(seq_lens=a["seq_lens"][:1]), "one length per query row"),
+    "table rows": (lambda a: a.update(block_table=a["block_table"][:1]), "one row per query row"),
+    "fp8 without scale": (lambda a: a.update(kv_cache=a["kv_cache"].to(torch.float8_e4m3fn)), "kv_scale"),
+    "scale on non-fp8": (lambda a: a.update(kv_scale=torch.ones(6, 16)), "only used with fp8"),
+    "fp8 scale shape": (
+        lambda a: a.update(kv_cache=a["kv_cache"].to(torch.float8_e4m3fn), kv_scale=torch.ones(6, 8)),
+        "one scale per stored row",
+    ),
+    "kv strided rows": (lambda a: a.update(kv_cache=torch.zeros(6, 16, 96)[..., ::2]), "contiguous in its last dim"),
+    "num_splits 0": (lambda a: a.update(num_splits=0), "num_splits"),
+    "bad BLOCK_H": (lambda a: a.update(config={"BLOCK_H": 24}), "BLOCK_H"),
+    "device mismatch": (lambda a: a.update(seq_lens=a["seq_lens"].to("meta")), "seq_lens is on"),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD))
+def test_decode_rejects_bad_input(bad):
+    args = _good(torch.device("cpu"))
+    mutate, message = BAD[bad]
+    mutate(args)
+    if "kv_scale" in args and args["kv_scale"] is not None:
+        args["kv_scale"] = args["kv_scale"].to(args["kv_cache"].device)
+    with pytest.raises(ValueError, match=message):
+        mla_decode(**args)
