@@ -45,7 +45,8 @@ class CPAttention(AttentionLayout):
         world, rank, ps = self.comm.world, self.comm.rank, meta.page_size
         cache, scale = self.store.layer(layer)
         plan = meta.cached("cp.pre_plan", lambda: self._prefill_plan(meta, pre))
-        local, local_scale = kv_gather(cache, plan["local_slots"], kv_scale=scale)
+        gathered_local = kv_gather(cache, plan["local_slots"], kv_scale=scale)
+        local, local_scale = gathered_local if scale is not None else (gathered_local, None)
         rows = self.comm.all_gather_rows(local, plan["counts"])  # every held row, rank order
         flat = torch.zeros((plan["num_pages"] * ps, cache.shape[2]), dtype=cache.dtype,
                            device=cache.device)

@@ -13,6 +13,7 @@ lightning indexer over the whole history (2·index_heads·index_dim FLOPs per to
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,18 +172,26 @@ class CostModel:
         out["comm_bytes_per_rank"] = float((st["comm_bytes"] + mlp_ar[1]) * layers)
         return out
 
-    def switch_cost(self, src: str, dst: str, batch: BatchShape) -> SwitchCost:
-        """Bytes each rank receives per layer (DESIGN §1 switch table) and the switch's time."""
+    def switch_cost(self, src: str, dst: str, batch: BatchShape,
+                    live_tokens: Sequence[int] | None = None,
+                    live_owners: Sequence[int] | None = None) -> SwitchCost:
+        """Bytes each rank receives per layer (DESIGN §1 switch table) and the switch's time,
+        switching before ``batch`` runs. ``live_tokens``: KV tokens of every live request
+        (default: those of ``batch``); ``live_owners``: their owners (default: greedy)."""
         s, d = get_layout(src), get_layout(dst)
         T, layers = self.world, self.cfg.num_hidden_layers
-        tokens = batch.tokens_after() - 1 if batch.num_requests else np.zeros(0, np.int64)
-        tokens = np.maximum(tokens, 0)
+        if live_tokens is None:
+            tokens = np.maximum(batch.tokens_after() - 1, 0)
+            owners = self._owners(batch, tokens)
+        else:
+            tokens = np.asarray(live_tokens, dtype=np.int64)
+            owners = (assign_owners(tokens, T) if live_owners is None
+                      else np.asarray(live_owners, dtype=np.int64))
         prims: list[str] = []
         w_bytes = 0
         if s.shards_heads and not d.shards_heads and T > 1:
             w_bytes = self.memory.weight_allgather_bytes_per_rank_per_layer
             prims.append("weight all-gather")
-        owners = self._owners(batch, tokens)
         ps = self.page_size
         held_src = held_tokens(s, tokens, owners, T, ps, whole_pages=False)
         held_dst = held_tokens(d, tokens, owners, T, ps, whole_pages=False)
@@ -204,9 +213,13 @@ class CostModel:
         return SwitchCost(src, dst, tuple(prims), w_bytes, kv_bytes, per_layer, live,
                           per_layer * layers)
 
-    def switch_cost_ms(self, src: str, dst: str, batch: BatchShape) -> float:
+    def switch_cost_ms(self, src: str, dst: str, batch: BatchShape,
+                       live_tokens: Sequence[int] | None = None,
+                       live_owners: Sequence[int] | None = None) -> float:
         """Live (layer-pipelined) switch overhead in ms; 0 for pure discards."""
-        return 0.0 if src == dst else self.switch_cost(src, dst, batch).live_ms
+        if src == dst:
+            return 0.0
+        return self.switch_cost(src, dst, batch, live_tokens, live_owners).live_ms
 
     # -- pieces ----------------------------------------------------------------------------
     def _owners(self, batch: BatchShape, tokens: np.ndarray) -> np.ndarray:

@@ -25,7 +25,8 @@ from splash.scheduler.cost_model import BatchShape, CostModel
 from splash.scheduler.feasibility import Feasibility
 
 CostFn = Callable[[str, BatchShape], float]
-SwitchCostFn = Callable[[str, str, BatchShape], float]
+# (src, dst, batch, live tokens per request, their owners or None) -> ms
+SwitchCostFn = Callable[[str, str, BatchShape, np.ndarray, Sequence[int] | None], float]
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,9 @@ class LayoutPolicy:
     # -- the decision ----------------------------------------------------------------------
     def decide(self, current: str, batch: BatchShape, expected_remaining_steps: float,
                waiting_prompt_lens: Sequence[int] = (),
-               candidate_batches: Mapping[str, BatchShape] | None = None) -> Decision:
+               candidate_batches: Mapping[str, BatchShape] | None = None,
+               live_tokens: Sequence[int] | None = None,
+               live_owners: Sequence[int] | None = None) -> Decision:
         """Layout of the next step for ``batch`` (this step's work, live requests' contexts).
 
         ``expected_remaining_steps``: steps the current mix is expected to last (the gain
@@ -89,26 +92,48 @@ class LayoutPolicy:
         ``candidate_batches``: the step the scheduler would build under another layout (owned
         layouts share the prefill budget among owners); a layout missing there uses ``batch``.
         Layouts are compared by rows per millisecond, so compositions may differ.
+        ``live_tokens``: KV tokens held (or reserved) by *every* live request, scheduled in this
+        step or not (default: ``batch``'s); ``live_owners``: their owners under the current
+        layout when it is owned (DP <-> DOP keep owners; other switches place them greedily).
         """
         self._since_switch += 1
+        if live_tokens is None:
+            tokens, owners = batch.tokens_after(), batch.owners
+        else:
+            tokens, owners = np.asarray(live_tokens, dtype=np.int64), live_owners
+        if not get_layout(current).uses_owners:
+            owners = None
         cands = {n: (candidate_batches or {}).get(n, batch) for n in self.layouts}
-        feas = {n: self._fits(n, cands[n]) for n in self.layouts}
+        feas = {n: self._fits(n, tokens, owners) for n in self.layouts}
         ok = [n for n in self.layouts if feas[n]]
         times, rows, admitted = {}, {}, {}
         for n in ok:
-            b, k = self._with_admissions(n, cands[n], waiting_prompt_lens)
+            b, k = self._with_admissions(n, cands[n], tokens, waiting_prompt_lens)
             times[n], rows[n], admitted[n] = self.cost_fn(n, b), b.num_rows, k
         if not ok:
             return self._record(Decision(current, False, "no layout fits the memory budget: "
                                          "hold admission", times, 0.0, admitted))
+
+        def switch_ms(dst: str) -> float:
+            return self.switch_cost_fn(current, dst, batch, tokens, owners)
+
+        def switch_fits(dst: str) -> bool:
+            own = owners if get_layout(dst).uses_owners else None
+            f = self.feasibility
+            if not feas.get(current, False):  # the source is resident already: dst + buffer
+                need = f.per_rank_bytes(dst, tokens, own) + f.switch_buffer_bytes(
+                    current, dst, tokens, own)
+                return need <= self.budget_bytes
+            return f.switch_feasible(current, dst, tokens, self.budget_bytes, own)
+
         raw = {n: rows[n] / max(times[n], 1e-9) for n in ok}  # rows per ms
         if not feas.get(current, False):  # forced: margin, dwell and smoothing do not apply
             self._ema.clear()
             for cand in sorted(ok, key=lambda n: -raw[n]):
-                if self._switch_fits(current, cand, cands):
+                if switch_fits(cand):
                     return self._switch(current, cand, f"{current} no longer fits the budget; "
                                         f"{_describe(cand, times, admitted)}", times, admitted,
-                                        self.switch_cost_fn(current, cand, batch))
+                                        switch_ms(cand))
             return self._record(Decision(current, False, f"{current} no longer fits and no "
                                          "switch fits the headroom: hold admission", times, 0.0,
                                          admitted))
@@ -120,7 +145,7 @@ class LayoutPolicy:
             return self._record(Decision(current, False, f"{current} is best "
                                          f"({_describe(current, times, admitted)})", times, 0.0,
                                          admitted))
-        cost = self.switch_cost_fn(current, best, batch)
+        cost = switch_ms(best)
         lead = 1.0 - 1.0 / rel[best]
         versus = (f"{_describe(best, times, admitted)} vs {_describe(current, times, admitted)} "
                   f"(-{lead:.0%})")
@@ -137,7 +162,7 @@ class LayoutPolicy:
         if horizon <= cost:
             return self._record(Decision(current, False, f"{versus}; {economics}: stay", times,
                                          0.0, admitted))
-        if not self._switch_fits(current, best, cands):
+        if not switch_fits(best):
             return self._record(Decision(current, False, f"{versus}; switch deferred: one "
                                          "layer of headroom does not fit", times, 0.0, admitted))
         return self._switch(current, best, f"{versus} > margin {self.margin:.0%}; {economics}",
@@ -153,23 +178,16 @@ class LayoutPolicy:
         self._ema[name] = value
         return value
 
-    def _fits(self, name: str, batch: BatchShape) -> bool:
-        owners = batch.owners if get_layout(name).uses_owners else None
-        return self.feasibility.feasible(name, batch.tokens_after(), self.budget_bytes, owners)
+    def _fits(self, name: str, tokens: np.ndarray, owners: Sequence[int] | None) -> bool:
+        own = owners if get_layout(name).uses_owners else None  # None: placed greedily
+        return self.feasibility.feasible(name, tokens, self.budget_bytes, own)
 
-    def _switch_fits(self, src: str, dst: str, cands: Mapping[str, BatchShape]) -> bool:
-        b = cands[dst]
-        owners = b.owners if get_layout(dst).uses_owners else None
-        return self.feasibility.switch_feasible(src, dst, b.tokens_after(), self.budget_bytes,
-                                                owners)
-
-    def _with_admissions(self, name: str, batch: BatchShape,
+    def _with_admissions(self, name: str, batch: BatchShape, tokens: np.ndarray,
                          waiting: Sequence[int]) -> tuple[BatchShape, int]:
         """``batch`` plus, as decode rows, the longest prefix of ``waiting`` that fits."""
         waiting = list(waiting)[: self.max_admission_probe]
         if not waiting:
             return batch, 0
-        tokens = batch.tokens_after()
         lo, hi = 0, len(waiting)  # largest k whose admission stays feasible (binary search)
         while lo < hi:
             k = (lo + hi + 1) // 2

@@ -144,17 +144,18 @@ def simulate(trace: Sequence, cfg, profile, tp: int, layout: str = "auto",
                                        [r.owner for r in running] if owned() else None)
         if auto and steps - last_decide >= sim.decide_every:
             last_decide = steps
+            live = [max(r.computed, r.target) + 1 for r in running]  # held or reserved
             greedy = None  # owners a switch into an owned layout would place
             if not owned():
-                greedy = [int(o) for o in assign_owners(
-                    [max(r.computed, r.target) for r in running], T)]
+                greedy = [int(o) for o in assign_owners(live, T)]
             cands = {n: _schedule(running, sim.max_num_batched_tokens,
                                   (greedy or [r.owner for r in running])
                                   if get_layout(n).uses_owners else None)[2]
                      for n in policy.layouts if n != cur}
             horizon = float(np.mean([max(r.generated, 32) for r in running]))
             wait_lens = [w.target for w in list(waiting)[:64]] if blocked_by_kv else ()
-            d = policy.decide(cur, batch, horizon, wait_lens, cands)
+            d = policy.decide(cur, batch, horizon, wait_lens, cands, live,
+                              [r.owner for r in running] if owned() else None)
             if d.switch:
                 src, cur = cur, d.layout
                 if owned() and greedy is not None:  # the switch's collectives place owners

@@ -1,0 +1,81 @@
+"""Live layout switches among all four layouts (T=2 and T=4 over gloo): every one of the 12
+directions while requests decode and a chunked prefill is in flight gives the tokens of the
+run without switches; bytes received equal the manifest's prediction; a switch that does not
+fit is deferred, then completes; requests admitted after a switch complete."""
+
+from __future__ import annotations
+
+import pytest
+
+from splash import LLM, SamplingParams
+from tiny_models import checkpoint, hf_greedy, mixed_prompts
+
+# an Eulerian circuit of the complete directed graph on the four layouts: all 12 directions
+CIRCUIT = ["tp", "dp", "tp", "cp", "tp", "dop", "dp", "cp", "dp", "dop", "cp", "dop", "tp"]
+KW = dict(backend="cpu", page_size=4, max_num_batched_tokens=8)
+
+
+def _params(n):
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("mode", ["live", "blocking"])
+def test_all_twelve_directions_token_identical(world, mode):
+    if mode == "blocking" and world == 4:
+        pytest.skip("blocking mode is the measurement baseline; T=2 covers its correctness")
+    path = checkpoint("v3")
+    # short prompts decode while the 90-token prompt is prefilled in chunks across the
+    # first dozen steps: each switch step carries decodes and a chunked prefill
+    prompts = mixed_prompts(seed=11, lengths=(3, 5, 2, 90))
+    params = [_params(16)] * 3 + [_params(4)]
+    plan = [(1 + i, dst) for i, dst in enumerate(CIRCUIT[1:])]
+    with LLM(path, tp_size=world, layout=CIRCUIT[0], switch_mode=mode, **KW) as llm:
+        switched = llm.generate(prompts, params, layout_plan=plan)
+        stats = llm.stats()
+    with LLM(path, tp_size=world, layout=CIRCUIT[0], **KW) as llm:
+        plain = llm.generate(prompts, params)
+    assert [o.token_ids for o in switched] == [o.token_ids for o in plain]
+    directions = [(s["from"], s["to"]) for s in stats["switches"]]
+    assert directions == list(zip(CIRCUIT, CIRCUIT[1:]))
+    for s in stats["switches"]:
+        assert s["kv_bytes_received_per_rank"] == s["predicted_kv_bytes_per_rank"], s
+        assert s["weight_bytes_received_per_rank"] == s["predicted_weight_bytes_per_rank"], s
+        if (s["from"], s["to"]) in (("tp", "dop"), ("dp", "dop")):
+            assert s["kv_bytes_received"] == 0 and s["weight_bytes_received"] == 0
+        if (s["from"], s["to"]) == ("dop", "tp"):
+            assert s["kv_op"] == "all-gather" and s["kv_bytes_received"] > 0
+        if (s["from"], s["to"]) == ("dop", "dp"):
+            assert s["weight_op"] == "all-gather" and s["kv_bytes_received"] == 0
+        if {s["from"], s["to"]} in ({"cp", "dp"}, {"cp", "dop"}):
+            assert s["kv_op"] == "all-to-all"
+    assert stats["kv_pages_used"] == [0] * world
+
+
+def test_deferred_switch_completes_and_admits_after():
+    path = checkpoint("v3")
+    prompts = mixed_prompts(seed=2, lengths=(14, 14, 14, 14))
+    late = mixed_prompts(seed=9, lengths=(6, 8))
+    lengths = [4, 4, 8, 8]
+    kw = dict(KW, max_num_batched_tokens=64)  # one step prefills all four
+    with LLM(path, tp_size=2, layout="dop", kv_pages_per_rank=12, **kw) as llm:
+        eng = llm.engine
+        ids = [eng.add_request(p, _params(n)) for p, n in zip(prompts, lengths)]
+        outs = {}
+        while not all(eng.requests[r].output_token_ids for r in ids):  # all decoding
+            for o in eng.step():
+                outs[o.request_id] = o
+        eng.switch_layout("tp")  # TP replicates every history: 4 x 4 pages > 12 per rank
+        while eng.has_unfinished():
+            for o in eng.step():
+                outs[o.request_id] = o
+        stats = eng.stats()
+        assert stats["deferred_switches"] and stats["deferred_switches"][0]["to"] == "tp"
+        assert stats["deferred_switches"][0].get("resolved") is not None
+        assert [(s["from"], s["to"]) for s in stats["switches"]] == [("dop", "tp")]
+        assert stats["layout"] == "tp"
+        after = llm.generate(late, _params(5))
+    want = hf_greedy(path, prompts, 8)
+    for i, rid in enumerate(ids):
+        assert outs[rid].token_ids == want[i][: lengths[i]]
+    assert [o.token_ids for o in after] == hf_greedy(path, late, 5)
