@@ -31,6 +31,10 @@ class LLMEngine:
         self.model_cfg, self.world = s.model_cfg, cfg.tp_size
         self.scheduler, self.allocators = s.scheduler, s.allocators
         self.switches = SwitchController(self)
+        if cfg.layout == "auto" and cfg.tp_size > 1:
+            from splash.engine.auto_layout import AutoLayout
+
+            self.switches.policy = AutoLayout(s, cfg.policy_margin)
         self.executor = s.start_executor()
         self.tokenizer = s.load_tokenizer()
         self.vocab_size = self.model_cfg.vocab_size

@@ -1,0 +1,63 @@
+"""layout="auto": ask the policy every step which layout the next step should run in.
+
+The engine's batch is summarised as the cost model's BatchShape (decode rows with their
+contexts, prefill chunks with their prefixes); waiting prompts are passed for layout-aware
+admission. Every decision and its reason is kept for stats() and logged when it switches.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from splash.logging_utils import get_logger
+from splash.scheduler.cost_model import BatchShape
+from splash.scheduler.policy import build_policy
+
+logger = get_logger("splash.policy")
+
+
+class AutoLayout:
+    def __init__(self, setup: Any, margin: float, min_dwell_steps: int = 4) -> None:
+        from splash.backends import get_backend
+
+        profile = get_backend(setup.backend_name).profile
+        mem = setup.memory
+        from splash.layouts.ownership import LAYOUTS
+
+        # the budget that reproduces this engine's pool: static state + the physical pages
+        budget = mem.static_bytes_per_rank(LAYOUTS["dop"]) + setup.num_pages * mem.page_bytes
+        self.setup = setup
+        self.policy = build_policy(setup.model_cfg, setup.cfg.tp_size, profile, budget,
+                                   weight_dtype=mem.weight_dtype, kv_dtype=mem.kv_dtype,
+                                   page_size=setup.page_size, margin=margin,
+                                   min_dwell_steps=min_dwell_steps)
+
+    def __call__(self, engine: Any) -> str | None:
+        sched = engine.scheduler
+        running = list(sched.running)
+        if not running:
+            return None
+        budget = sched.cfg.max_num_batched_tokens
+        decode = [r.num_computed + 1 for r in running if r.num_pending <= 1]
+        prefill = [(min(r.num_pending, budget), r.num_computed)
+                   for r in running if r.num_pending > 1]
+        if not decode and not prefill:
+            return None
+        batch = BatchShape(decode_ctx=tuple(decode), prefill=tuple(prefill))
+        remaining = [max(r.params.max_tokens - len(r.output_token_ids), 1) for r in running]
+        decision = self.policy.decide(
+            engine.layout, batch, float(statistics.median(remaining)),
+            waiting_prompt_lens=[len(r.prompt_token_ids) for r in sched.waiting],
+            live_tokens=[max(r.num_computed, 1) for r in running],
+            live_owners=[r.owner for r in running])
+        record = {"step": engine.step_count, "layout": decision.layout,
+                  "switch": decision.switch, "reason": decision.reason}
+        decisions = engine.switches.decisions
+        decisions.append(record)
+        del decisions[:-200]
+        if decision.switch:
+            logger.info("policy: %s -> %s at step %d: %s", engine.layout, decision.layout,
+                        engine.step_count, decision.reason)
+            return decision.layout
+        return None
