@@ -127,7 +127,7 @@ def test_token_required_and_checked() -> None:
 
 def test_worker_death_fails_waiters_fast() -> None:
     engine = FakeEngine(step_delay_s=0.01)
-    with thread_server(engine, fail_grace_s=0.5) as server:
+    with thread_server(engine, fail_grace_s=2.0) as server:
         with Client(server.endpoint, timeout=5) as c:
             s = c.stream([1], SamplingParams(max_tokens=400, ignore_eos=True))
             next(s)
@@ -180,15 +180,15 @@ def test_http_endpoints() -> None:
             http.server_close()
 
 
-def _post(url: str, body: dict) -> dict:
+def _post(url: str, body: dict, headers: dict | None = None) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+                                 {"Content-Type": "application/json", **(headers or {})})
     return json.loads(urllib.request.urlopen(req, timeout=10).read())
 
 
-def _post_sse(url: str, body: dict) -> list[dict]:
+def _post_sse(url: str, body: dict, headers: dict | None = None) -> list[dict]:
     req = urllib.request.Request(url, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+                                 {"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=10) as resp:
         assert resp.headers["Content-Type"] == "text/event-stream"
         chunks = [ln[6:] for ln in resp.read().decode().split("\n\n") if ln.startswith("data: ")]
@@ -210,3 +210,48 @@ def test_fuzzed_frames_never_break_the_server() -> None:
         assert fuzz_server(server.endpoint, examples_per_kind=260) >= 1000
         with Client(server.endpoint, timeout=5) as c:
             assert c.generate([9], GREEDY).token_ids == fake_tokens([9], 5, 1000)
+
+
+class _CharTokenizer:
+    """Stand-in HF tokenizer: one token per character (ord % 1000)."""
+
+    chat_template = "{{ messages }}"
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(ch) % 1000 for ch in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(chr(97 + i % 26) for i in ids)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool,
+                            tokenize: bool) -> list[int]:
+        return self.encode("".join(m["content"] for m in messages) + ">")
+
+
+def test_http_text_and_chat_with_tokenizer() -> None:
+    from splash.server.http import OpenAIHTTPServer
+
+    tok = _CharTokenizer()
+    with thread_server(FakeEngine()) as server:
+        http = OpenAIHTTPServer("127.0.0.1", 0, server.inproc_endpoint, server.context,
+                                "tkn", tok, "fake")
+        http.start()
+        url = f"http://127.0.0.1:{http.server_address[1]}"
+        try:
+            with pytest.raises(urllib.error.HTTPError) as err:
+                _post(url + "/v1/completions", {"prompt": "hi"})
+            assert err.value.code == 401
+            auth = {"Authorization": "Bearer tkn"}
+            got = _post(url + "/v1/completions", {"prompt": "hi", "max_tokens": 3}, auth)
+            ids = fake_tokens(tok.encode("hi"), 3, 1000)
+            assert got["choices"][0]["text"] == tok.decode(ids)
+            chat = {"messages": [{"role": "user", "content": "yo"}], "max_tokens": 3}
+            got = _post(url + "/v1/chat/completions", chat, auth)
+            ids = fake_tokens(tok.apply_chat_template(chat["messages"], True, True), 3, 1000)
+            assert got["choices"][0]["message"]["content"] == tok.decode(ids)
+            events = _post_sse(url + "/v1/chat/completions", {**chat, "stream": True}, auth)
+            assert "".join(e["choices"][0]["delta"]["content"] for e in events) == \
+                tok.decode(ids)
+        finally:
+            http.shutdown()
+            http.server_close()
