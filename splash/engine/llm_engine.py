@@ -100,6 +100,8 @@ class LLMEngine:
         if not self.healthy:
             raise WorkerDiedError("the worker group is down; restart the engine")
         outputs, self._pending_outputs = self._pending_outputs, []
+        for out in outputs:
+            self.requests.pop(out.request_id, None)
         manifest = self.switches.prepare(self.step_count)
         batch = self.scheduler.schedule(allow_preemption=manifest is None)
         if not batch.entries and manifest is None:
@@ -115,7 +117,11 @@ class LLMEngine:
         self._step_ms_ema = step_ms if self._step_ms_ema is None else (
             0.9 * self._step_ms_ema + 0.1 * step_ms)
         self.step_count += 1
-        return outputs + self._update(batch, results[0].tokens)
+        outputs += self._update(batch, results[0].tokens)
+        for out in outputs:  # finished requests leave the table (ids may be reused)
+            if out.finished:
+                self.requests.pop(out.request_id, None)
+        return outputs
 
     def _update(self, batch, tokens: list[int]) -> list[RequestOutput]:
         outputs = []
@@ -190,7 +196,7 @@ class LLMEngine:
             "num_waiting": len(self.scheduler.waiting),
             "num_running": len(self.scheduler.running),
             "num_steps": self.step_count,
-            "num_preemptions": sum(r.num_preemptions for r in self.requests.values()),
+            "num_preemptions": self.scheduler.num_preemptions,
             "step_time_ms_ema": self._step_ms_ema,
             "tokens_generated": self._tokens_total,
             "tokens_per_s": self._tokens_total / elapsed,

@@ -52,6 +52,7 @@ class Scheduler:
         self.hold_admission = False  # set while a deferred switch waits for pages
         self.dirty: list[dict[str, int]] = [{} for _ in range(cfg.world)]  # rank: rid -> start
         self.released: list[str] = []
+        self.num_preemptions = 0
 
     # -- bookkeeping ----------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -62,9 +63,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def live_tokens_by_rank(self) -> list[int]:
+        """KV tokens per owner rank, counting rows already scheduled (pages taken) this step."""
         load = [0] * self.cfg.world
         for r in self.running:
-            load[r.owner] += r.num_computed
+            held = len(r.tables[r.owner]) * self.cfg.page_size if self.layout.uses_owners else 0
+            load[r.owner] += max(r.num_computed, held)
         return load
 
     def free(self, req: Request) -> None:
@@ -171,6 +174,7 @@ class Scheduler:
         self.free(victim)
         victim.num_computed = 0
         victim.num_preemptions += 1
+        self.num_preemptions += 1
         victim.status = Status.WAITING
         self.waiting.appendleft(victim)
         batch.preempted.append(victim)

@@ -1,0 +1,56 @@
+"""Backend registry: auto-detection, profiles with calibration overrides, tuning tables."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from splash.backends import PROFILES, available_backends, get_backend, load_profile
+
+
+def test_auto_picks_cpu_here_and_logs(caplog):
+    caplog.set_level("INFO", logger="splash")
+    backend = get_backend("auto")
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert backend.name == expected and "cpu" in available_backends()
+
+
+def test_cpu_backend_facts():
+    b = get_backend("cpu")
+    assert b.dist_backend == "gloo" and b.device().type == "cpu"
+    assert b.fp8_dtype is None and torch.bfloat16 in b.kv_dtypes
+
+
+def test_gpu_backends_describe_their_hardware():
+    from splash.backends.cuda import CUDABackend
+    from splash.backends.rocm import ROCmBackend
+
+    assert CUDABackend.dist_backend == "nccl" and CUDABackend.wave_size == 32
+    assert ROCmBackend.wave_size == 64
+    cuda = CUDABackend.__new__(CUDABackend)
+    assert cuda.fp8_dtype == torch.float8_e4m3fn
+    dcu = ROCmBackend.__new__(ROCmBackend)
+    dcu.profile_name = "bw1000"
+    assert dcu.fp8_dtype is None  # gfx936 has no native fp8
+    assert PROFILES["bw1000"].peak_fp8_tflops == 0
+    assert "mla_decode" in CUDABackend.TUNING and "mla_decode" in ROCmBackend.TUNING
+
+
+def test_unknown_or_unavailable_backend_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown backend"):
+        get_backend("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="not available"):
+            get_backend("cuda")
+
+
+def test_calibration_overrides_spec(tmp_path):
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"hbm_gbps": 4227.0, "peak_bf16_tflops": 799.0, "bogus": 1}))
+    prof = load_profile("h200", str(path))
+    assert prof.hbm_gbps == 4227.0 and prof.peak_bf16_tflops == 799.0
+    assert prof.link_gbps == PROFILES["h200"].link_gbps and prof.source == str(path)
+    with pytest.raises(FileNotFoundError):
+        load_profile("h200", str(tmp_path / "missing.json"))

@@ -1,0 +1,48 @@
+"""Bad input gets a clear SplashError and loses nothing: the engine keeps serving."""
+
+from __future__ import annotations
+
+import pytest
+
+from splash import LLM, SamplingParams
+from splash.errors import InvalidRequestError, SplashError
+from tiny_models import checkpoint, hf_greedy
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(checkpoint("v3"), tp_size=1, backend="cpu", layout="tp", page_size=4,
+             max_model_len=64) as engine:
+        yield engine
+
+
+@pytest.mark.parametrize("prompt,params,match", [
+    ([], SamplingParams(max_tokens=2), "non-empty"),
+    ([1, 256], SamplingParams(max_tokens=2), "vocab"),
+    ([1, -3], SamplingParams(max_tokens=2), "vocab"),
+    ([1, 2.5], SamplingParams(max_tokens=2), "int"),
+    (list(range(2, 62)), SamplingParams(max_tokens=8), "max_model_len 64"),
+])
+def test_bad_requests_raise_and_engine_keeps_serving(llm, prompt, params, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        llm.generate([prompt], params)
+    good = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0,
+                                                    ignore_eos=True))
+    assert good[0].token_ids == hf_greedy(checkpoint("v3"), [[5, 6, 7]], 3)[0]
+    assert llm.stats()["num_waiting"] == 0 and llm.stats()["kv_pages_used"] == [0]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-1), "max_tokens"),
+    (dict(temperature=-0.5), "temperature"), (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),
+    (dict(temperature=float("nan")), "temperature"),
+])
+def test_invalid_sampling_values(kwargs, match):
+    with pytest.raises(SplashError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_layout_is_a_clear_error(llm):
+    with pytest.raises(ValueError, match="unknown layout"):
+        llm.switch_layout("zigzag")
