@@ -11,6 +11,9 @@ _DEFAULTS: dict[str, str] = {
     "SPLASH_CACHE_DIR": os.path.join(os.path.expanduser("~"), ".cache", "splash"),
     "SPLASH_WORKER_TIMEOUT_S": "60",  # a step that takes longer marks the worker group dead
     "SPLASH_MASTER_PORT": "0",  # torch.distributed rendezvous port for spawned workers (0: pick)
+    # torch.distributed backend override, e.g. "gloo" to run several ranks on one GPU
+    # (NCCL refuses two ranks on one device)
+    "SPLASH_DIST_BACKEND": "",
     "SPLASH_TOKEN": "",  # shared secret of `splash serve` and its clients (required off loopback)
 }
 

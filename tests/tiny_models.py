@@ -96,3 +96,9 @@ def mixed_prompts(seed: int = 0, lengths=(1, 4, 7, 16, 37)) -> list[list[int]]:
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# engine device for the multi-rank tests: CPU by default; on one GPU the same tests run with
+# CUDA tensors over gloo (SPLASH_TEST_BACKEND=cuda SPLASH_DIST_BACKEND=gloo), fp32 so tokens
+# stay comparable with transformers
+DEV = {"backend": os.environ.get("SPLASH_TEST_BACKEND", "cpu"),
+       "dtype": os.environ.get("SPLASH_TEST_DTYPE", "fp32")}

@@ -25,6 +25,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     switch_mode: str = "live"  # live (layer-pipelined) | blocking (baseline)
     policy_margin: float = 0.1  # auto: switch when the best layout leads by this fraction
+    worker_addr: str | None = None  # bind here and wait for torchrun-started workers
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:

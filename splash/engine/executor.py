@@ -91,7 +91,7 @@ class MPExecutor:
                 rank = int(ident.decode().split("-")[1])
                 got[rank] = decode_result(payload)
                 continue
-            dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+            dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]  # spawned only
             if dead and not all(r in got for r in dead):
                 codes = {r: self.procs[r].exitcode for r in dead}
                 raise WorkerDiedError(f"worker(s) {dead} exited (codes {codes}) during {what}")
@@ -136,3 +136,52 @@ def _shutdown_plan() -> StepPlan:
 
     return StepPlan(WORKER_PROTOCOL_VERSION, -1, "tp", [], [], [], [], [], [], [], [], [],
                     shutdown=True)
+
+
+class ExternalExecutor(MPExecutor):
+    """Workers started elsewhere (torchrun, several nodes) connect to ``bind_addr``; each says
+    hello with its rank and gets the worker configuration back. Liveness comes from step
+    timeouts (SPLASH_WORKER_TIMEOUT_S): there are no process handles here."""
+
+    def __init__(self, cfg: WorkerConfig, bind_addr: str, start_timeout_s: float = 600.0) -> None:
+        import dataclasses
+
+        import msgspec
+
+        from splash.engine.protocol import WorkerHello
+
+        self.world = cfg.world
+        self.timeout_s = envs.get_float("SPLASH_WORKER_TIMEOUT_S")
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(bind_addr)
+        self.procs = []
+        logger.info("waiting for %d workers on %s (start them with torchrun: "
+                    "python -m splash.engine.worker --controller %s)", cfg.world, bind_addr,
+                    bind_addr)
+        hellos = self._gather(start_timeout_s, "hello")
+        if any(not isinstance(h, WorkerHello) or h.world != cfg.world for h in hellos):
+            raise WorkerDiedError(f"workers disagree on the world size {cfg.world}: {hellos}")
+        payload = msgspec.json.encode(dataclasses.asdict(cfg))
+        for rank in range(cfg.world):
+            self.sock.send_multipart([f"worker-{rank}".encode(), payload])
+        ready = self._gather(start_timeout_s, "start")
+        errors = [m for m in ready if isinstance(m, WorkerReady) and m.error]
+        if errors:
+            raise WorkerDiedError(f"worker {errors[0].rank} failed to start: {errors[0].error}")
+        self.pids = [m.pid for m in ready]
+
+    def alive(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        for rank in range(self.world):
+            try:
+                self.sock.send_multipart([f"worker-{rank}".encode(), encode(_shutdown_plan())],
+                                         zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        time.sleep(0.2)
+        self.sock.close()
+        self.ctx.term()

@@ -88,9 +88,16 @@ class WorkerReady(msgspec.Struct, tag=True):
     error: str | None = None
 
 
+class WorkerHello(msgspec.Struct, tag=True):
+    """First message of a worker started outside the controller (torchrun): its rank."""
+
+    rank: int
+    world: int
+
+
 _plan_encoder = msgspec.msgpack.Encoder()
 _plan_decoder = msgspec.msgpack.Decoder(StepPlan)
-_result_decoder = msgspec.msgpack.Decoder(StepResult | WorkerReady)  # type: ignore[arg-type]
+_result_decoder = msgspec.msgpack.Decoder(StepResult | WorkerReady | WorkerHello)  # type: ignore[arg-type]
 
 
 def encode(msg: msgspec.Struct) -> bytes:
@@ -104,5 +111,5 @@ def decode_plan(buf: bytes) -> StepPlan:
     return plan
 
 
-def decode_result(buf: bytes) -> StepResult | WorkerReady:
+def decode_result(buf: bytes) -> StepResult | WorkerReady | WorkerHello:
     return _result_decoder.decode(buf)

@@ -122,9 +122,11 @@ class EngineSetup:
                             layout=self.initial_layout)
 
     def start_executor(self):
-        from splash.engine.executor import InprocExecutor, MPExecutor
+        from splash.engine.executor import ExternalExecutor, InprocExecutor, MPExecutor
 
         wcfg = self.worker_config()
+        if self.cfg.worker_addr:
+            return ExternalExecutor(wcfg, self.cfg.worker_addr)
         return InprocExecutor(wcfg) if self.cfg.tp_size == 1 else MPExecutor(wcfg)
 
     def load_tokenizer(self):

@@ -13,6 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from splash import envs
 from splash.backends import get_backend
 from splash.engine.comm import Comm
 from splash.engine.protocol import WORKER_PROTOCOL_VERSION, StepPlan, StepResult
@@ -48,7 +49,8 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if cfg.world > 1:
-            dist.init_process_group(self.backend.dist_backend, init_method=cfg.dist_init,
+            dist.init_process_group(envs.get("SPLASH_DIST_BACKEND") or self.backend.dist_backend,
+                                    init_method=cfg.dist_init,
                                     rank=cfg.rank, world_size=cfg.world)
         self.comm = Comm(cfg.rank, cfg.world)
         heads = self._heads(cfg.layout)
@@ -152,3 +154,18 @@ def worker_main(cfg: WorkerConfig, controller_addr: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     serve_plans(cfg, controller_addr)
+
+
+def main() -> None:
+    """`python -m splash.engine.worker --controller tcp://HOST:PORT` under torchrun."""
+    import argparse
+
+    from splash.engine.worker_loop import serve_external
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--controller", required=True, help="the controller's worker address")
+    serve_external(ap.parse_args().controller)
+
+
+if __name__ == "__main__":
+    main()

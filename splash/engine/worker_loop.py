@@ -21,14 +21,42 @@ from splash.engine.protocol import (
 )
 
 
-def serve_plans(cfg, controller_addr: str) -> None:
-    from splash.engine.worker import Worker
-
+def _connect(rank: int, controller_addr: str):
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, f"worker-{cfg.rank}".encode())
+    sock.setsockopt(zmq.IDENTITY, f"worker-{rank}".encode())
     sock.setsockopt(zmq.LINGER, 1000)
     sock.connect(controller_addr)
+    return ctx, sock
+
+
+def serve_external(controller_addr: str) -> None:
+    """Entry under torchrun: rank and world from its environment, the rest from the
+    controller (sent in reply to a hello), rendezvous through env://."""
+    import dataclasses
+
+    import msgspec
+
+    from splash.engine.protocol import WorkerHello
+    from splash.engine.worker_config import WorkerConfig
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    ctx, sock = _connect(rank, controller_addr)
+    sock.send(encode(WorkerHello(rank, world)))
+    fields = msgspec.json.decode(sock.recv())
+    cfg = WorkerConfig(**fields)
+    cfg = dataclasses.replace(cfg, rank=rank, world=world, dist_init="env://")
+    _serve(cfg, ctx, sock)
+
+
+def serve_plans(cfg, controller_addr: str) -> None:
+    ctx, sock = _connect(cfg.rank, controller_addr)
+    _serve(cfg, ctx, sock)
+
+
+def _serve(cfg, ctx, sock) -> None:
+    from splash.engine.worker import Worker
+
     parent = os.getppid()
     try:
         worker = Worker(cfg)

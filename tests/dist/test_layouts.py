@@ -12,7 +12,7 @@ import pytest
 
 from splash import LLM, SamplingParams
 from splash.errors import LayoutInfeasibleError, WorkerDiedError
-from tiny_models import checkpoint, hf_greedy, mixed_prompts
+from tiny_models import DEV, checkpoint, hf_greedy, mixed_prompts
 
 MAX_NEW = 5
 PARAMS = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -31,7 +31,7 @@ def reference(arch, prompts):
 def test_layout_matches_transformers(layout, world):
     path = checkpoint("v3")
     prompts = mixed_prompts()  # 5 requests: not divisible by T; 1..37 tokens
-    with LLM(path, tp_size=world, backend="cpu", layout=layout, page_size=4,
+    with LLM(path, tp_size=world, **DEV, layout=layout, page_size=4,
              max_num_batched_tokens=16) as llm:
         outs = llm.generate(prompts, PARAMS)
         assert [o.token_ids for o in outs] == reference("v3", prompts)
@@ -46,7 +46,7 @@ def test_layout_matches_transformers(layout, world):
 def test_preemption_across_ranks():
     path = checkpoint("v3")
     prompts = mixed_prompts(seed=5, lengths=(9, 10, 11, 12, 13, 14))
-    with LLM(path, tp_size=2, backend="cpu", layout="dop", page_size=4, kv_pages_per_rank=10,
+    with LLM(path, tp_size=2, **DEV, layout="dop", page_size=4, kv_pages_per_rank=10,
              max_num_batched_tokens=64) as llm:
         outs = llm.generate(prompts, PARAMS)
         assert llm.stats()["num_preemptions"] > 0
@@ -56,12 +56,12 @@ def test_preemption_across_ranks():
 def test_heads_not_divisible_names_the_layouts_that_fit():
     path = checkpoint("v3", num_attention_heads=6, num_key_value_heads=6)
     with pytest.raises(LayoutInfeasibleError, match=r"\['dp', 'cp'\]"):
-        LLM(path, tp_size=4, backend="cpu", layout="dop")
+        LLM(path, tp_size=4, **DEV, layout="dop")
 
 
 def test_dead_worker_fails_generate_fast():
     path = checkpoint("v3")
-    with LLM(path, tp_size=2, backend="cpu", layout="tp", page_size=4) as llm:
+    with LLM(path, tp_size=2, **DEV, layout="tp", page_size=4) as llm:
         eng = llm.engine
         eng.add_request(mixed_prompts()[4], SamplingParams(max_tokens=50, ignore_eos=True))
         eng.step()

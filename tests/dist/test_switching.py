@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 
 from splash import LLM, SamplingParams
-from tiny_models import checkpoint, hf_greedy, mixed_prompts
+from tiny_models import DEV, checkpoint, hf_greedy, mixed_prompts
 
 # an Eulerian circuit of the complete directed graph on the four layouts: all 12 directions
 CIRCUIT = ["tp", "dp", "tp", "cp", "tp", "dop", "dp", "cp", "dp", "dop", "cp", "dop", "tp"]
-KW = dict(backend="cpu", page_size=4, max_num_batched_tokens=8)
+KW = dict(**DEV, page_size=4, max_num_batched_tokens=8)
 
 
 def _params(n):
