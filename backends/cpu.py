@@ -14,8 +14,16 @@ class CPUBackend(BaseBackend):
     wave_size = 1
     TUNING = {
         # small tiles keep the interpreter fast; values are per kernel launcher
-        "mla_decode": {"default": {"BLOCK_N": 16, "BLOCK_H": 16, "num_splits": 2}},
-        "mla_extend": {"default": {"BLOCK_M": 16, "BLOCK_N": 16}},
+        "mla_decode": {
+            "default": {
+                "BLOCK_N": 16, "BLOCK_H": 16, "num_warps": 4, "num_stages": 1, "transposed": False,
+                "num_splits": 2,
+            }
+        },
+        "mla_extend": {"default": {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}},
+        "kv_write": {"default": {"BLOCK_M": 16, "num_warps": 4}},
+        "kv_gather": {"default": {"BLOCK_M": 16, "num_warps": 4}},
+        "exchange": {"default": {"BLOCK_M": 4, "BLOCK_W": 1024, "num_warps": 4}},
     }
 
     @classmethod

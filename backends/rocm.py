@@ -21,11 +21,18 @@ class ROCmBackend(BaseBackend):
     dist_backend = "nccl"  # RCCL under the same name
     wave_size = 64
     TUNING = {
+        # MFMA takes 16-row tiles, so small head groups stay untransposed; untuned on hardware
         "mla_decode": {
-            "default": {"BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 4, "num_stages": 1},
-            "bw1000": {"BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 4, "num_stages": 1},
+            "default": {
+                "BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 4, "num_stages": 1, "transposed": False,
+                "programs_per_sm": 2, "split_overhead_tokens": 128, "min_split_tokens": 256,
+                "many_heads": {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1},
+            },
         },
         "mla_extend": {"default": {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}},
+        "kv_write": {"default": {"BLOCK_M": 16, "num_warps": 4}},
+        "kv_gather": {"default": {"BLOCK_M": 16, "num_warps": 4}},
+        "exchange": {"default": {"BLOCK_M": 4, "BLOCK_W": 1024, "num_warps": 4}},
     }
 
     @classmethod

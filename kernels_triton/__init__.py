@@ -1,1 +1,53 @@
-"""Triton kernels (installed as ``splash.kernels_triton``)."""
+"""Triton kernels (installed as ``splash.kernels_triton``).
+
+Every launcher validates its arguments (``ValueError`` with a clear message), allocates outputs and
+computes its grid; every kernel has a torch reference ``*_ref`` beside it. Launch parameters come
+from the backend's tuning table (``config``) or fall back to per-device defaults.
+"""
+
+from splash.kernels_triton._validate import set_value_checks, value_checks_enabled
+from splash.kernels_triton.exchange import (
+    gather_rows,
+    gather_rows_ref,
+    merge_heads_from_ranks,
+    merge_heads_from_ranks_ref,
+    scatter_rows,
+    scatter_rows_ref,
+    split_heads_to_ranks,
+    split_heads_to_ranks_ref,
+)
+from splash.kernels_triton.kv_cache_ops import (
+    kv_gather,
+    kv_gather_ref,
+    kv_write,
+    kv_write_ref,
+    quantise_rows_ref,
+)
+from splash.kernels_triton.lse_merge import lse_merge, lse_merge_ref
+from splash.kernels_triton.mla_decode import choose_num_splits, mla_decode, mla_decode_ref
+from splash.kernels_triton.mla_extend import mla_extend, mla_extend_ref
+
+__all__ = [
+    "choose_num_splits",
+    "gather_rows",
+    "gather_rows_ref",
+    "kv_gather",
+    "kv_gather_ref",
+    "kv_write",
+    "kv_write_ref",
+    "lse_merge",
+    "lse_merge_ref",
+    "merge_heads_from_ranks",
+    "merge_heads_from_ranks_ref",
+    "mla_decode",
+    "mla_decode_ref",
+    "mla_extend",
+    "mla_extend_ref",
+    "quantise_rows_ref",
+    "scatter_rows",
+    "scatter_rows_ref",
+    "set_value_checks",
+    "split_heads_to_ranks",
+    "split_heads_to_ranks_ref",
+    "value_checks_enabled",
+]

@@ -12,6 +12,10 @@ import torch
 import torch.distributed as dist
 
 
+# torch >= 2.13 names it all_gather_single; older releases all_gather_into_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class Comm:
     def __init__(self, rank: int, world: int, use_dist: bool = True) -> None:
         self.rank, self.world = rank, world
@@ -33,7 +37,7 @@ class Comm:
         t = t.contiguous()
         flat = t.reshape(1, -1) if t.dim() == 0 else t
         out = flat.new_empty((self.world * flat.shape[0], *flat.shape[1:]))  # gloo: concat dim 0
-        dist.all_gather_into_tensor(out, flat, group=self.group)
+        _all_gather(out, flat, group=self.group)
         return out.view(self.world, *t.shape)
 
     def all_gather_rows(self, t: torch.Tensor, counts: list[int]) -> torch.Tensor:

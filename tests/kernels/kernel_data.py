@@ -2,9 +2,61 @@
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
+import pytest
 import torch
 
 from splash.kernels_triton import quantise_rows_ref
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def compiled_gpu() -> bool:
+    return torch.cuda.is_available() and not interpreting()
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    device: torch.device
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    atol: float
+    rtol: float
+    lse_tol: float
+
+    @property
+    def fp8(self) -> bool:
+        return self.kv_dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+
+
+_SETTINGS = {
+    "fp32": (torch.float32, torch.float32, 1e-5, 1e-5, 1e-5),
+    "fp16": (torch.float16, torch.float16, 5e-3, 5e-3, 1e-4),
+    "fp16-fp8kv": (torch.float16, torch.float8_e4m3fn, 5e-3, 5e-3, 1e-4),
+    "bf16": (torch.bfloat16, torch.bfloat16, 2e-2, 2e-2, 2e-3),
+    "bf16-fp8kv": (torch.bfloat16, torch.float8_e4m3fn, 2e-2, 2e-2, 2e-3),
+}
+CPU_TIER = ("fp32", "fp16", "fp16-fp8kv")
+GPU_TIER = ("bf16", "bf16-fp8kv")
+SETTING_PARAMS = [*CPU_TIER, *(pytest.param(n, marks=pytest.mark.gpu) for n in GPU_TIER)]
+
+
+def make_setting(name: str) -> Setting:
+    q_dtype, kv_dtype, atol, rtol, lse_tol = _SETTINGS[name]
+    if name in GPU_TIER:
+        if not compiled_gpu():
+            pytest.skip("bf16 / fp8-with-bf16 run on a GPU only (the interpreter gets bf16 wrong)")
+        dev = torch.device("cuda")
+    else:
+        dev = torch.device("cuda") if compiled_gpu() else torch.device("cpu")
+    return Setting(name, dev, q_dtype, kv_dtype, atol, rtol, lse_tol)
+
+
 
 
 def paged_cache(

@@ -6,7 +6,7 @@ import importlib
 
 import pytest
 import torch
-from kernel_data import assert_close, assert_lse, block_table, paged_cache
+from kernel_data import assert_close, assert_lse, block_table, make_setting, paged_cache
 
 from splash.kernels_triton import mla_decode, mla_decode_ref
 
@@ -54,13 +54,12 @@ CONFIGS = {
     "transposed": {"transposed": True},
     "tile-gt-page": {"BLOCK_N": 32},
     "block-h-32": {"BLOCK_H": 32, "BLOCK_N": 32},
+    "mask-all-tiles": {"mask_all_tiles": True, "BLOCK_N": 32},
 }
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_decode_launch_variants(device, config):
-    from conftest import make_setting
-
     setting = make_setting("fp32")
     L, R, PS, H, lens = CASES["ragged-p16"]
     q, kv, scale, table, seq_lens = _inputs(setting, L, R, PS, H, lens, seed=1)
@@ -106,12 +105,30 @@ def test_decode_empty_batch_does_not_launch(device, monkeypatch):
 
 
 def test_num_splits_heuristic():
-    cpu = torch.device("cpu")
-    cfg = decode_module.decode_config(16, cpu, {"split_waves": 2.0, "min_split_tokens": 256})
-    # 4 "SMs" on the CPU: few long requests get several splits, capped by the length
-    assert decode_module.choose_num_splits(1, 1, 4096, cpu, cfg) == 8
-    assert decode_module.choose_num_splits(1, 1, 300, cpu, cfg) == 2
-    assert decode_module.choose_num_splits(64, 1, 4096, cpu, cfg) == 1
+    cpu = torch.device("cpu")  # 4 "SMs"
+    cfg = decode_module.decode_config(
+        16, cpu, {"programs_per_sm": 1, "split_overhead_tokens": 128, "min_split_tokens": 256}
+    )
+    # one long request: fill the 4 SMs once; more splits would add waves and overhead
+    assert decode_module.choose_num_splits(1, 1, 4096, cpu, cfg) == 4
+    assert decode_module.choose_num_splits(1, 1, 300, cpu, cfg) == 2  # >= 256 tokens per split
+    assert decode_module.choose_num_splits(64, 1, 4096, cpu, cfg) == 1  # the batch fills the SMs
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cuda", "rocm"])
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_backend_tuning_tables_are_valid(backend, heads, fp8):
+    """Every backend's mla_decode entry yields a launchable config (and fp8 / many_heads layer)."""
+    from splash.backends.base import _REGISTRY
+
+    table = _REGISTRY[backend].TUNING["mla_decode"]
+    for entry in table.values():
+        cfg = decode_module.decode_config(heads, torch.device("cuda"), entry, fp8=fp8)
+        assert cfg["BLOCK_H"] >= 16 and cfg["num_warps"] in (4, 8)
+    cuda = _REGISTRY["cuda"].TUNING["mla_decode"]["default"]
+    cfg = decode_module.decode_config(heads, torch.device("cuda"), cuda, fp8=fp8)
+    assert cfg["BLOCK_H"] == (64 if heads > 32 else 16)
 
 
 # ------------------------------------------------------------------ bad inputs

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_data import assert_close, assert_lse, block_table, paged_cache
+from kernel_data import assert_close, assert_lse, block_table, make_setting, paged_cache
 
 from splash.kernels_triton import mla_decode, mla_extend, mla_extend_ref
 
@@ -43,8 +43,6 @@ def test_extend_matches_reference(setting, case):
 
 def test_extend_one_row_chunks_equal_decode(device):
     """A chunk of one row per request is a decode step."""
-    from conftest import make_setting
-
     setting = make_setting("fp32")
     L, R, PS, H = 32, 16, 16, 4
     q, kv, scale, table, seq_lens, starts = _inputs(setting, L, R, PS, H, [1, 1, 1], [0, 16, 30], 2)
@@ -56,8 +54,6 @@ def test_extend_one_row_chunks_equal_decode(device):
 
 @pytest.mark.parametrize("config", [{"BLOCK_M": 32, "BLOCK_N": 16}, {"BLOCK_M": 16, "BLOCK_N": 32}])
 def test_extend_launch_variants(device, config):
-    from conftest import make_setting
-
     setting = make_setting("fp32")
     L, R, PS, H, rows, prefix = CASES["mixed-p16"]
     q, kv, scale, table, seq_lens, starts = _inputs(setting, L, R, PS, H, rows, prefix, 1)

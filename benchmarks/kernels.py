@@ -1,0 +1,299 @@
+"""Kernel benchmark: SPLASH's Triton kernels against ceilings measured in the same run.
+
+    python benchmarks/kernels.py --out benchmarks/results/h200/kernels.json [--no-sweep]
+
+Measures, on the current GPU:
+- ceilings: device copy bandwidth (read + write of a large clone) and bf16 8192^3 matmul TFLOP/s;
+- ``mla_decode`` on the six anchor shapes (16 heads: 64x4K, 64x32K, 16x128K; 128 heads: 8x32K,
+  64x4K, 2x128K; L=512, R=64, page 64, random page order), bf16 and fp8 KV, with the launcher's
+  own choices ("auto") and a small sweep of tile configs and split counts ("best");
+- ``mla_extend``: one 8K-row chunk x 128 heads, causal, prefix 0 and 24K;
+- exchange / repack copies (gather_rows, scatter_rows, split/merge heads, kv_gather, kv_write)
+  at >= 64 MiB, as read + write bandwidth.
+
+Decode FLOPs are 2·H·(D + L) per KV token per query; effective bandwidth counts the KV bytes
+(rows + fp8 scales) read once. Peer figures: the Triton MLA decode kernel SGLang/vLLM ship, best
+split, measured on the same kind of machine (anchors/h200_measured.json). Timings are
+``triton.testing.do_bench`` medians (L2 flushed between repetitions); value checks are off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import platform
+import sys
+from typing import Any
+
+import torch
+import triton
+from triton.testing import do_bench
+
+import splash.kernels_triton as K
+
+L, R, PAGE = 512, 64, 64
+D = L + R
+SM_SCALE = 0.1147
+
+DECODE_SHAPES = [(16, 64, 4096), (16, 64, 32768), (16, 16, 131072),
+                 (128, 8, 32768), (128, 64, 4096), (128, 2, 131072)]  # (heads, batch, context)
+
+# best split of the peer kernel per shape (anchors/h200_measured.json, 2026-11-29, same image)
+PEER = {
+    (16, 64, 4096): {"ms": 0.1281, "GBps": 2357.2},
+    (16, 64, 32768): {"ms": 0.8249, "GBps": 2928.6},
+    (16, 16, 131072): {"ms": 0.8278, "GBps": 2918.6},
+    (128, 8, 32768): {"ms": 0.8434, "GBps": 358.1},
+    (128, 64, 4096): {"ms": 0.8657, "GBps": 348.8},
+    (128, 2, 131072): {"ms": 0.8591, "GBps": 351.5},
+}
+
+# tile configs tried per (kv kind, head class) with --sweep-configs; {} = the launcher default
+SWEEP: dict[tuple[str, str], list[dict[str, Any]]] = {
+    ("bf16", "few"): [
+        {},
+        {"transposed": True, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+        {"transposed": True, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "mask_all_tiles": True},
+    ],
+    ("bf16", "many"): [{}],
+    ("fp8", "few"): [{}],
+    ("fp8", "many"): [{}],
+}
+SPLITS = (2, 4, 8, 16, 32, 64)
+
+
+def bench(fn, rep: int = 60) -> float:
+    return float(do_bench(fn, warmup=15, rep=rep, return_mode="median"))
+
+
+def ceilings(dev: torch.device) -> dict[str, float]:
+    x = torch.empty(2 << 30, dtype=torch.uint8, device=dev)  # 2 GiB
+    copy_ms = bench(x.clone)
+    x = None
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    mm_ms = bench(lambda: a @ b)
+    return {
+        "copy_GBps": 2 * (2 << 30) / copy_ms / 1e6,
+        "matmul_TFLOPs": 2 * 8192**3 / mm_ms / 1e9,
+    }
+
+
+def paged_pool(batch: int, context: int, kind: str, dev: torch.device, gen: torch.Generator):
+    pages_per = triton.cdiv(context, PAGE)
+    num_pages = batch * pages_per
+    table = torch.randperm(num_pages, device=dev, generator=gen).to(torch.int32)
+    table = table.reshape(batch, pages_per)  # random page order
+    if kind == "fp8":
+        kv = torch.empty(num_pages, PAGE, D, device=dev, dtype=torch.float8_e4m3fn)
+        kv.view(torch.uint8).random_(0, 0x7E, generator=gen)  # finite e4m3fn bit patterns
+        scale = torch.rand(num_pages, PAGE, device=dev, generator=gen) * 0.01 + 0.005
+    else:
+        kv = torch.randn(num_pages, PAGE, D, device=dev, dtype=torch.bfloat16, generator=gen)
+        scale = None
+    return kv, scale, table
+
+
+def _decode_shape(dev, gen, kind, heads, batch, context, sweep, tried) -> list[tuple]:
+    """(label, ms, config, splits) for the launcher's defaults and the best of the sweep."""
+    kv, scale, table = paged_pool(batch, context, kind, dev, gen)
+    q = torch.randn(batch, heads, D, device=dev, dtype=torch.bfloat16, generator=gen)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
+
+    def run(cfg=None, splits=None):
+        return K.mla_decode(q, kv, table, lens, SM_SCALE, L, kv_scale=scale,
+                            num_splits=splits, config=cfg)
+
+    auto_ms = bench(run)
+    best = (auto_ms, "default", None)
+    if sweep:
+        for cfg in SWEEP[(kind, "many" if heads > 32 else "few")]:
+            for splits in (None, *SPLITS):
+                entry = {"kernel": "mla_decode", "dtype": kind, "heads": heads, "batch": batch,
+                         "context": context, "config": cfg, "num_splits": splits}
+                try:
+                    entry["ms"] = bench(functools.partial(run, cfg, splits), rep=30)
+                except Exception as exc:  # a config that does not compile is reported
+                    entry["error"] = repr(exc)[:300]
+                    tried.append(entry)
+                    break
+                tried.append(entry)
+                if entry["ms"] < best[0]:
+                    best = (entry["ms"], cfg, splits)
+    row_bytes = D * kv.element_size() + (4 if scale is not None else 0)
+    return [("auto", auto_ms, "default", None), ("best", *best)], row_bytes
+
+
+def decode_records(dev, ceil, sweep: bool) -> tuple[list[dict], list[dict]]:
+    records, tried = [], []
+    gen = torch.Generator(device=dev).manual_seed(0)
+    bf16_tokens_per_s: dict[tuple, float] = {}
+    for kind in ("bf16", "fp8"):
+        for heads, batch, context in DECODE_SHAPES:
+            results, row_bytes = _decode_shape(dev, gen, kind, heads, batch, context, sweep, tried)
+            torch.cuda.empty_cache()
+            kv_bytes = batch * context * row_bytes
+            flops = 2 * heads * (D + L) * batch * context
+            peer = PEER[(heads, batch, context)]
+            for label, ms, cfg, splits in results:
+                rec = {
+                    "kernel": "mla_decode", "variant": label, "heads": heads, "batch": batch,
+                    "context": context, "dtype": kind, "ms": round(ms, 4),
+                    "effective_GBps": round(kv_bytes / ms / 1e6, 1),
+                    "TFLOPs": round(flops / ms / 1e9, 1),
+                    "tokens_per_s": batch * context / ms * 1e3,
+                    "ceiling_copy_GBps": round(ceil["copy_GBps"], 1),
+                    "ceiling_matmul_TFLOPs": round(ceil["matmul_TFLOPs"], 1),
+                    "pct_copy": round(100 * kv_bytes / ms / 1e6 / ceil["copy_GBps"], 1),
+                    "pct_matmul": round(100 * flops / ms / 1e9 / ceil["matmul_TFLOPs"], 1),
+                    "peer_ms": peer["ms"], "peer_GBps": peer["GBps"],
+                    "peer_TFLOPs": round(flops / peer["ms"] / 1e9, 1),
+                    "speedup_vs_peer": round(peer["ms"] / ms, 2),
+                    "config": cfg, "num_splits": splits,
+                }
+                if kind == "bf16":
+                    bf16_tokens_per_s[(heads, batch, context, label)] = rec["tokens_per_s"]
+                else:
+                    base = bf16_tokens_per_s.get((heads, batch, context, label))
+                    rec["fp8_vs_bf16_tokens"] = round(rec["tokens_per_s"] / base, 2) if base else None
+                records.append(rec)
+                print(json.dumps(rec), flush=True)
+    return records, tried
+
+
+def _extend_ms(dev, gen, kind, heads, rows, prefix) -> float:
+    length = prefix + rows
+    kv, scale, table = paged_pool(1, length, kind, dev, gen)
+    q = torch.randn(rows, heads, D, device=dev, dtype=torch.bfloat16, generator=gen)
+    lens = torch.tensor([length], dtype=torch.int32, device=dev)
+    starts = torch.tensor([0, rows], dtype=torch.int32, device=dev)
+    return bench(lambda: K.mla_extend(q, kv, table, lens, starts, SM_SCALE, L, kv_scale=scale), rep=40)
+
+
+def extend_records(dev, ceil) -> list[dict]:
+    out = []
+    gen = torch.Generator(device=dev).manual_seed(1)
+    heads, rows = 128, 8192
+    for prefix in (0, 24576):
+        for kind in ("bf16", "fp8"):
+            ms = _extend_ms(dev, gen, kind, heads, rows, prefix)
+            visible = rows * prefix + rows * (rows + 1) // 2  # causal (query, key) pairs
+            flops = 2 * heads * (D + L) * visible
+            rec = {
+                "kernel": "mla_extend", "heads": heads, "batch": 1, "context": prefix + rows,
+                "chunk": rows, "prefix": prefix, "dtype": kind, "ms": round(ms, 3),
+                "TFLOPs": round(flops / ms / 1e9, 1),
+                "ceiling_matmul_TFLOPs": round(ceil["matmul_TFLOPs"], 1),
+                "pct_matmul": round(100 * flops / ms / 1e9 / ceil["matmul_TFLOPs"], 1),
+                "ceiling_copy_GBps": round(ceil["copy_GBps"], 1),
+            }
+            out.append(rec)
+            print(json.dumps(rec), flush=True)
+    return out
+
+
+def copy_records(dev, ceil) -> list[dict]:
+    out = []
+    gen = torch.Generator(device=dev).manual_seed(2)
+
+    def record(name, moved_bytes, ms, **extra):
+        rec = {"kernel": name, "dtype": "bf16", "MiB": round(moved_bytes / 2**20, 1),
+               "ms": round(ms, 4), "effective_GBps": round(2 * moved_bytes / ms / 1e6, 1),
+               "ceiling_copy_GBps": round(ceil["copy_GBps"], 1),
+               "pct_copy": round(100 * 2 * moved_bytes / ms / 1e6 / ceil["copy_GBps"], 1), **extra}
+        out.append(rec)
+        print(json.dumps(rec), flush=True)
+
+    _exchange_copies(dev, gen, record)
+    torch.cuda.empty_cache()
+    _repack_copies(dev, gen, record)
+    return out
+
+
+def _exchange_copies(dev, gen, record) -> None:
+    """DOP pack/unpack: 8192 rows x 16 heads x 576 bf16 (144 MiB); head transposes of
+    2048 rows x 128 heads x 576 over T=8 (288 MiB)."""
+    x = torch.randn(8192, 16, D, device=dev, dtype=torch.bfloat16, generator=gen)
+    index = torch.randperm(8192, device=dev, generator=gen)
+    y = torch.empty_like(x)
+    nbytes = x.numel() * 2
+    record("gather_rows", nbytes, bench(lambda: K.gather_rows(x, index)), rows=8192, row_shape=[16, D])
+    record("scatter_rows", nbytes, bench(lambda: K.scatter_rows(y, index, x)), rows=8192, row_shape=[16, D])
+    record("torch_index_select", nbytes, bench(lambda: x.index_select(0, index)), note="torch baseline")
+    z = torch.randn(2048, 128, D, device=dev, dtype=torch.bfloat16, generator=gen)
+    zs = K.split_heads_to_ranks(z, 8)
+    zbytes = z.numel() * 2
+    record("split_heads_to_ranks", zbytes, bench(lambda: K.split_heads_to_ranks(z, 8)), T=8, shape=[2048, 128, D])
+    record("merge_heads_from_ranks", zbytes, bench(lambda: K.merge_heads_from_ranks(zs, 8)), T=8, shape=[2048, 128, D])
+
+
+def _repack_copies(dev, gen, record) -> None:
+    """Repack: 131072 random slots of a 4096-page pool (144 MiB of bf16 rows, 72 MiB fp8)."""
+    kv = torch.randn(4096, PAGE, D, device=dev, dtype=torch.bfloat16, generator=gen)
+    slots = torch.randperm(4096 * PAGE, device=dev, generator=gen)[:131072]
+    rows = K.kv_gather(kv, slots)
+    nbytes = rows.numel() * 2
+    record("kv_gather", nbytes, bench(lambda: K.kv_gather(kv, slots)), rows=131072)
+    record("kv_write", nbytes, bench(lambda: K.kv_write(kv, rows, slots)), rows=131072)
+    kv8 = torch.zeros(4096, PAGE, D, device=dev, dtype=torch.float8_e4m3fn)
+    s8 = torch.zeros(4096, PAGE, device=dev)
+    record("kv_write_quantise_fp8", rows.numel() * 1.5 + 131072 * 4,
+           bench(lambda: K.kv_write(kv8, rows, slots, s8)), rows=131072,
+           note="reads bf16 rows, writes fp8 rows + scales; MiB = (read + written) / 2")
+    data, scales = K.kv_gather(kv8, slots, s8)
+    record("kv_gather_fp8", data.numel() + 131072 * 4, bench(lambda: K.kv_gather(kv8, slots, s8)), rows=131072)
+    record("kv_write_raw_fp8", data.numel() + 131072 * 4,
+           bench(lambda: K.kv_write(kv8, data, slots, s8, row_scales=scales)), rows=131072)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--no-sweep", action="store_true", help="launcher defaults only")
+    parser.add_argument("--sweep-configs", action="store_true",
+                        help="also try the tile configs in SWEEP (default: split counts only)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/kernels.py needs a GPU")
+    K.set_value_checks(False)  # no host syncs inside the timed loops
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    ceil = ceilings(dev)
+    print(json.dumps(ceil), flush=True)
+    result: dict[str, Any] = {
+        "machine": {"gpu": props.name, "sms": props.multi_processor_count,
+                    "memory_GiB": round(props.total_memory / 2**30, 1), "host": platform.node()},
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "triton": triton.__version__, "cuda": torch.version.cuda},
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "ceilings": {k: round(v, 1) for k, v in ceil.items()},
+        "notes": "decode FLOPs = 2*H*(D+L) per KV token per query; effective_GBps = KV bytes read "
+                 "once (rows + fp8 scales) / time; peer = SGLang/vLLM Triton MLA decode, best split "
+                 "(anchors/h200_measured.json); copies: (read + write) bytes / time; "
+                 "'auto' = launcher defaults, 'best' = best of the decode sweep",
+        "records": [],
+        "decode_sweep": [],
+    }
+
+    def save() -> None:  # after every section, so a cut-off run still leaves its results
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    if not args.sweep_configs:  # split counts of the launcher's own config only
+        for key in SWEEP:
+            SWEEP[key] = [{}]
+    decode, tried = decode_records(dev, ceil, sweep=not args.no_sweep)
+    result["records"] += decode
+    result["decode_sweep"] = tried
+    save()
+    result["records"] += extend_records(dev, ceil)
+    save()
+    result["records"] += copy_records(dev, ceil)
+    save()
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Merge partial attention results by log-sum-exp.
+
+A partial result over a subset of the keys is ``(o_s, lse_s)``: the softmax-weighted value over
+that subset and the natural log of its softmax denominator. S partials over disjoint subsets
+(KV splits of one program, or KV shards of CP ranks) combine exactly:
+
+    lse = log(sum_s exp(lse_s)),   o = sum_s exp(lse_s - lse) * o_s
+
+A partial with ``lse_s = -inf`` covered no keys and contributes nothing (its ``o_s`` is never
+read into the sum); when every partial is ``-inf`` the merged output is 0 and its lse ``-inf``.
+The same kernel finishes split-KV decode (``mla_decode``), reading its fp32 partial buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from splash.kernels_triton import _validate as V
+
+
+@triton.jit
+def _lse_merge_kernel(
+    o_ptr,  # (S, N, H, L) partial outputs
+    lse_ptr,  # (S, N, H) fp32 partial lse (natural log)
+    out_ptr,  # (N, H, L) merged output
+    lse_out_ptr,  # (N, H) fp32 merged lse
+    S,
+    stride_os, stride_on, stride_oh, stride_ol,
+    stride_ls, stride_ln, stride_lh,
+    stride_outn, stride_outh, stride_outl,
+    stride_lon, stride_loh,
+    L: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
+    pid_h = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_l = tl.arange(0, BLOCK_L)
+    mask_l = offs_l < L
+    o_base = o_ptr + pid_n * stride_on + pid_h * stride_oh + offs_l * stride_ol  # (BLOCK_L,)
+    lse_base = lse_ptr + pid_n * stride_ln + pid_h * stride_lh
+
+    m = tl.full((), float("-inf"), tl.float32)  # running max of lse
+    denom = tl.zeros((), tl.float32)
+    acc = tl.zeros((BLOCK_L,), tl.float32)
+    for s in range(0, S):
+        lse_s = tl.load(lse_base + s * stride_ls).to(tl.float32)
+        has_keys = lse_s > float("-inf")
+        o_s = tl.load(o_base + s * stride_os, mask=mask_l, other=0.0).to(tl.float32)
+        o_s = tl.where(has_keys, o_s, 0.0)  # never let an empty partial's o (maybe nan) in
+        m_new = tl.maximum(m, lse_s)
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.exp(m - m_safe)  # 0 while nothing has been seen
+        w = tl.where(has_keys, tl.exp(lse_s - m_safe), 0.0)
+        acc = acc * alpha + w * o_s
+        denom = denom * alpha + w
+        m = m_new
+
+    has_any = denom > 0.0
+    out = acc / tl.where(has_any, denom, 1.0)
+    lse = tl.where(has_any, m + tl.log(tl.where(has_any, denom, 1.0)), float("-inf"))
+    tl.store(
+        out_ptr + pid_n * stride_outn + pid_h * stride_outh + offs_l * stride_outl,
+        out.to(out_ptr.dtype.element_ty),
+        mask=mask_l,
+    )
+    tl.store(lse_out_ptr + pid_n * stride_lon + pid_h * stride_loh, lse)
+
+
+def _merge_into(
+    outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, num_warps: int = 4
+) -> None:
+    """Launch the merge of ``outs`` (S, N, H, L) / ``lses`` (S, N, H) into preallocated tensors."""
+    S, N, H, L = outs.shape
+    if N == 0 or H == 0:
+        return
+    _lse_merge_kernel[(H, N)](
+        outs, lses, out, lse, S,
+        *outs.stride(), *lses.stride(), *out.stride(), *lse.stride(),
+        L=L, BLOCK_L=V.next_pow2(L, 16), num_warps=num_warps,
+    )
+
+
+def lse_merge(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge S partials: ``outs`` (S, N, H, L), ``lses`` (S, N, H) fp32 -> ``(out (N, H, L) in
+    outs.dtype, lse (N, H) fp32)``. ``-inf`` partials are ignored; all ``-inf`` gives 0 / ``-inf``."""
+    V.check_tensor("outs", outs, 4, V.FLOAT_DTYPES)
+    V.check_tensor("lses", lses, 3, (torch.float32,), outs.device)
+    if tuple(lses.shape) != tuple(outs.shape[:3]):
+        raise ValueError(
+            f"lses has shape {tuple(lses.shape)}; expected {tuple(outs.shape[:3])} (S, N, H of outs)"
+        )
+    S, N, H, L = outs.shape
+    if S == 0 or L == 0:
+        raise ValueError(f"lse_merge needs S >= 1 partials of width L >= 1; got outs {tuple(outs.shape)}")
+    out = torch.empty((N, H, L), dtype=outs.dtype, device=outs.device)
+    lse = torch.empty((N, H), dtype=torch.float32, device=outs.device)
+    _merge_into(outs, lses, out, lse)
+    return out, lse
+
+
+def lse_merge_ref(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of ``lse_merge`` (fp32 math)."""
+    lse = torch.logsumexp(lses.float(), dim=0)  # (N, H); -inf where every partial is -inf
+    finite = torch.isfinite(lse)
+    weights = torch.exp(lses.float() - torch.where(finite, lse, 0.0)[None])  # (S, N, H)
+    weights = torch.where(torch.isfinite(lses), weights, 0.0)
+    parts = torch.where(torch.isfinite(lses)[..., None], outs.float(), 0.0)
+    out = (weights[..., None] * parts).sum(0)  # (N, H, L)
+    return out.to(outs.dtype), lse

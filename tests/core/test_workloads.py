@@ -1,0 +1,78 @@
+"""Synthetic traces: determinism, shapes of the distributions, the jsonl loader's errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from splash.scheduler.simulator import workloads_module
+
+W = workloads_module()
+
+
+def test_generators_are_seeded() -> None:
+    for gen in (W.rollout, W.agentic, W.chat, W.stationary):
+        assert gen(seed=3) == gen(seed=3)
+    assert W.rollout(seed=1) != W.rollout(seed=2)
+
+
+def test_rollout_is_heavy_tailed_and_starts_together() -> None:
+    tr = W.rollout(n=256, seed=0)
+    assert len(tr) == 256 and all(r.arrival_s == 0.0 for r in tr)
+    out = np.array([r.output_len for r in tr])
+    assert out.max() > 8 * np.median(out)  # a few very long generations
+    assert (out < np.median(out) * 2).mean() > 0.6  # many short ones
+
+
+def test_agentic_chat_stationary_shapes() -> None:
+    ag = W.agentic(sessions=4, turns=3, prefix_len=8192)
+    assert len(ag) == 12 and {r.prefix_group for r in ag} == {0, 1, 2, 3}
+    assert all(r.prompt_len > 4096 for r in ag)
+    by_session = [[r.prompt_len for r in ag if r.prefix_group == s] for s in range(4)]
+    assert all(sorted(p) == p for p in by_session)  # context grows turn by turn
+    ch = W.chat(n=100, rate_per_s=10)
+    arrivals = [r.arrival_s for r in ch]
+    assert arrivals == sorted(arrivals) and 4 < arrivals[-1] < 20
+    st = W.stationary(n=8, prompt_len=100, output_len=10)
+    assert {(r.prompt_len, r.output_len) for r in st} == {(100, 10)}
+
+
+def test_scaled_bounds_lengths() -> None:
+    tr = W.scaled(W.rollout(n=64), max_prompt=128, max_output=32)
+    assert max(r.prompt_len for r in tr) <= 128 and max(r.output_len for r in tr) <= 32
+    assert min(r.output_len for r in tr) >= 1
+
+
+def test_load_jsonl_roundtrip_and_errors(tmp_path: Path) -> None:
+    good = tmp_path / "t.jsonl"
+    good.write_text('{"prompt_len": 5, "output_len": 3, "arrival_s": 1.5}\n\n# comment\n'
+                    '{"prompt_len": 7, "output_len": 2}\n')
+    tr = W.load_jsonl(good)
+    assert [(r.prompt_len, r.arrival_s) for r in tr] == [(7, 0.0), (5, 1.5)]
+    cases = {
+        "not json": "not JSON",
+        '{"prompt_len": 5}': "missing output_len",
+        '{"prompt_len": 5.5, "output_len": 3}': "must be integers",
+        '{"prompt_len": 0, "output_len": 3}': ">= 1",
+        '{"prompt_len": 5, "output_len": 3, "arrival_s": -1}': "arrival_s",
+        "[1, 2]": "expected an object",
+    }
+    for line, message in cases.items():
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text('{"prompt_len": 1, "output_len": 1}\n' + line + "\n")
+        with pytest.raises(W.TraceError, match=f"bad.jsonl:2: .*{message}"):
+            W.load_jsonl(bad)
+    with pytest.raises(W.TraceError, match="does not exist"):
+        W.load_jsonl(tmp_path / "missing.jsonl")
+
+
+def test_get_trace_and_main(capsys: pytest.CaptureFixture[str]) -> None:
+    assert len(W.get_trace("chat", n=10)) == 10
+    with pytest.raises(W.TraceError):
+        W.get_trace("nope")
+    assert W.main(["rollout", "--n", "16"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["requests"] == 16 and summary["output"]["max"] >= summary["output"]["p50"]
