@@ -16,7 +16,7 @@ class CPUBackend(BaseBackend):
         # small tiles keep the interpreter fast; values are per kernel launcher
         "mla_decode": {
             "default": {
-                "BLOCK_N": 16, "BLOCK_H": 16, "num_warps": 4, "num_stages": 1, "transposed": False,
+                "BLOCK_N": 16, "BLOCK_H": 16, "num_warps": 4, "num_stages": 1,
                 "num_splits": 2,
             }
         },

@@ -21,10 +21,10 @@ class ROCmBackend(BaseBackend):
     dist_backend = "nccl"  # RCCL under the same name
     wave_size = 64
     TUNING = {
-        # MFMA takes 16-row tiles, so small head groups stay untransposed; untuned on hardware
+        # MFMA takes 16-row tiles; not yet tuned on hardware
         "mla_decode": {
             "default": {
-                "BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 4, "num_stages": 1, "transposed": False,
+                "BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 4, "num_stages": 1,
                 "programs_per_sm": 2, "split_overhead_tokens": 128, "min_split_tokens": 256,
                 "many_heads": {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1},
             },

@@ -54,8 +54,7 @@ PEER = {
 SWEEP: dict[tuple[str, str], list[dict[str, Any]]] = {
     ("bf16", "few"): [
         {},
-        {"transposed": True, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
-        {"transposed": True, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "mask_all_tiles": True},
+        {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
     ],
     ("bf16", "many"): [{}],
     ("fp8", "few"): [{}],

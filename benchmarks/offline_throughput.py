@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform
@@ -35,6 +36,8 @@ def build_checkpoint(path: str, layers: int, dtype: torch.dtype) -> None:
         model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
     model.save_pretrained(path)
     del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def prompts_for(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -46,14 +49,19 @@ def run_splash(path: str, prompts, out_len: int, dtype: str) -> float:
     from splash import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
-    with LLM(path, tp_size=1, layout="tp", dtype=dtype,
+    with LLM(path, tp_size=1, layout="tp", dtype=dtype, memory_fraction=0.5,
              max_num_batched_tokens=max(8192, len(prompts) * 8)) as llm:
         llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
         torch.cuda.synchronize() if torch.cuda.is_available() else None
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)
         elapsed = time.perf_counter() - t0
-    return sum(len(o.token_ids) for o in outs) / elapsed
+    tokens = sum(len(o.token_ids) for o in outs)
+    del llm, outs
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return tokens / elapsed
 
 
 def run_transformers(path: str, prompts, out_len: int, dtype: torch.dtype) -> float:
@@ -65,14 +73,19 @@ def run_transformers(path: str, prompts, out_len: int, dtype: torch.dtype) -> fl
     kw = dict(max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False,
               attention_mask=torch.ones_like(ids), pad_token_id=0)
     with torch.no_grad():
-        model.generate(ids[:2], **dict(kw, max_new_tokens=2, min_new_tokens=2))
+        model.generate(ids[:2], **dict(kw, max_new_tokens=2, min_new_tokens=2,
+                                       attention_mask=torch.ones_like(ids[:2])))
         torch.cuda.synchronize() if dev == "cuda" else None
         t0 = time.perf_counter()
         out = model.generate(ids, **kw)
         torch.cuda.synchronize() if dev == "cuda" else None
         elapsed = time.perf_counter() - t0
-    del model
-    return (out.shape[1] - ids.shape[1]) * ids.shape[0] / elapsed
+    tokens = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    del model, out, ids
+    gc.collect()
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    return tokens / elapsed
 
 
 def main() -> int:

@@ -238,7 +238,9 @@ def kv_write_ref(
     page, off = idx // PS, idx % PS
     kept = rows[keep]
     if V.is_fp8(kv_cache.dtype):
+        assert kv_scale is not None, "fp8 caches carry kv_scale"
         if kept.dtype == kv_cache.dtype:
+            assert row_scales is not None, "raw fp8 rows carry row_scales"
             data, scale = kept, row_scales[keep]
         else:
             data, scale = quantise_rows_ref(kept, kv_cache.dtype)

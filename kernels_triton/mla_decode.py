@@ -116,19 +116,14 @@ def _attend_tile(
     BLOCK_R: tl.constexpr,
     MASK_T: tl.constexpr,
     IS_FP8: tl.constexpr,
-    TRANSPOSED: tl.constexpr,
     CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """One KV tile [t0, t0 + BLOCK_N) (tokens < ``end``) folded into the online softmax of the
-    query rows (heads for decode, chunk rows for extend). CAUSAL (extend, not transposed) also
-    hides tokens after each row's position ``q_pos`` (BLOCK_H,).
+    query rows (heads for decode, chunk rows for extend): q_nope (BLOCK_H, BLOCK_L), scores
+    (BLOCK_H, BLOCK_N), acc (BLOCK_H, BLOCK_L). CAUSAL (extend) also hides tokens after each
+    row's position ``q_pos`` (BLOCK_H,).
 
-    TRANSPOSED=False: q_nope (BLOCK_H, BLOCK_L), scores (BLOCK_H, BLOCK_N), acc (BLOCK_H, BLOCK_L).
-    TRANSPOSED=True: every operand transposed (q_nope (BLOCK_L, BLOCK_H), scores
-    (BLOCK_N, BLOCK_H), acc (BLOCK_L, BLOCK_H)), so the token / latent dims fill the MMA's M side
-    when the head group is small (16 heads): the tensor cores then read the KV tile straight from
-    shared memory instead of staging it in registers.
     fp8 KV: the tile is widened to the query dtype (exact); the row scales multiply the scores'
     columns and p's columns.
     """
@@ -143,39 +138,24 @@ def _attend_tile(
         col_scale = row_scale * qk_scale
     else:
         col_scale = tl.full((BLOCK_N,), 1.0, tl.float32) * qk_scale
-    if TRANSPOSED:
-        qk = tl.dot(kv_nope, q_nope, input_precision=DOT_PRECISION)
-        qk = tl.dot(kv_rope, q_rope, qk, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_H)
-        qk = qk * col_scale[:, None]
-        if MASK_T:
-            qk = tl.where(mask_t[:, None], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 0))  # (BLOCK_H,) finite: a tile has a valid token
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[None, :])  # (BLOCK_N, BLOCK_H)
-        l_i = l_i * alpha + tl.sum(p, 0)
-        if IS_FP8:
-            p = p * row_scale[:, None]
-        acc = acc * alpha[None, :]
-        acc = tl.dot(tl.trans(kv_nope), p.to(kv_nope.dtype), acc, input_precision=DOT_PRECISION)
-    else:
-        qk = tl.dot(q_nope, tl.trans(kv_nope), input_precision=DOT_PRECISION)
-        qk = tl.dot(q_rope, tl.trans(kv_rope), qk, input_precision=DOT_PRECISION)  # (BLOCK_H, BLOCK_N)
-        qk = qk * col_scale[None, :]
-        if CAUSAL:
-            offs_t = t0 + tl.arange(0, BLOCK_N)
-            visible = (offs_t[None, :] <= q_pos[:, None]) & mask_t[None, :]
-            qk = tl.where(visible, qk, float("-inf"))
-        elif MASK_T:
-            qk = tl.where(mask_t[None, :], qk, float("-inf"))
-        # every row has seen a visible token by its first tile, so m_new is finite
-        m_new = tl.maximum(m_i, tl.max(qk, 1))  # (BLOCK_H,)
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])  # (BLOCK_H, BLOCK_N)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IS_FP8:
-            p = p * row_scale[None, :]
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(kv_nope.dtype), kv_nope, acc, input_precision=DOT_PRECISION)
+    qk = tl.dot(q_nope, tl.trans(kv_nope), input_precision=DOT_PRECISION)
+    qk = tl.dot(q_rope, tl.trans(kv_rope), qk, input_precision=DOT_PRECISION)  # (BLOCK_H, BLOCK_N)
+    qk = qk * col_scale[None, :]
+    if CAUSAL:
+        offs_t = t0 + tl.arange(0, BLOCK_N)
+        visible = (offs_t[None, :] <= q_pos[:, None]) & mask_t[None, :]
+        qk = tl.where(visible, qk, float("-inf"))
+    elif MASK_T:
+        qk = tl.where(mask_t[None, :], qk, float("-inf"))
+    # every row has seen a visible token by its first tile, so m_new is finite
+    m_new = tl.maximum(m_i, tl.max(qk, 1))  # (BLOCK_H,)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])  # (BLOCK_H, BLOCK_N)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IS_FP8:
+        p = p * row_scale[None, :]
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(kv_nope.dtype), kv_nope, acc, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -206,8 +186,6 @@ def _mla_decode_kernel(
     BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr,
     IS_FP8: tl.constexpr,
-    TRANSPOSED: tl.constexpr,
-    MASK_ALL_TILES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     pid_h = tl.program_id(0)
@@ -227,66 +205,40 @@ def _mla_decode_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
     q_base = q_ptr + pid_n * stride_qn
-    if TRANSPOSED:
-        q_nope = tl.load(
-            q_base + offs_l[:, None] * stride_qd + offs_h[None, :] * stride_qh,
-            mask=mask_l[:, None] & mask_h[None, :], other=0.0,
-        )  # (BLOCK_L, BLOCK_H)
-        q_rope = tl.load(
-            q_base + (L + offs_r)[:, None] * stride_qd + offs_h[None, :] * stride_qh,
-            mask=mask_r[:, None] & mask_h[None, :], other=0.0,
-        )  # (BLOCK_R, BLOCK_H)
-        acc = tl.zeros((BLOCK_L, BLOCK_H), tl.float32)
-    else:
-        q_nope = tl.load(
-            q_base + offs_h[:, None] * stride_qh + offs_l[None, :] * stride_qd,
-            mask=mask_h[:, None] & mask_l[None, :], other=0.0,
-        )  # (BLOCK_H, BLOCK_L)
-        q_rope = tl.load(
-            q_base + offs_h[:, None] * stride_qh + (L + offs_r)[None, :] * stride_qd,
-            mask=mask_h[:, None] & mask_r[None, :], other=0.0,
-        )  # (BLOCK_H, BLOCK_R)
-        acc = tl.zeros((BLOCK_H, BLOCK_L), tl.float32)
+    q_nope = tl.load(
+        q_base + offs_h[:, None] * stride_qh + offs_l[None, :] * stride_qd,
+        mask=mask_h[:, None] & mask_l[None, :], other=0.0,
+    )  # (BLOCK_H, BLOCK_L)
+    q_rope = tl.load(
+        q_base + offs_h[:, None] * stride_qh + (L + offs_r)[None, :] * stride_qd,
+        mask=mask_h[:, None] & mask_r[None, :], other=0.0,
+    )  # (BLOCK_H, BLOCK_R)
+    acc = tl.zeros((BLOCK_H, BLOCK_L), tl.float32)
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
 
     bt_row_ptr = bt_ptr + pid_n * stride_btn
-    if MASK_ALL_TILES:  # one loop, every tile masked
-        for t0 in range(start, end, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(
-                q_nope, q_rope, m_i, l_i, acc, m_i, kv_ptr, scale_ptr, bt_row_ptr, t0, end, qk_scale,
-                stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss,
-                L, R, PAGE_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, True, IS_FP8, TRANSPOSED, False,
-                DOT_PRECISION,
-            )
-    else:  # full tiles unmasked, then the split's partial tail tile
-        for t0 in range(start, full_end, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(
-                q_nope, q_rope, m_i, l_i, acc, m_i, kv_ptr, scale_ptr, bt_row_ptr, t0, end, qk_scale,
-                stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss,
-                L, R, PAGE_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, False, IS_FP8, TRANSPOSED, False,
-                DOT_PRECISION,
-            )
-        if full_end < end:
-            m_i, l_i, acc = _attend_tile(
-                q_nope, q_rope, m_i, l_i, acc, m_i, kv_ptr, scale_ptr, bt_row_ptr, full_end, end,
-                qk_scale, stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss,
-                L, R, PAGE_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, True, IS_FP8, TRANSPOSED, False,
-                DOT_PRECISION,
-            )
+    # full tiles unmasked, then the split's partial tail tile
+    for t0 in range(start, full_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q_nope, q_rope, m_i, l_i, acc, m_i, kv_ptr, scale_ptr, bt_row_ptr, t0, end, qk_scale,
+            stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss,
+            L, R, PAGE_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, False, IS_FP8, False, DOT_PRECISION,
+        )
+    if full_end < end:
+        m_i, l_i, acc = _attend_tile(
+            q_nope, q_rope, m_i, l_i, acc, m_i, kv_ptr, scale_ptr, bt_row_ptr, full_end, end,
+            qk_scale, stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss,
+            L, R, PAGE_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, True, IS_FP8, False, DOT_PRECISION,
+        )
 
     has_keys = l_i > 0.0
     l_safe = tl.where(has_keys, l_i, 1.0)
     lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     o_base = o_ptr + pid_s * stride_os + pid_n * stride_on
-    if TRANSPOSED:
-        out = acc / l_safe[None, :]  # (BLOCK_L, BLOCK_H)
-        o_ptrs = o_base + offs_l[:, None] * stride_ol + offs_h[None, :] * stride_oh
-        o_mask = mask_l[:, None] & mask_h[None, :]
-    else:
-        out = acc / l_safe[:, None]  # (BLOCK_H, BLOCK_L)
-        o_ptrs = o_base + offs_h[:, None] * stride_oh + offs_l[None, :] * stride_ol
-        o_mask = mask_h[:, None] & mask_l[None, :]
+    out = acc / l_safe[:, None]  # (BLOCK_H, BLOCK_L)
+    o_ptrs = o_base + offs_h[:, None] * stride_oh + offs_l[None, :] * stride_ol
+    o_mask = mask_h[:, None] & mask_l[None, :]
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=o_mask)
     tl.store(lse_ptr + pid_s * stride_ls + pid_n * stride_ln + offs_h * stride_lh, lse, mask=mask_h)
 
@@ -295,10 +247,9 @@ def _mla_decode_kernel(
 # launcher
 
 _GPU_DEFAULTS: dict[str, Any] = {
-    # measured on H200 (benchmarks/results/h200/kernels.json). Small head groups use 16-head
-    # untransposed tiles of 16 tokens, several programs per SM; the transposed form
-    # ("transposed": True) was faster for bf16 but gave wrong results at L=512 on Triton 3.6.
-    "BLOCK_N": 16, "BLOCK_H": 16, "num_warps": 4, "num_stages": 3, "transposed": False,
+    # measured on H200 (benchmarks/results/h200/kernels.json): small head groups use 16-head
+    # tiles of 16 tokens, several programs per SM
+    "BLOCK_N": 16, "BLOCK_H": 16, "num_warps": 4, "num_stages": 3,
     "max_block_h": 64, "programs_per_sm": 4, "split_overhead_tokens": 64,
     "min_split_tokens": 256,
     # applied when H > 32: 64 heads x 512 fp32 accumulators need 8 warps
@@ -306,7 +257,7 @@ _GPU_DEFAULTS: dict[str, Any] = {
                    "programs_per_sm": 1},
 }
 _CPU_DEFAULTS: dict[str, Any] = {
-    "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "max_block_h": 16, "transposed": False,
+    "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "max_block_h": 16,
     "programs_per_sm": 1, "split_overhead_tokens": 16, "min_split_tokens": 32,
 }
 
@@ -430,8 +381,7 @@ def mla_decode(
         stride_ls, *lse_part.stride()[-2:],
         L=L, R=R, PAGE_SIZE=PS, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
         BLOCK_L=V.next_pow2(L), BLOCK_R=V.next_pow2(R),
-        IS_FP8=V.is_fp8(kv.dtype), TRANSPOSED=bool(cfg["transposed"]),
-        MASK_ALL_TILES=bool(cfg.get("mask_all_tiles", False)),
+        IS_FP8=V.is_fp8(kv.dtype),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

@@ -93,7 +93,7 @@ def _mla_extend_kernel(
                 q_nope, q_rope, m_i, l_i, acc, q_pos, kv_ptr, scale_ptr, bt_row_ptr,
                 t0, seq_len, qk_scale,
                 stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss,
-                L, R, PAGE_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, False, IS_FP8, False, False,
+                L, R, PAGE_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, False, IS_FP8, False,
                 DOT_PRECISION,
             )
         # the diagonal: causal mask per row
@@ -103,7 +103,7 @@ def _mla_extend_kernel(
                 q_nope, q_rope, m_i, l_i, acc, q_pos, kv_ptr, scale_ptr, bt_row_ptr,
                 t0, seq_len, qk_scale,
                 stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss,
-                L, R, PAGE_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, True, IS_FP8, False, True,
+                L, R, PAGE_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, True, IS_FP8, True,
                 DOT_PRECISION,
             )
 

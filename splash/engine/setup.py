@@ -93,8 +93,11 @@ class EngineSetup:
         return want
 
     def _pages_from_memory(self, backend, on_cpu: bool) -> int:
-        budget = int(backend.profile.memory_gib * 2**30 * self.cfg.memory_fraction)
+        budget = self._budget_bytes(backend, on_cpu)
         pages = self.memory.kv_pages_per_rank(LAYOUTS["dop"], budget)
+        # never more than the scheduler could ever fill: every sequence at max_model_len
+        max_len = self.cfg.max_model_len or self.model_cfg.max_position_embeddings
+        pages = min(pages, -(-max_len // self.page_size) * self.cfg.max_num_seqs)
         if on_cpu:
             pages = min(pages, _CPU_MAX_PAGES)
         if pages < 1:
@@ -102,6 +105,19 @@ class EngineSetup:
                 f"the model's weights leave no KV memory at memory_fraction "
                 f"{self.cfg.memory_fraction} on {backend.profile_name}")
         return pages
+
+    def _budget_bytes(self, backend, on_cpu: bool) -> int:
+        """memory_fraction of the device, minus what others already use there (like vLLM's
+        gpu_memory_utilization), split among the ranks that share one device."""
+        total = backend.profile.memory_gib * 2**30
+        if on_cpu:
+            return int(total * self.cfg.memory_fraction)
+        import torch
+
+        free, total = torch.cuda.mem_get_info(0)
+        sharing = max(1, -(-self.cfg.tp_size // max(torch.cuda.device_count(), 1)))
+        used_by_others = total - free
+        return int((total * self.cfg.memory_fraction - used_by_others) / sharing)
 
     def reserved_pages(self, layout: Layout) -> int:
         return 0 if layout.shards_heads else self.replica_pages

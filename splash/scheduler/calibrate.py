@@ -16,6 +16,7 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,14 +27,16 @@ SIZES = {  # (matmul n, copy bytes, all-gather bytes per rank)
 }
 
 
-def _timed(fn, sync, min_s: float, warmup: int = 2) -> float:
-    """Seconds per call of ``fn`` (median of repeated timings lasting ``min_s`` in all)."""
+def _timed(fn, sync, min_s: float, warmup: int = 2, iters: int | None = None) -> float:
+    """Seconds per call of ``fn``: median of repeated timings lasting ``min_s`` in all, or of
+    exactly ``iters`` calls (collectives: every rank must make the same number of calls)."""
     for _ in range(warmup):
         fn()
     sync()
     times: list[float] = []
     start = time.perf_counter()
-    while not times or (time.perf_counter() - start < min_s and len(times) < 50):
+    while not times or (len(times) < iters if iters else
+                        time.perf_counter() - start < min_s and len(times) < 50):
         t0 = time.perf_counter()
         fn()
         sync()
@@ -41,7 +44,7 @@ def _timed(fn, sync, min_s: float, warmup: int = 2) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def measure_device(device: torch.device, quick: bool = False) -> dict[str, float]:
+def measure_device(device: torch.device, quick: bool = False) -> dict[str, Any]:
     """Matmul TFLOP/s and copy GB/s (read + write) on ``device``."""
     gpu = device.type == "cuda"
     n, copy_bytes, _ = SIZES["quick" if quick else ("cuda" if gpu else "cpu")]
@@ -78,7 +81,7 @@ def _collective_worker(rank: int, world: int, port: int, backend: str, sizes, qu
                 dist.all_gather(outs, x)
 
             dist.barrier()
-            t = _timed(gather, sync, 0.05 if quick else 0.3)
+            t = _timed(gather, sync, 0.0, iters=5 if quick else 20)
             t_max = torch.tensor([t], dtype=torch.float64, device=device)
             dist.all_reduce(t_max, op=dist.ReduceOp.MAX)  # the slowest rank sets the time
             results[nbytes] = float(t_max.item())
@@ -88,7 +91,7 @@ def _collective_worker(rank: int, world: int, port: int, backend: str, sizes, qu
         dist.destroy_process_group()
 
 
-def measure_collectives(world: int, backend: str, quick: bool = False) -> dict[str, float]:
+def measure_collectives(world: int, backend: str, quick: bool = False) -> dict[str, Any]:
     """All-gather bus bandwidth (GB/s) and small-message latency (µs) over ``world`` processes."""
     import torch.multiprocessing as mp
 

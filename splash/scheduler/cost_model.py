@@ -23,69 +23,10 @@ from splash.backends.profiles import HardwareProfile
 from splash.layouts.memory import MemoryModel, dtype_bytes
 from splash.layouts.ownership import KVPlacement, Layout, get_layout
 from splash.scheduler.feasibility import ACT_BYTES, assign_owners, held_tokens
+from splash.scheduler.shapes import BatchShape, SwitchCost
 
+__all__ = ["BatchShape", "CostModel", "SwitchCost"]
 LSE_BYTES = 4
-
-
-@dataclass(frozen=True)
-class BatchShape:
-    """One step's work. ``decode_ctx``: per decode row, the KV tokens it attends (its context
-    including the new token). ``prefill``: per prefill chunk, (chunk_len, prefix_len). ``owners``:
-    optional owner rank per request (decode rows first, then chunks); None = greedy by tokens."""
-
-    decode_ctx: tuple[int, ...] = ()
-    prefill: tuple[tuple[int, int], ...] = ()
-    owners: tuple[int, ...] | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "decode_ctx", tuple(int(c) for c in self.decode_ctx))
-        object.__setattr__(self, "prefill", tuple((int(n), int(p)) for n, p in self.prefill))
-        if any(c < 1 for c in self.decode_ctx):
-            raise ValueError("decode contexts must be >= 1")
-        if any(n < 1 or p < 0 for n, p in self.prefill):
-            raise ValueError("prefill chunks need chunk_len >= 1 and prefix_len >= 0")
-        if self.owners is not None:
-            object.__setattr__(self, "owners", tuple(int(o) for o in self.owners))
-            if len(self.owners) != self.num_requests or min(self.owners, default=0) < 0:
-                raise ValueError("owners needs one rank >= 0 per request")
-
-    @classmethod
-    def decode(cls, batch: int, context_len: int) -> BatchShape:
-        return cls(decode_ctx=(context_len,) * batch)
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.decode_ctx) + len(self.prefill)
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.decode_ctx) + sum(n for n, _ in self.prefill)
-
-    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """(rows, prefix) per request as int64 arrays."""
-        rows = np.array([1] * len(self.decode_ctx) + [n for n, _ in self.prefill], dtype=np.int64)
-        prefix = np.array([c - 1 for c in self.decode_ctx] + [p for _, p in self.prefill],
-                          dtype=np.int64)
-        return rows, prefix
-
-    def tokens_after(self) -> np.ndarray:
-        """KV tokens each request holds once this step has written its rows."""
-        rows, prefix = self.arrays()
-        return rows + prefix
-
-
-@dataclass(frozen=True)
-class SwitchCost:
-    """Predicted cost of one live switch at a step boundary (bytes: the busiest rank)."""
-
-    src: str
-    dst: str
-    primitives: tuple[str, ...]  # e.g. ("weight all-gather", "kv all-to-all"); () = discards
-    weight_bytes_per_rank_per_layer: int
-    kv_bytes_per_rank_per_layer: int
-    transfer_ms_per_layer: float
-    live_ms: float  # layer-pipelined: only what compute cannot hide, plus the first layer
-    blocking_ms: float  # move everything, then compute
 
 
 @dataclass(frozen=True)
@@ -100,6 +41,7 @@ class CostModel:
     page_size: int = 64
     sparse_attention: bool | None = None  # DSA top-k + indexer; None: when cfg has index_topk
     memory: MemoryModel = field(init=False, repr=False, compare=False)
+    _k: dict[str, Any] = field(init=False, repr=False, compare=False)  # derived constants
 
     def __post_init__(self) -> None:
         if self.world < 1:
@@ -173,7 +115,7 @@ class CostModel:
         return out
 
     def switch_cost(self, src: str, dst: str, batch: BatchShape,
-                    live_tokens: Sequence[int] | None = None,
+                    live_tokens: Sequence[int] | np.ndarray | None = None,
                     live_owners: Sequence[int] | None = None) -> SwitchCost:
         """Bytes each rank receives per layer (DESIGN §1 switch table) and the switch's time,
         switching before ``batch`` runs. ``live_tokens``: KV tokens of every live request
@@ -214,7 +156,7 @@ class CostModel:
                           per_layer * layers)
 
     def switch_cost_ms(self, src: str, dst: str, batch: BatchShape,
-                       live_tokens: Sequence[int] | None = None,
+                       live_tokens: Sequence[int] | np.ndarray | None = None,
                        live_owners: Sequence[int] | None = None) -> float:
         """Live (layer-pipelined) switch overhead in ms; 0 for pure discards."""
         if src == dst:
@@ -299,7 +241,8 @@ class CostModel:
         c, T, H = self.cfg, self.world, self.cfg.num_attention_heads
         D, L = c.kv_lora_rank + c.qk_rope_head_dim, c.kv_lora_rank
         n = w["n"]
-        by_owner, own_rows = self._by_owner(w) if lay.uses_owners else (None, None)
+        by_owner, own_rows = self._by_owner(w) if lay.uses_owners else (np.zeros((4, T)),
+                                                                         np.zeros(T))
         hd = H // T if lay.shards_heads else H
         bytes_row = c.hidden_size * ACT_BYTES
         comm: list[float] = []  # bytes of each collective on the busiest rank

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -69,6 +69,7 @@ class Feasibility:
     memory: MemoryModel
     reserve_bytes: int = 0
     aux_kv_bytes_per_token_per_layer: int = 0
+    _static: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.reserve_bytes < 0 or self.aux_kv_bytes_per_token_per_layer < 0:

@@ -87,7 +87,7 @@ def plan(cfg, hardware, tp: int, batch: int = 16, input_len: int = 4096,
         }
         tok_s[lay] = decode_tok_s(cm, lay, batch, input_len, resident) if lay in fit else 0.0
         layouts[lay]["decode_tok_s"] = round(tok_s[lay], 1)
-    chosen = max(tok_s, key=tok_s.get)
+    chosen = max(tok_s, key=lambda n: tok_s[n])
     switches = {}
     for src in fit:
         for dst in fit:

@@ -97,6 +97,7 @@ class LayoutPolicy:
         layout when it is owned (DP <-> DOP keep owners; other switches place them greedily).
         """
         self._since_switch += 1
+        owners: Sequence[int] | None
         if live_tokens is None:
             tokens, owners = batch.tokens_after(), batch.owners
         else:
@@ -198,9 +199,8 @@ class LayoutPolicy:
                 hi = k - 1
         if lo == 0:
             return batch, 0
-        owners = None  # admissions rebalance owners
-        return BatchShape(batch.decode_ctx + tuple(int(p) for p in waiting[:lo]),
-                          batch.prefill, owners), lo
+        admitted = tuple(batch.decode_ctx) + tuple(int(p) for p in waiting[:lo])
+        return BatchShape(admitted, batch.prefill, None), lo  # admissions rebalance owners
 
     def _switch(self, src: str, dst: str, reason: str, times: dict[str, float],
                 admitted: dict[str, int], cost: float) -> Decision:
@@ -235,9 +235,11 @@ def _describe(name: str, times: dict[str, float], admitted: dict[str, int]) -> s
 def build_policy(cfg, world: int, profile, budget_bytes: int, *, weight_dtype: str = "bf16",
                  kv_dtype: str = "bf16", page_size: int = 64, reserve_bytes: int = 0,
                  margin: float = 0.1, min_dwell_steps: int = 16,
-                 sparse_attention: bool | None = None) -> LayoutPolicy:
+                 sparse_attention: bool | None = None, smoothing: float = 0.5) -> LayoutPolicy:
     """The policy the engine uses: cost model + memory accounting of ``cfg`` on ``world`` ranks
-    of hardware ``profile`` (a HardwareProfile), ``budget_bytes`` of device memory per rank."""
+    of hardware ``profile`` (a HardwareProfile), ``budget_bytes`` of device memory per rank.
+    An engine that runs dense MLA on a DSA model passes ``sparse_attention=False``."""
     cm = CostModel(cfg, world, profile, weight_dtype, kv_dtype, page_size, sparse_attention)
     return LayoutPolicy(cm, cm.memory, budget_bytes, margin=margin,
-                        min_dwell_steps=min_dwell_steps, reserve_bytes=reserve_bytes)
+                        min_dwell_steps=min_dwell_steps, reserve_bytes=reserve_bytes,
+                        smoothing=smoothing)

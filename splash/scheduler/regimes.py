@@ -79,6 +79,13 @@ def prefill_tok_s(cm: CostModel, layout: str, batch: int, length: int, resident:
     return batch * length / t * 1e3
 
 
+def _best(names: list[str], grid: dict, i: int, j: int) -> str:
+    """The fastest layout at grid point (i, j); "-" where none can hold a request."""
+    speed = {n: grid[n][i][j] for n in names}
+    best = max(names, key=lambda n: speed[n])
+    return best if speed[best] > 0 else "-"
+
+
 def regime_map(cfg, profile, tp: int, sim=None, inputs=INPUTS, batches=BATCHES,
                modes=("decode", "prefill")) -> dict:
     """{inputs, batches, best: {mode: [[layout per batch] per input]}, tok_s: {mode: {layout:
@@ -104,7 +111,6 @@ def regime_map(cfg, profile, tp: int, sim=None, inputs=INPUTS, batches=BATCHES,
                                           sim.max_num_batched_tokens)
                     grid[n][i][j] = round(v, 1)
         out["tok_s"][mode] = grid
-        out["best"][mode] = [[max(names, key=lambda n, i=i, j=j: grid[n][i][j])
-                              if any(grid[n][i][j] for n in names) else "-"
-                              for j in range(len(batches))] for i in range(len(inputs))]
+        out["best"][mode] = [[_best(names, grid, i, j) for j in range(len(batches))]
+                             for i in range(len(inputs))]
     return out

@@ -16,9 +16,11 @@ import json
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
+from splash.errors import LayoutInfeasibleError
 from splash.layouts.ownership import get_layout
 from splash.scheduler.cost_model import BatchShape, CostModel
 from splash.scheduler.feasibility import assign_owners, default_reserve_bytes
@@ -87,7 +89,11 @@ def simulate(trace: Sequence, cfg, profile, tp: int, layout: str = "auto",
     cm, policy = models or build_models(cfg, profile, tp, sim)
     feas, budget, T = policy.feasibility, policy.budget_bytes, tp
     auto = layout == "auto"
-    cur = sim.initial_layout if auto else get_layout(layout).name
+    if not auto and get_layout(layout).name not in policy.layouts:
+        raise LayoutInfeasibleError(f"layout {layout}: {cfg.num_attention_heads} heads do not "
+                                    f"split over {tp} ranks")
+    cur = get_layout(layout).name if not auto else (
+        sim.initial_layout if sim.initial_layout in policy.layouts else policy.layouts[0])
     reqs = [_Req(r.prompt_len, r.output_len, r.arrival_s) for r in trace]
     pending = deque(sorted(reqs, key=lambda r: r.arrival_ms))
     waiting: deque[_Req] = deque()
@@ -256,9 +262,13 @@ def compare(trace: Sequence, cfg, profile, tp: int, sim: SimConfig | None = None
     """`auto` and every fixed layout on the same trace; ``best_fixed`` and auto's ratio to it."""
     sim = sim or SimConfig()
     models = build_models(cfg, profile, tp, sim)
-    runs = {}
+    runs: dict[str, dict[str, Any]] = {}
     for name in ("auto", *layouts):
         models[1].reset()
+        if name != "auto" and name not in models[1].layouts:
+            runs[name] = {"layout": name, "output_tok_s": 0.0,
+                          "error": f"{cfg.num_attention_heads} heads do not split over {tp} ranks"}
+            continue
         try:
             runs[name] = simulate(trace, cfg, profile, tp, name, sim, models)
         except RuntimeError as e:  # a fixed layout too small for the trace's longest request

@@ -48,13 +48,12 @@ def test_decode_matches_reference(setting, case, num_splits):
     assert torch.all(out.cpu()[empty] == 0) and torch.all(torch.isneginf(lse.cpu()[empty]))
 
 
-# launch variants the GPU tables use, run on small shapes: the transposed (small head group)
-# form, wider tiles than a page, wider head groups
+# launch variants of the tuning tables, run on small shapes: tiles wider than a page, wider
+# head groups, deeper pipelines
 CONFIGS = {
-    "transposed": {"transposed": True},
     "tile-gt-page": {"BLOCK_N": 32},
     "block-h-32": {"BLOCK_H": 32, "BLOCK_N": 32},
-    "mask-all-tiles": {"mask_all_tiles": True, "BLOCK_N": 32},
+    "stages-3": {"BLOCK_N": 16, "num_stages": 3},
 }
 
 
