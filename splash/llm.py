@@ -33,7 +33,8 @@ class LLM:
         if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], int)):
             raise InvalidRequestError("prompts must be a list of prompts (lists of token ids)")
         params = sampling_params if sampling_params is not None else SamplingParams()
-        per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        per_prompt: list[SamplingParams] = (
+            list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts))  # type: ignore[list-item]
         if len(per_prompt) != len(prompts):
             raise InvalidRequestError(
                 f"{len(per_prompt)} sampling params for {len(prompts)} prompts")

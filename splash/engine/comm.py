@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-
 # torch >= 2.13 names it all_gather_single; older releases all_gather_into_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 

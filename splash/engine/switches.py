@@ -3,6 +3,7 @@ manifests, deferral under memory pressure, and the switch history in stats()."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from splash.layouts.ownership import get_layout
@@ -21,7 +22,7 @@ class SwitchController:
         self.deferred: list[dict[str, Any]] = []
         self.decisions: list[dict[str, Any]] = []
         self._last_switch: dict[str, Any] | None = None
-        self.policy = None  # set by the engine in layout="auto"
+        self.policy: Callable[[Any], str | None] | None = None  # set in layout="auto"
 
     def request(self, name: str) -> None:
         layout = get_layout(name)

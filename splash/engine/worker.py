@@ -18,13 +18,12 @@ from splash.backends import get_backend
 from splash.engine.comm import Comm
 from splash.engine.protocol import WORKER_PROTOCOL_VERSION, StepPlan, StepResult
 from splash.engine.worker_config import WorkerConfig
-from splash.layouts.registry import make_layouts
 from splash.layouts.base import KVStore, StepMeta
 from splash.layouts.ownership import get_layout, heads_held
+from splash.layouts.registry import make_layouts
 from splash.model.model import MLAModel
 from splash.model.sampler import sample
 from splash.switching.executor import SwitchExecutor
-
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
            "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}

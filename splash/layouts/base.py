@@ -9,7 +9,8 @@ every rank holds the attention output of every row.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -72,7 +73,7 @@ class StepMeta:
                     slots.append(-1)
         return torch.tensor(slots, dtype=torch.long, device=self.device)
 
-    def kernel_args(self, layout: Layout, reqs: list[int]) -> dict[str, torch.Tensor]:
+    def kernel_args(self, layout: Layout, reqs: list[int]) -> dict[str, Any]:
         """Block table, local KV lengths and query offsets of ``reqs`` on this rank."""
         lens = [
             local_kv_len(layout, self.plan.context_lens[b], self.rank, self.plan.owners[b],

@@ -112,7 +112,8 @@ def build_manifest(
         owners = _balanced_owners(requests, world)
     summary = [RankSummary() for _ in range(world)]
     need = [0] * world
-    plans = []  # (req, logical page, dst rank, source (rank, page) or None, kept page)
+    # (req, logical page, dst rank, source (rank, page) or None, kept page)
+    plans: list[tuple[Request, int, int, tuple[int, int] | None, int]] = []
     for req in requests:
         n_pages = -(-req.num_computed // page_size)
         for i in range(n_pages):

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from tiny_models import checkpoint, hf_greedy
 
 from splash import LLM, SamplingParams
 from splash.errors import InvalidRequestError, SplashError
-from tiny_models import checkpoint, hf_greedy
 
 
 @pytest.fixture(scope="module")

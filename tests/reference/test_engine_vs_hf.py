@@ -5,9 +5,9 @@ preemption."""
 from __future__ import annotations
 
 import pytest
+from tiny_models import checkpoint, hf_greedy, mixed_prompts
 
 from splash import LLM, SamplingParams
-from tiny_models import checkpoint, hf_greedy, mixed_prompts
 
 MAX_NEW = 6
 
