@@ -4,7 +4,8 @@ Every feasible layout is scored on the current batch. The policy switches only w
 leads the current by ``margin`` (hysteresis near a crossover), the current layout has been held
 for ``min_dwell_steps`` decisions, the predicted gain over the expected remaining steps outlasts
 the predicted switch cost, and the switch fits the one-layer headroom. An infeasible current
-layout overrides margin and dwell.
+layout overrides margin and dwell. Leads are smoothed over decisions (``smoothing``: weight of
+the newest), so one odd step — a lone prefill chunk among decode rows — does not flip the layout.
 
 Beyond the paper, admission is layout-aware: when requests wait for KV room, each layout is
 scored by rows per millisecond *including the waiting requests it could admit*, so a layout with
@@ -75,7 +76,7 @@ class LayoutPolicy:
         self.switch_cost_fn = switch_cost_fn or cost_model.switch_cost_ms
         self.max_admission_probe = max_admission_probe
         self.smoothing = smoothing
-        self._ema: dict[str, float] = {}  # smoothed rows/ms per layout across decisions
+        self._ema: dict[str, float] = {}  # smoothed speed relative to the current layout
         self.history: deque[Decision] = deque(maxlen=history_len)
         self._since_switch = min_dwell_steps  # the first decision may switch at once
 

@@ -1,0 +1,137 @@
+"""Runs that need several GPUs (NCCL), one subcommand each, JSON under --out-dir:
+
+    python benchmarks/multi_gpu.py correctness --tp 8   # 4 layouts + 12 directions == T=1 tokens
+    python benchmarks/multi_gpu.py sweep --tp 8         # fixed layouts: B=16 x input, 32K x B
+    python benchmarks/multi_gpu.py capacity --tp 8      # distinct KV tokens per layout at 0.85
+    python benchmarks/switch_overhead.py --backend cuda --tp 8 --batch 16 --prompt-len 32768
+    python benchmarks/end_to_end.py --backend cuda --tp 8 --trace rollout
+
+The model is DeepSeek-V3-shaped (true attention and expert dimensions) with fewer layers and
+experts so it fits and is written quickly; `benchmarks/multi_gpu.sh` runs everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+
+CIRCUIT = ["tp", "dp", "tp", "cp", "tp", "dop", "dp", "cp", "dp", "dop", "cp", "dop", "tp"]
+
+
+def build(path: str, layers: int, experts: int) -> str:
+    import transformers
+
+    from splash.model.presets import preset_config
+
+    if not os.path.exists(os.path.join(path, "config.json")):
+        cfg = preset_config("deepseek-v3", scale="full")
+        cfg.update(num_hidden_layers=layers, first_k_dense_replace=1, n_routed_experts=experts,
+                   n_group=min(cfg["n_group"], experts // 8), topk_group=1)
+        with torch.device("cuda"):
+            model = transformers.AutoModelForCausalLM.from_config(
+                transformers.AutoConfig.for_model(**cfg), dtype=torch.bfloat16)
+        model.save_pretrained(path)
+        del model
+        torch.cuda.empty_cache()
+    return path
+
+
+def _prompts(batch: int, length: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, 1000, (batch, length), generator=g).tolist()
+
+
+def correctness(args) -> dict:
+    from splash import LLM, SamplingParams
+
+    prompts = _prompts(6, 300) + _prompts(2, 2000, seed=1)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with LLM(args.model, tp_size=1) as llm:
+        ref = [o.token_ids for o in llm.generate(prompts, params)]
+    out = {"tp": args.tp, "layouts": {}, "switching": None}
+    for layout in ("tp", "dp", "cp", "dop"):
+        with LLM(args.model, tp_size=args.tp, layout=layout) as llm:
+            got = [o.token_ids for o in llm.generate(prompts, params)]
+        out["layouts"][layout] = {"identical_requests": sum(a == b for a, b in zip(got, ref)),
+                                  "requests": len(ref)}
+    plan = [(2 + i, d) for i, d in enumerate(CIRCUIT[1:])]
+    with LLM(args.model, tp_size=args.tp, layout="tp") as llm:
+        got = [o.token_ids for o in llm.generate(prompts, params, layout_plan=plan)]
+        switches = llm.stats()["switches"]
+    out["switching"] = {"identical_requests": sum(a == b for a, b in zip(got, ref)),
+                        "directions": [(s["from"], s["to"]) for s in switches],
+                        "bytes_match_manifest": all(
+                            s["kv_bytes_received_per_rank"] == s["predicted_kv_bytes_per_rank"]
+                            for s in switches)}
+    return out
+
+
+def _throughput(model: str, tp: int, layout: str, batch: int, length: int, out_len: int) -> float:
+    from splash import LLM, SamplingParams
+
+    with LLM(model, tp_size=tp, layout=layout, max_num_batched_tokens=16384) as llm:
+        t0 = time.perf_counter()
+        outs = llm.generate(_prompts(batch, length), SamplingParams(
+            max_tokens=out_len, temperature=0.0, ignore_eos=True))
+        dt = time.perf_counter() - t0
+    return (batch * length + sum(len(o.token_ids) for o in outs)) / dt
+
+
+def sweep(args) -> dict:
+    rows = []
+    points = [(16, n) for n in (1024, 4096, 16384, 65536, 131072)]
+    points += [(b, 32768) for b in (1, 4, 16, 64, 128, 256)]
+    for batch, length in points:
+        rec = {"batch": batch, "input_len": length}
+        for layout in ("tp", "dp", "cp", "dop"):
+            try:
+                rec[layout] = _throughput(args.model, args.tp, layout, batch, length, 32)
+            except Exception as e:  # a layout that does not fit is a result, not a crash
+                rec[layout] = None
+                rec[f"{layout}_error"] = str(e)[:200]
+        ok = {k: v for k, v in rec.items() if k in ("tp", "dp", "cp", "dop") and v}
+        rec["best"] = max(ok, key=ok.get) if ok else None
+        print(json.dumps(rec), flush=True)
+        rows.append(rec)
+    return {"tp": args.tp, "tokens_per_s": rows}
+
+
+def capacity(args) -> dict:
+    from splash import LLM
+
+    with LLM(args.model, tp_size=args.tp, layout="dop", memory_fraction=0.85) as llm:
+        cap = llm.stats()["kv_capacity_tokens"]
+    return {"tp": args.tp, "memory_fraction": 0.85, "kv_capacity_tokens": cap,
+            "dop_vs_dp_pct": 100 * (cap["dop"] / cap["dp"] - 1),
+            "dop_vs_cp_pct": 100 * (cap["dop"] / cap["cp"] - 1)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("run", choices=["correctness", "sweep", "capacity"])
+    ap.add_argument("--tp", type=int, default=torch.cuda.device_count())
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--out-dir", default=os.environ.get("OUT", "benchmarks/results/multi-gpu"))
+    args = ap.parse_args()
+    args.model = args.model or build("/tmp/splash-v3-shaped", args.layers, args.experts)
+    result = {"correctness": correctness, "sweep": sweep, "capacity": capacity}[args.run](args)
+    result.update(run=args.run, date=datetime.date.today().isoformat(),
+                  gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(),
+                  torch=torch.__version__)
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, f"{args.run}_tp{args.tp}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result)[:2000])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
