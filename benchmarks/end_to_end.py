@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from workloads import get_trace, scaled  # noqa: E402
+from splash.workloads import get_trace, scaled  # noqa: E402
 
 LAYOUTS = ["auto", "tp", "dp", "cp", "dop"]
 

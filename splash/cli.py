@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--memory-fraction", type=float, default=0.85)
     pl.add_argument("--kv-dtype", default="bf16")
     pl.add_argument("--weight-dtype", default="bf16")
+    pl.add_argument("--calibration", default=None, help="measured profile JSON")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(handler="splash.scheduler.planner:plan_main")
 
@@ -71,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--tp", type=int, default=8, dest="tp_size")
     sim.add_argument("--trace", default="rollout", help="rollout | agentic | chat | FILE.jsonl")
     sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--requests", type=int, default=None, help="requests in the trace")
+    sim.add_argument("--weight-dtype", default="fp8")
+    sim.add_argument("--kv-dtype", default="fp8")
+    sim.add_argument("--calibration", default=None, help="measured profile JSON")
     sim.add_argument("--json", action="store_true")
     sim.set_defaults(handler="splash.scheduler.simulator:simulate_main")
 
@@ -78,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda", "rocm"])
     cal.add_argument("--tp", type=int, default=1, dest="tp_size")
     cal.add_argument("--out", default=None, help="profile JSON path")
+    cal.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)
     cal.set_defaults(handler="splash.scheduler.calibrate:calibrate_main")
 
     mm = sub.add_parser("make-model", help="write a random HF-format checkpoint")

@@ -31,7 +31,8 @@ class AutoLayout:
         self.policy = build_policy(setup.model_cfg, setup.cfg.tp_size, profile, budget,
                                    weight_dtype=mem.weight_dtype, kv_dtype=mem.kv_dtype,
                                    page_size=setup.page_size, margin=margin,
-                                   min_dwell_steps=min_dwell_steps)
+                                   min_dwell_steps=min_dwell_steps,
+                                   sparse_attention=False)  # the engine runs dense MLA
 
     def __call__(self, engine: Any) -> str | None:
         sched = engine.scheduler

@@ -279,33 +279,15 @@ def compare(trace: Sequence, cfg, profile, tp: int, sim: SimConfig | None = None
 
 
 def load_trace(name: str, seed: int = 0, n: int | None = None) -> list:
-    """A trace by generator name or .jsonl path, from benchmarks/workloads.py of this checkout."""
+    """A trace by generator name or .jsonl path."""
     return workloads_module().get_trace(name, seed, n)
 
 
 def workloads_module():
-    """benchmarks/workloads.py (a repository script, not part of the installed package)."""
-    try:
-        import benchmarks.workloads as mod  # repository root on sys.path
-        return mod
-    except ImportError:
-        pass
-    import importlib.util
-    from pathlib import Path
+    """The trace generators (splash.workloads)."""
+    from splash import workloads
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "workloads.py"
-    if not path.is_file():
-        from splash.errors import ConfigError
-
-        raise ConfigError(f"trace generators live in {path}, which this install lacks; "
-                          "pass a .jsonl trace from a repository checkout")
-    spec = importlib.util.spec_from_file_location("splash_benchmark_workloads", path)
-    mod = importlib.util.module_from_spec(spec)
-    import sys
-
-    sys.modules[spec.name] = mod  # dataclasses resolve their module by name
-    spec.loader.exec_module(mod)
-    return mod
+    return workloads
 
 
 def simulate_main(args) -> int:
