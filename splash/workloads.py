@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -142,7 +142,8 @@ def scaled(trace: Sequence[TraceRequest], max_prompt: int,
                     output_len=max(1, round(r.output_len * fo))) for r in trace]
 
 
-GENERATORS = {"rollout": rollout, "agentic": agentic, "chat": chat, "stationary": stationary}
+GENERATORS: dict[str, Callable[..., list[TraceRequest]]] = {
+    "rollout": rollout, "agentic": agentic, "chat": chat, "stationary": stationary}
 
 
 def get_trace(name: str, seed: int = 0, n: int | None = None) -> list[TraceRequest]:

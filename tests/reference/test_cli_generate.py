@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import json
 
-from splash.cli import main
 from tiny_models import checkpoint, hf_greedy
+
+from splash.cli import main
 
 
 def test_generate_json_matches_transformers(capsys):
