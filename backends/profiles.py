@@ -25,6 +25,8 @@ class HardwareProfile:
     collective_latency_us: float  # latency of one small collective
     memory_gib: float  # device memory
     overlap_fraction: float = 0.5  # share of communication the cost model may hide behind compute
+    kernel_program_us: float = 0.0  # fixed cost of one attention program (row); interpreter only
+    copy_program_us: float = 0.0  # fixed cost of one exchange/copy kernel program (row); ditto
     source: str = "spec"  # "spec" or the calibration file it came from
 
     def __post_init__(self) -> None:
@@ -44,7 +46,10 @@ PROFILES: dict[str, HardwareProfile] = {
     "bw1000": HardwareProfile("bw1000", 300.0, 0.0, 1800.0, 100.0, 30.0, 64.0),
     # A CPU host running kernels under the Triton interpreter: effective, not nominal, rates
     # (the interpreter streams KV at about 1 GB/s); only ratios matter (tests, demo).
-    "cpu": HardwareProfile("cpu", 0.2, 0.0, 1.0, 5.0, 50.0, 16.0, overlap_fraction=0.3),
+    # One attention program (a request's row) costs ~50 ms per layer there, one exchange-copy
+    # program ~2 ms: fitted on the 2-core CI machine (TP, DP, DOP steps of the demo model).
+    "cpu": HardwareProfile("cpu", 0.2, 0.0, 1.0, 5.0, 50.0, 16.0, overlap_fraction=0.3,
+                           kernel_program_us=50000.0, copy_program_us=2000.0),
 }
 
 

@@ -18,6 +18,10 @@ Design:
 - L and R need not be powers of two: tiles are padded to ``BLOCK_L``/``BLOCK_R`` and masked.
 - fp8 KV: a row is fp8 × one fp32 scale. The tile is widened to the query dtype (exact), the
   scale multiplies the scores' column and p's column, so no per-element scaling is needed.
+- Few heads (``config["transposed"]``, the GPU default for H <= 32): a second kernel puts the
+  tokens on the MMA's M side (scoresᵀ = kv·qᵀ, accᵀ += kv_nopeᵀ·pᵀ), so a 64-token tile fills a
+  Hopper MMA with only 16 heads. Its tail tile clamps rows past the length to the last valid row
+  (every load unmasked and in bounds) and sets their scores to -inf before the max.
 - Full tiles load without a token mask; only a split's last partial tile is masked. When the
   page size is a multiple of ``BLOCK_N`` a tile lies in one page and its page id is one load.
 """
@@ -244,17 +248,171 @@ def _mla_decode_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
+# tokens-on-M form (few heads per program)
+
+
+@triton.jit
+def _attend_tile_tokens_m(
+    q_nope_t, q_rope_t, m_i, l_i, acc_t,
+    kv_ptr, scale_ptr, bt_row_ptr,
+    t0, end, qk_scale,
+    stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    MASK_T: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One KV tile [t0, t0 + BLOCK_N) with the tokens on the MMA's M side:
+    scoresᵀ (BLOCK_N, BLOCK_H) = kv_nope · q_nopeᵀ + kv_rope · q_ropeᵀ and
+    accᵀ (BLOCK_L, BLOCK_H) += kv_nopeᵀ · pᵀ, so a 64-token tile fills a Hopper MMA even for 16
+    heads. The softmax runs down the columns (one per head).
+
+    Tail tile (MASK_T): rows at or past ``end`` re-read the last valid row (``end - 1``), so every
+    load is unmasked and in bounds (no padded block-table entry is ever dereferenced), and their
+    scores are set to -inf before the max: their p is exactly 0. The tile holds at least one valid
+    row (the caller only passes tiles with t0 < end), so the running max stays finite (no NaN).
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_t = t0 + offs_n
+    if MASK_T:
+        mask_t = offs_t < end
+        offs_t = tl.minimum(offs_t, end - 1)
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
+    if PAGE_SIZE % BLOCK_N == 0:
+        # the tile lies in one page (t0 is BLOCK_N-aligned and t0 < end)
+        page = tl.load(bt_row_ptr + (t0 // PAGE_SIZE) * stride_btp).to(tl.int64)
+    else:
+        page = tl.load(bt_row_ptr + (offs_t // PAGE_SIZE) * stride_btp).to(tl.int64)
+    page = tl.maximum(page, 0)  # belt and braces: never a negative page offset
+    row_off = page * stride_kvp + (offs_t % PAGE_SIZE) * stride_kvs  # (BLOCK_N,)
+    kv_nope = _load_tile(
+        kv_ptr + row_off[:, None] + offs_l[None, :] * stride_kvd,
+        offs_n, offs_l < L, False, BLOCK_L != L,
+    )  # (BLOCK_N, BLOCK_L)
+    kv_rope = _load_tile(
+        kv_ptr + row_off[:, None] + (L + offs_r)[None, :] * stride_kvd,
+        offs_n, offs_r < R, False, BLOCK_R != R,
+    )  # (BLOCK_N, BLOCK_R)
+    if IS_FP8:
+        row_scale = tl.load(scale_ptr + page * stride_sp + (offs_t % PAGE_SIZE) * stride_ss)
+        kv_nope = kv_nope.to(q_nope_t.dtype)  # exact: fp8 values fit the query dtype
+        kv_rope = kv_rope.to(q_nope_t.dtype)
+    qk = tl.dot(kv_nope, q_nope_t, input_precision=DOT_PRECISION)
+    qk = tl.dot(kv_rope, q_rope_t, qk, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_H)
+    if IS_FP8:
+        qk = qk * (row_scale * qk_scale)[:, None]
+    else:
+        qk = qk * qk_scale
+    if MASK_T:
+        qk = tl.where(mask_t[:, None], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 0))  # (BLOCK_H,), finite: one valid row per tile
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[None, :])  # (BLOCK_N, BLOCK_H); 0 on masked rows
+    l_i = l_i * alpha + tl.sum(p, 0)
+    if IS_FP8:
+        p = p * row_scale[:, None]
+    acc_t = acc_t * alpha[None, :]
+    acc_t = tl.dot(tl.trans(kv_nope), p.to(kv_nope.dtype), acc_t, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc_t
+
+
+@triton.jit
+def _mla_decode_tokens_m_kernel(
+    q_ptr, kv_ptr, scale_ptr, bt_ptr, seq_lens_ptr, o_ptr, lse_ptr,
+    qk_scale,
+    H,
+    num_splits,
+    stride_qn, stride_qh, stride_qd,
+    stride_kvp, stride_kvs, stride_kvd,
+    stride_sp, stride_ss,
+    stride_btn, stride_btp,
+    stride_sl,
+    stride_os, stride_on, stride_oh, stride_ol,
+    stride_ls, stride_ln, stride_lh,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """``_mla_decode_kernel`` with the tokens on the MMA's M side (``config["transposed"]``):
+    same grid, arguments and outputs."""
+    pid_h = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_n = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + pid_n * stride_sl).to(tl.int32)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N  # tile-aligned
+    start = pid_s * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    full_end = start + (tl.maximum(end - start, 0) // BLOCK_N) * BLOCK_N
+
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    offs_l = tl.arange(0, BLOCK_L)
+    mask_l = offs_l < L
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < R
+    q_base = q_ptr + pid_n * stride_qn
+    q_nope_t = tl.load(
+        q_base + offs_l[:, None] * stride_qd + offs_h[None, :] * stride_qh,
+        mask=mask_l[:, None] & mask_h[None, :], other=0.0,
+    )  # (BLOCK_L, BLOCK_H)
+    q_rope_t = tl.load(
+        q_base + (L + offs_r)[:, None] * stride_qd + offs_h[None, :] * stride_qh,
+        mask=mask_r[:, None] & mask_h[None, :], other=0.0,
+    )  # (BLOCK_R, BLOCK_H)
+    acc_t = tl.zeros((BLOCK_L, BLOCK_H), tl.float32)
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+
+    bt_row_ptr = bt_ptr + pid_n * stride_btn
+    for t0 in range(start, full_end, BLOCK_N):
+        m_i, l_i, acc_t = _attend_tile_tokens_m(
+            q_nope_t, q_rope_t, m_i, l_i, acc_t, kv_ptr, scale_ptr, bt_row_ptr, t0, end, qk_scale,
+            stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss,
+            L, R, PAGE_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, False, IS_FP8, DOT_PRECISION,
+        )
+    if full_end < end:
+        m_i, l_i, acc_t = _attend_tile_tokens_m(
+            q_nope_t, q_rope_t, m_i, l_i, acc_t, kv_ptr, scale_ptr, bt_row_ptr, full_end, end,
+            qk_scale, stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss,
+            L, R, PAGE_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, True, IS_FP8, DOT_PRECISION,
+        )
+
+    has_keys = l_i > 0.0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    out = tl.trans(acc_t / l_safe[None, :])  # (BLOCK_H, BLOCK_L)
+    o_base = o_ptr + pid_s * stride_os + pid_n * stride_on
+    o_ptrs = o_base + offs_h[:, None] * stride_oh + offs_l[None, :] * stride_ol
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_l[None, :])
+    tl.store(lse_ptr + pid_s * stride_ls + pid_n * stride_ln + offs_h * stride_lh, lse, mask=mask_h)
+
+
+# ---------------------------------------------------------------------------------------------
 # launcher
 
 _GPU_DEFAULTS: dict[str, Any] = {
-    # measured on H200 (benchmarks/results/h200/kernels.json): small head groups use 16-head
-    # tiles of 16 tokens, several programs per SM
-    "BLOCK_N": 16, "BLOCK_H": 16, "num_warps": 4, "num_stages": 3,
-    "max_block_h": 64, "programs_per_sm": 4, "split_overhead_tokens": 64,
+    # mirrors backends/cuda.py's TUNING["mla_decode"] (measured on H200,
+    # benchmarks/results/h200/kernels.json). Few heads: the tokens-on-M form, one 64-token tile
+    # (a whole page) per step, one program per SM in the wave model.
+    "transposed": True, "BLOCK_N": 64, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2,
+    "max_block_h": 64, "programs_per_sm": 1, "split_overhead_tokens": 64,
     "min_split_tokens": 256,
     # applied when H > 32: 64 heads x 512 fp32 accumulators need 8 warps
-    "many_heads": {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2,
-                   "programs_per_sm": 1},
+    "many_heads": {"transposed": False, "BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8,
+                   "num_stages": 2, "programs_per_sm": 1},
 }
 _CPU_DEFAULTS: dict[str, Any] = {
     "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "max_block_h": 16,
@@ -267,7 +425,8 @@ def decode_config(
 ) -> dict[str, Any]:
     """Launch parameters: device defaults, then ``config``. In each, a ``many_heads`` sub-dict
     applies when H > 32 and an ``fp8`` sub-dict (which may hold its own ``many_heads``) when the
-    KV cache is fp8. Fills BLOCK_H (power of two >= 16, at most ``max_block_h``)."""
+    KV cache is fp8. Fills BLOCK_H (power of two >= 16, at most ``max_block_h``).
+    ``transposed`` picks the tokens-on-M kernel (heads on the MMA's N side)."""
     cfg: dict[str, Any] = {}
 
     def apply(layer: dict[str, Any], nested: bool) -> None:
@@ -277,7 +436,13 @@ def decode_config(
         if nested and fp8 and "fp8" in layer:
             apply(layer["fp8"], nested=False)
 
-    apply(_GPU_DEFAULTS if device.type == "cuda" else _CPU_DEFAULTS, nested=True)
+    if device.type == "cuda":
+        base = dict(_GPU_DEFAULTS)
+        if torch.version.hip is not None:
+            base["transposed"] = False  # the tokens-on-M kernel is verified on CUDA only
+    else:
+        base = _CPU_DEFAULTS
+    apply(base, nested=True)
     apply(config or {}, nested=True)
     if "BLOCK_H" not in cfg:
         cfg["BLOCK_H"] = min(int(cfg["max_block_h"]), V.next_pow2(num_heads, 16))
@@ -371,7 +536,8 @@ def mla_decode(
         stride_os, stride_ls = o_part.stride(0), lse_part.stride(0)
     scale = kv_scale if kv_scale is not None else lse  # never read unless fp8
     grid = (head_groups, num_splits, N)
-    _mla_decode_kernel[grid](
+    kernel = _mla_decode_tokens_m_kernel if cfg.get("transposed") else _mla_decode_kernel
+    kernel[grid](
         q, kv, scale, block_table, seq_lens, o_part, lse_part,
         float(sm_scale) * _LOG2E, H, num_splits,
         *q.stride(), *kv.stride(),

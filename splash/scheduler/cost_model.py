@@ -284,6 +284,12 @@ class CostModel:
         proj = proj + self._roof(2 * q_rows * hd * k["o_params_per_head"],
                                  busy * hd * k["o_params_per_head"] * wb, gemm)
         attn = self._roof(per_rank[0], per_rank[1], self.profile.peak_bf16_tflops)
+        # fixed cost per attended row (one kernel program per request and head group): ~0 on
+        # GPUs, where programs run in parallel; dominant under the Triton interpreter
+        attended = own_rows if lay.kv is KVPlacement.OWNED else np.full(T, float(n))
+        attn = attn + attended * self.profile.kernel_program_us * 1e-3
+        if lay.shards_heads and lay.uses_owners and T > 1:  # DOP: 4 exchange-pack kernels/row
+            attn = attn + 4 * n * self.profile.copy_program_us * 1e-3
         idx_tflops = self.profile.peak_fp8_tflops or self.profile.peak_bf16_tflops
         attn = attn + self._roof(per_rank[2], per_rank[3], idx_tflops)
         return {"common": float(common.max()), "proj": float(proj.max()),

@@ -175,3 +175,80 @@ def test_decode_rejects_bad_input(bad):
         args["kv_scale"] = args["kv_scale"].to(args["kv_cache"].device)
     with pytest.raises(ValueError, match=message):
         mla_decode(**args)
+
+
+# ------------------------------------------------------------------ tokens-on-M ("transposed")
+
+# (L, R, page size, heads, lengths, BLOCK_N): tail tiles shorter than BLOCK_N, tiles smaller than,
+# equal to and larger than a page, heads not a multiple of 16, a split past the length
+TRANSPOSED_CASES = {
+    "tile-lt-page": (32, 16, 64, 20, [1, 15, 17, 63, 65, 100], 16),
+    "tile-eq-page": (32, 16, 32, 16, [1, 31, 33, 95, 130], 32),
+    "tile-gt-page": (32, 16, 16, 5, [1, 17, 47, 49, 77], 32),
+    "npow2-tile-64": (24, 8, 64, 16, [0, 1, 63, 64, 65, 190], 64),
+}
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 7, None])
+@pytest.mark.parametrize("case", list(TRANSPOSED_CASES))
+def test_decode_transposed_tail_tiles(setting, case, num_splits):
+    """The tokens-on-M kernel on partial tail tiles, with block tables padded by -1 columns
+    (which the kernel must never dereference) and splits that hold no tokens."""
+    L, R, PS, H, lens, block_n = TRANSPOSED_CASES[case]
+    gen = torch.Generator().manual_seed(11)
+    dev = setting.device
+    num_pages = sum(-(-n // PS) for n in lens) + 3
+    kv, scale = paged_cache(num_pages, PS, L + R, setting.kv_dtype, dev, gen)
+    table = block_table(lens, PS, num_pages, dev, gen, extra_cols=3)
+    q = torch.randn(len(lens), H, L + R, generator=gen).to(setting.q_dtype).to(dev)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+    cfg = {"transposed": True, "BLOCK_N": block_n, "BLOCK_H": 16}
+    out, lse = mla_decode(q, kv, table, seq_lens, 0.2, L, kv_scale=scale,
+                          num_splits=num_splits, config=cfg)
+    ref_out, ref_lse = mla_decode_ref(q, kv, table, seq_lens, 0.2, L, kv_scale=scale)
+    assert torch.isfinite(out.float()).all()
+    assert_close(out, ref_out, setting.atol, setting.rtol)
+    assert_lse(lse, ref_lse, setting.lse_tol)
+    empty = torch.tensor(lens) == 0
+    assert torch.all(out.cpu()[empty] == 0) and torch.all(torch.isneginf(lse.cpu()[empty]))
+
+
+# GPU launch variants of the tokens-on-M kernel at the production shape: one-stage (no
+# pipelining), tiles of half a page, two pages, 8 warps
+TRANSPOSED_GPU_CONFIGS = {
+    "default": None,
+    "n64-s1": {"transposed": True, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1},
+    "n64-s2-w8": {"transposed": True, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+    "n32-s3": {"transposed": True, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3},
+    "n128-s1": {"transposed": True, "BLOCK_N": 128, "num_warps": 8, "num_stages": 1},
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", list(TRANSPOSED_GPU_CONFIGS))
+@pytest.mark.parametrize("kv_kind", ["bf16", "fp8"])
+def test_decode_transposed_production_tails(gpu_device, kv_kind, config):
+    """L=512, R=64, page 64, 16 and 20 heads: lengths that are not multiples of BLOCK_N, block
+    tables padded with -1 columns, splits of 1, 3, 16 and the launcher's choice. A NaN block is
+    freed before each call, so an output element left unwritten is likely NaN and fails."""
+    gen = torch.Generator().manual_seed(5)
+    L, R, PS = 512, 64, 64
+    kv_dtype = torch.float8_e4m3fn if kv_kind == "fp8" else torch.bfloat16
+    lens = [1, 63, 64, 65, 127, 511, 513, 700, 2500, 4095]
+    num_pages = sum(-(-n // PS) for n in lens) + 5
+    kv, scale = paged_cache(num_pages, PS, L + R, kv_dtype, gpu_device, gen)
+    table = block_table(lens, PS, num_pages, gpu_device, gen, extra_cols=4)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=gpu_device)
+    for heads in (16, 20):
+        q = torch.randn(len(lens), heads, L + R, generator=gen).to(torch.bfloat16).to(gpu_device)
+        ref_out, ref_lse = mla_decode_ref(q, kv, table, seq_lens, 0.1147, L, kv_scale=scale)
+        for splits in (1, 3, 16, None):
+            poison = torch.full((len(lens), heads, L), float("nan"), dtype=torch.bfloat16,
+                                device=gpu_device)
+            del poison  # the caching allocator hands this NaN block to the next output
+            out, lse = mla_decode(q, kv, table, seq_lens, 0.1147, L, kv_scale=scale,
+                                  num_splits=splits, config=TRANSPOSED_GPU_CONFIGS[config])
+            torch.cuda.synchronize()
+            assert torch.isfinite(out.float()).all(), (heads, splits)
+            assert_close(out, ref_out, 2e-2, 2e-2)
+            assert_lse(lse, ref_lse, 2e-3)
