@@ -50,17 +50,31 @@ PEER = {
     (128, 2, 131072): {"ms": 0.8591, "GBps": 351.5},
 }
 
-# tile configs tried per (kv kind, head class) with --sweep-configs; {} = the launcher default
+# tile configs tried per (kv kind, head class) with --sweep-configs; {} = the launcher default.
+# "transposed" = the tokens-on-M kernel; the old default (16-head groups on M, 16-token tiles)
+# stays in the sweep as a reference.
+_OLD_FEW = {"transposed": False, "BLOCK_N": 16, "num_warps": 4, "num_stages": 3,
+            "programs_per_sm": 4}
 SWEEP: dict[tuple[str, str], list[dict[str, Any]]] = {
     ("bf16", "few"): [
         {},
-        {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
+        {"transposed": True, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3},
+        {"transposed": True, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+        _OLD_FEW,
     ],
-    ("bf16", "many"): [{}],
-    ("fp8", "few"): [{}],
+    ("bf16", "many"): [
+        {},
+        {"transposed": True, "BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 1},
+        {"transposed": True, "BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
+    ],
+    ("fp8", "few"): [
+        {},
+        {"transposed": True, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+        _OLD_FEW,
+    ],
     ("fp8", "many"): [{}],
 }
-SPLITS = (2, 4, 8, 16, 32, 64)
+SPLITS = (2, 4, 8, 16, 32)
 
 
 def bench(fn, rep: int = 60) -> float:
@@ -95,23 +109,70 @@ def paged_pool(batch: int, context: int, kind: str, dev: torch.device, gen: torc
     return kv, scale, table
 
 
+_VERIFIED: dict[tuple, bool] = {}
+
+
+def verify_config(dev, kind, heads, cfg) -> bool:
+    """``cfg`` against the fp64 reference at L=512, R=64, page 64: lengths that leave partial tail
+    tiles, block tables padded with -1 columns, 1 / 3 / auto splits (cached per config)."""
+    key = (kind, heads, json.dumps(cfg, sort_keys=True))
+    if key in _VERIFIED:
+        return _VERIFIED[key]
+    gen = torch.Generator(device=dev).manual_seed(7)
+    lens = [1, 63, 65, 700, 2500, 4095]
+    pages = [triton.cdiv(n, PAGE) for n in lens]
+    kv, scale, _ = paged_pool(1, sum(pages) * PAGE, kind, dev, gen)
+    table = torch.full((len(lens), max(pages) + 3), -1, dtype=torch.int32, device=dev)
+    perm = torch.randperm(sum(pages), device=dev, generator=gen).to(torch.int32)
+    used = 0
+    for i, n in enumerate(pages):
+        table[i, :n] = perm[used:used + n]
+        used += n
+    q = torch.randn(len(lens), heads, D, device=dev, dtype=torch.bfloat16, generator=gen)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=dev)
+    ref_out, ref_lse = K.mla_decode_ref(q, kv, table, lens_t, SM_SCALE, L, kv_scale=scale)
+    ok = True
+    for splits in (1, 3, None):
+        try:
+            out, lse = K.mla_decode(q, kv, table, lens_t, SM_SCALE, L, kv_scale=scale,
+                                    num_splits=splits, config=cfg or None)
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - a config that does not compile
+            print("verify: config failed", kind, heads, cfg, repr(exc)[:200], flush=True)
+            ok = False
+            break
+        good = bool(torch.isfinite(out.float()).all()) and torch.allclose(
+            out.float(), ref_out.float(), atol=2e-2, rtol=2e-2
+        ) and torch.allclose(lse[lens_t > 0], ref_lse[lens_t > 0], atol=2e-3, rtol=2e-3)
+        if not good:
+            err = (out.float() - ref_out.float()).abs().max().item()
+            print("verify: WRONG", kind, heads, cfg, splits, "max err", err, flush=True)
+            ok = False
+    _VERIFIED[key] = ok
+    return ok
+
+
 def _decode_shape(dev, gen, kind, heads, batch, context, sweep, tried) -> list[tuple]:
-    """(label, ms, config, splits) for the launcher's defaults and the best of the sweep."""
+    """(label, ms, config, splits) for the launcher's defaults and the best of the sweep (among
+    configs that match the reference)."""
     kv, scale, table = paged_pool(batch, context, kind, dev, gen)
     q = torch.randn(batch, heads, D, device=dev, dtype=torch.bfloat16, generator=gen)
     lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
 
     def run(cfg=None, splits=None):
         return K.mla_decode(q, kv, table, lens, SM_SCALE, L, kv_scale=scale,
-                            num_splits=splits, config=cfg)
+                            num_splits=splits, config=cfg or None)
 
+    auto_ok = verify_config(dev, kind, heads, {})
     auto_ms = bench(run)
-    best = (auto_ms, "default", None)
+    best = (auto_ms, "default", None) if auto_ok else (float("inf"), None, None)
     if sweep:
         for cfg in SWEEP[(kind, "many" if heads > 32 else "few")]:
+            ok = verify_config(dev, kind, heads, cfg)
             for splits in (None, *SPLITS):
                 entry = {"kernel": "mla_decode", "dtype": kind, "heads": heads, "batch": batch,
-                         "context": context, "config": cfg, "num_splits": splits}
+                         "context": context, "config": cfg, "num_splits": splits,
+                         "verified_correct": ok}
                 try:
                     entry["ms"] = bench(functools.partial(run, cfg, splits), rep=30)
                 except Exception as exc:  # a config that does not compile is reported
@@ -119,14 +180,16 @@ def _decode_shape(dev, gen, kind, heads, batch, context, sweep, tried) -> list[t
                     tried.append(entry)
                     break
                 tried.append(entry)
-                if entry["ms"] < best[0]:
+                if ok and entry["ms"] < best[0]:
                     best = (entry["ms"], cfg, splits)
     row_bytes = D * kv.element_size() + (4 if scale is not None else 0)
-    return [("auto", auto_ms, "default", None), ("best", *best)], row_bytes
+    results = [("auto", auto_ms, "default", None, auto_ok)]
+    if best[1] is not None:
+        results.append(("best", best[0], best[1], best[2], True))
+    return results, row_bytes
 
 
-def decode_records(dev, ceil, sweep: bool) -> tuple[list[dict], list[dict]]:
-    records, tried = [], []
+def decode_records(dev, ceil, sweep: bool, records: list, tried: list, save) -> None:
     gen = torch.Generator(device=dev).manual_seed(0)
     bf16_tokens_per_s: dict[tuple, float] = {}
     for kind in ("bf16", "fp8"):
@@ -136,7 +199,7 @@ def decode_records(dev, ceil, sweep: bool) -> tuple[list[dict], list[dict]]:
             kv_bytes = batch * context * row_bytes
             flops = 2 * heads * (D + L) * batch * context
             peer = PEER[(heads, batch, context)]
-            for label, ms, cfg, splits in results:
+            for label, ms, cfg, splits, ok in results:
                 rec = {
                     "kernel": "mla_decode", "variant": label, "heads": heads, "batch": batch,
                     "context": context, "dtype": kind, "ms": round(ms, 4),
@@ -150,7 +213,7 @@ def decode_records(dev, ceil, sweep: bool) -> tuple[list[dict], list[dict]]:
                     "peer_ms": peer["ms"], "peer_GBps": peer["GBps"],
                     "peer_TFLOPs": round(flops / peer["ms"] / 1e9, 1),
                     "speedup_vs_peer": round(peer["ms"] / ms, 2),
-                    "config": cfg, "num_splits": splits,
+                    "config": cfg, "num_splits": splits, "verified_correct": ok,
                 }
                 if kind == "bf16":
                     bf16_tokens_per_s[(heads, batch, context, label)] = rec["tokens_per_s"]
@@ -159,7 +222,7 @@ def decode_records(dev, ceil, sweep: bool) -> tuple[list[dict], list[dict]]:
                     rec["fp8_vs_bf16_tokens"] = round(rec["tokens_per_s"] / base, 2) if base else None
                 records.append(rec)
                 print(json.dumps(rec), flush=True)
-    return records, tried
+            save()  # after every shape, so a cut-off run keeps what it measured
 
 
 def _extend_ms(dev, gen, kind, heads, rows, prefix) -> float:
@@ -283,9 +346,7 @@ def main() -> None:
     if not args.sweep_configs:  # split counts of the launcher's own config only
         for key in SWEEP:
             SWEEP[key] = [{}]
-    decode, tried = decode_records(dev, ceil, sweep=not args.no_sweep)
-    result["records"] += decode
-    result["decode_sweep"] = tried
+    decode_records(dev, ceil, not args.no_sweep, result["records"], result["decode_sweep"], save)
     save()
     result["records"] += extend_records(dev, ceil)
     save()

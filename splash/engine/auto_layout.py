@@ -37,12 +37,17 @@ class AutoLayout:
     def __call__(self, engine: Any) -> str | None:
         sched = engine.scheduler
         running = list(sched.running)
-        if not running:
-            return None
         budget = sched.cfg.max_num_batched_tokens
         decode = [r.num_computed + 1 for r in running if r.num_pending <= 1]
         prefill = [(min(r.num_pending, budget), r.num_computed)
                    for r in running if r.num_pending > 1]
+        if not running:  # an idle engine picks the layout for the load about to arrive
+            for r in sched.waiting:
+                if budget <= 0:
+                    break
+                prefill.append((min(len(r.prompt_token_ids), budget), 0))
+                budget -= prefill[-1][0]
+            running = list(sched.waiting)[: len(prefill)]
         if not decode and not prefill:
             return None
         batch = BatchShape(decode_ctx=tuple(decode), prefill=tuple(prefill))
