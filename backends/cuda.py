@@ -13,17 +13,23 @@ class CUDABackend(BaseBackend):
     dist_backend = "nccl"
     wave_size = 32
     TUNING = {
-        # mla_decode (measured on H200, benchmarks/results/h200/kernels.json): H <= 32 uses the
-        # tokens-on-M kernel ("transposed") with 64-token tiles (one page), one program per SM
-        # in the launcher's wave model; H > 32 ("many_heads") uses 64-head groups on M with
-        # 8 warps. An "fp8" sub-dict would apply to fp8 KV only.
+        # mla_decode (measured on H200, benchmarks/results/h200/kernels.json): bf16 with H <= 32
+        # uses the tokens-on-M kernel ("transposed", value product heads-on-M: "pv_heads_m")
+        # with 32-token tiles, 3 stages, 2 programs per SM in the launcher's wave model; H > 32
+        # ("many_heads") uses 64-head groups on M with 8 warps; fp8 KV with H <= 32 keeps the
+        # heads-on-M kernel (the tokens-on-M one was slower there).
         "mla_decode": {
             "default": {
-                "transposed": True, "BLOCK_N": 64, "BLOCK_H": 16, "num_warps": 4,
-                "num_stages": 2, "max_block_h": 64, "programs_per_sm": 1,
-                "split_overhead_tokens": 64, "min_split_tokens": 256,
+                "transposed": True, "pv_heads_m": True, "BLOCK_N": 32, "BLOCK_H": 16,
+                "num_warps": 4, "num_stages": 3, "max_block_h": 64, "programs_per_sm": 2,
+                "split_overhead_tokens": 512, "min_split_tokens": 256,
                 "many_heads": {"transposed": False, "BLOCK_H": 64, "BLOCK_N": 32,
-                               "num_warps": 8, "num_stages": 2, "programs_per_sm": 1},
+                               "num_warps": 8, "num_stages": 2, "programs_per_sm": 1,
+                               "split_overhead_tokens": 64},
+                "fp8": {"transposed": False, "BLOCK_N": 16, "num_warps": 4, "num_stages": 3,
+                        "programs_per_sm": 4, "split_overhead_tokens": 64,
+                        "many_heads": {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2,
+                                       "programs_per_sm": 1}},
             },
         },
         "mla_extend": {"default": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}},

@@ -24,6 +24,7 @@ import datetime
 import functools
 import json
 import platform
+import subprocess
 import sys
 from typing import Any
 
@@ -55,26 +56,24 @@ PEER = {
 # stays in the sweep as a reference.
 _OLD_FEW = {"transposed": False, "BLOCK_N": 16, "num_warps": 4, "num_stages": 3,
             "programs_per_sm": 4}
+_PVH = {"transposed": True, "pv_heads_m": True}
 SWEEP: dict[tuple[str, str], list[dict[str, Any]]] = {
     ("bf16", "few"): [
         {},
-        {"transposed": True, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3},
-        {"transposed": True, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+        {**_PVH, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+        {**_PVH, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3},
+        {"transposed": True, "kv_in_regs": True, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
         _OLD_FEW,
     ],
-    ("bf16", "many"): [
-        {},
-        {"transposed": True, "BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 1},
-        {"transposed": True, "BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
-    ],
+    ("bf16", "many"): [{}],
     ("fp8", "few"): [
         {},
-        {"transposed": True, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+        {"transposed": True, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
         _OLD_FEW,
     ],
     ("fp8", "many"): [{}],
 }
-SPLITS = (2, 4, 8, 16, 32)
+SPLITS = (2, 4, 8, 16)
 
 
 def bench(fn, rep: int = 60) -> float:
@@ -152,6 +151,30 @@ def verify_config(dev, kind, heads, cfg) -> bool:
     return ok
 
 
+def precheck(result: dict) -> None:
+    """Verify every swept config (and the defaults) in parallel subprocesses first; configs that
+    fault or differ from the reference are dropped from the sweep and listed in ``result``."""
+    jobs = {}
+    for (kind, cls), cfgs in SWEEP.items():
+        heads = 128 if cls == "many" else 16
+        for cfg in cfgs:
+            arg = json.dumps([kind, heads, cfg])
+            jobs[arg] = subprocess.Popen([sys.executable, __file__, "--out", "-", "--verify-one", arg])
+    failed = []
+    for arg, proc in jobs.items():
+        kind, heads, cfg = json.loads(arg)
+        ok = proc.wait() == 0
+        _VERIFIED[(kind, heads, json.dumps(cfg, sort_keys=True))] = ok
+        if not ok:
+            failed.append([kind, heads, cfg])
+    for key in SWEEP:
+        heads = 128 if key[1] == "many" else 16
+        SWEEP[key] = [c for c in SWEEP[key]
+                      if _VERIFIED[(key[0], heads, json.dumps(c, sort_keys=True))] or c == {}]
+    result["precheck_failed"] = failed
+    print("precheck failed:", json.dumps(failed), flush=True)
+
+
 def _decode_shape(dev, gen, kind, heads, batch, context, sweep, tried) -> list[tuple]:
     """(label, ms, config, splits) for the launcher's defaults and the best of the sweep (among
     configs that match the reference)."""
@@ -164,11 +187,13 @@ def _decode_shape(dev, gen, kind, heads, batch, context, sweep, tried) -> list[t
                             num_splits=splits, config=cfg or None)
 
     auto_ok = verify_config(dev, kind, heads, {})
-    auto_ms = bench(run)
+    auto_ms = bench(run) if auto_ok else float("nan")
     best = (auto_ms, "default", None) if auto_ok else (float("inf"), None, None)
     if sweep:
         for cfg in SWEEP[(kind, "many" if heads > 32 else "few")]:
             ok = verify_config(dev, kind, heads, cfg)
+            if not ok:
+                continue
             for splits in (None, *SPLITS):
                 entry = {"kernel": "mla_decode", "dtype": kind, "heads": heads, "batch": batch,
                          "context": context, "config": cfg, "num_splits": splits,
@@ -316,9 +341,13 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true", help="launcher defaults only")
     parser.add_argument("--sweep-configs", action="store_true",
                         help="also try the tile configs in SWEEP (default: split counts only)")
+    parser.add_argument("--verify-one", help=argparse.SUPPRESS)  # internal: kind,heads,config
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a GPU")
+    if args.verify_one:  # one config in its own process: a faulting kernel cannot stop the run
+        kind, heads, cfg = json.loads(args.verify_one)
+        sys.exit(0 if verify_config(torch.device("cuda"), kind, heads, cfg) else 1)
     K.set_value_checks(False)  # no host syncs inside the timed loops
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
@@ -346,6 +375,7 @@ def main() -> None:
     if not args.sweep_configs:  # split counts of the launcher's own config only
         for key in SWEEP:
             SWEEP[key] = [{}]
+    precheck(result)
     decode_records(dev, ceil, not args.no_sweep, result["records"], result["decode_sweep"], save)
     save()
     result["records"] += extend_records(dev, ceil)

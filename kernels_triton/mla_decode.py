@@ -266,11 +266,17 @@ def _attend_tile_tokens_m(
     MASK_T: tl.constexpr,
     IS_FP8: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PV_HEADS_M: tl.constexpr,
+    KV_IN_REGS: tl.constexpr,
 ):
     """One KV tile [t0, t0 + BLOCK_N) with the tokens on the MMA's M side:
     scoresᵀ (BLOCK_N, BLOCK_H) = kv_nope · q_nopeᵀ + kv_rope · q_ropeᵀ and
     accᵀ (BLOCK_L, BLOCK_H) += kv_nopeᵀ · pᵀ, so a 64-token tile fills a Hopper MMA even for 16
-    heads. The softmax runs down the columns (one per head).
+    heads. The softmax runs down the columns (one per head). PV_HEADS_M computes the value
+    product the other way round, acc (BLOCK_H, BLOCK_L) += p · kv_nope (kv_nope as the B
+    operand). KV_IN_REGS passes a bf16/fp16 tile through an opaque register move first, so both
+    products take it from registers as the fp8 path does (Triton 3.6 computed the bf16
+    kv_nopeᵀ-from-shared-memory product wrongly on H200).
 
     Tail tile (MASK_T): rows at or past ``end`` re-read the last valid row (``end - 1``), so every
     load is unmasked and in bounds (no padded block-table entry is ever dereferenced), and their
@@ -303,6 +309,10 @@ def _attend_tile_tokens_m(
         row_scale = tl.load(scale_ptr + page * stride_sp + (offs_t % PAGE_SIZE) * stride_ss)
         kv_nope = kv_nope.to(q_nope_t.dtype)  # exact: fp8 values fit the query dtype
         kv_rope = kv_rope.to(q_nope_t.dtype)
+    elif KV_IN_REGS:
+        kv_nope = tl.inline_asm_elementwise(
+            "mov.b32 $0, $1;", "=r,r", [kv_nope], dtype=kv_nope.dtype, is_pure=True, pack=2
+        )
     qk = tl.dot(kv_nope, q_nope_t, input_precision=DOT_PRECISION)
     qk = tl.dot(kv_rope, q_rope_t, qk, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_H)
     if IS_FP8:
@@ -317,8 +327,14 @@ def _attend_tile_tokens_m(
     l_i = l_i * alpha + tl.sum(p, 0)
     if IS_FP8:
         p = p * row_scale[:, None]
-    acc_t = acc_t * alpha[None, :]
-    acc_t = tl.dot(tl.trans(kv_nope), p.to(kv_nope.dtype), acc_t, input_precision=DOT_PRECISION)
+    if PV_HEADS_M:  # acc_t is (BLOCK_H, BLOCK_L) here
+        acc_t = acc_t * alpha[:, None]
+        acc_t = tl.dot(tl.trans(p.to(kv_nope.dtype)), kv_nope, acc_t,
+                       input_precision=DOT_PRECISION)
+    else:
+        acc_t = acc_t * alpha[None, :]
+        acc_t = tl.dot(tl.trans(kv_nope), p.to(kv_nope.dtype), acc_t,
+                       input_precision=DOT_PRECISION)
     return m_new, l_i, acc_t
 
 
@@ -344,6 +360,8 @@ def _mla_decode_tokens_m_kernel(
     BLOCK_R: tl.constexpr,
     IS_FP8: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PV_HEADS_M: tl.constexpr,
+    KV_IN_REGS: tl.constexpr,
 ):
     """``_mla_decode_kernel`` with the tokens on the MMA's M side (``config["transposed"]``):
     same grid, arguments and outputs."""
@@ -372,7 +390,10 @@ def _mla_decode_tokens_m_kernel(
         q_base + (L + offs_r)[:, None] * stride_qd + offs_h[None, :] * stride_qh,
         mask=mask_r[:, None] & mask_h[None, :], other=0.0,
     )  # (BLOCK_R, BLOCK_H)
-    acc_t = tl.zeros((BLOCK_L, BLOCK_H), tl.float32)
+    if PV_HEADS_M:
+        acc_t = tl.zeros((BLOCK_H, BLOCK_L), tl.float32)
+    else:
+        acc_t = tl.zeros((BLOCK_L, BLOCK_H), tl.float32)
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
 
@@ -382,18 +403,23 @@ def _mla_decode_tokens_m_kernel(
             q_nope_t, q_rope_t, m_i, l_i, acc_t, kv_ptr, scale_ptr, bt_row_ptr, t0, end, qk_scale,
             stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss,
             L, R, PAGE_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, False, IS_FP8, DOT_PRECISION,
+            PV_HEADS_M, KV_IN_REGS,
         )
     if full_end < end:
         m_i, l_i, acc_t = _attend_tile_tokens_m(
             q_nope_t, q_rope_t, m_i, l_i, acc_t, kv_ptr, scale_ptr, bt_row_ptr, full_end, end,
             qk_scale, stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss,
             L, R, PAGE_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, True, IS_FP8, DOT_PRECISION,
+            PV_HEADS_M, KV_IN_REGS,
         )
 
     has_keys = l_i > 0.0
     l_safe = tl.where(has_keys, l_i, 1.0)
     lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    out = tl.trans(acc_t / l_safe[None, :])  # (BLOCK_H, BLOCK_L)
+    if PV_HEADS_M:
+        out = acc_t / l_safe[:, None]  # (BLOCK_H, BLOCK_L)
+    else:
+        out = tl.trans(acc_t / l_safe[None, :])
     o_base = o_ptr + pid_s * stride_os + pid_n * stride_on
     o_ptrs = o_base + offs_h[:, None] * stride_oh + offs_l[None, :] * stride_ol
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_l[None, :])
@@ -405,14 +431,19 @@ def _mla_decode_tokens_m_kernel(
 
 _GPU_DEFAULTS: dict[str, Any] = {
     # mirrors backends/cuda.py's TUNING["mla_decode"] (measured on H200,
-    # benchmarks/results/h200/kernels.json). Few heads: the tokens-on-M form, one 64-token tile
-    # (a whole page) per step, one program per SM in the wave model.
-    "transposed": True, "BLOCK_N": 64, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2,
-    "max_block_h": 64, "programs_per_sm": 1, "split_overhead_tokens": 64,
+    # benchmarks/results/h200/kernels.json). Few heads, bf16: the tokens-on-M kernel with the
+    # value product heads-on-M ("pv_heads_m"), 32-token tiles, 3 stages, 2 programs per SM in
+    # the wave model.
+    "transposed": True, "pv_heads_m": True, "BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 4,
+    "num_stages": 3, "max_block_h": 64, "programs_per_sm": 2, "split_overhead_tokens": 512,
     "min_split_tokens": 256,
     # applied when H > 32: 64 heads x 512 fp32 accumulators need 8 warps
     "many_heads": {"transposed": False, "BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8,
-                   "num_stages": 2, "programs_per_sm": 1},
+                   "num_stages": 2, "programs_per_sm": 1, "split_overhead_tokens": 64},
+    # fp8 KV, few heads: the heads-on-M kernel is faster (0.26 vs 0.34 ms at 64x4K)
+    "fp8": {"transposed": False, "BLOCK_N": 16, "num_warps": 4, "num_stages": 3,
+            "programs_per_sm": 4, "split_overhead_tokens": 64,
+            "many_heads": {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "programs_per_sm": 1}},
 }
 _CPU_DEFAULTS: dict[str, Any] = {
     "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "max_block_h": 16,
@@ -536,7 +567,13 @@ def mla_decode(
         stride_os, stride_ls = o_part.stride(0), lse_part.stride(0)
     scale = kv_scale if kv_scale is not None else lse  # never read unless fp8
     grid = (head_groups, num_splits, N)
-    kernel = _mla_decode_tokens_m_kernel if cfg.get("transposed") else _mla_decode_kernel
+    extra = {}
+    kernel = _mla_decode_kernel
+    if cfg.get("transposed"):
+        kernel = _mla_decode_tokens_m_kernel
+        extra = {"PV_HEADS_M": bool(cfg.get("pv_heads_m", False)),
+                 "KV_IN_REGS": bool(cfg.get("kv_in_regs", False)) and q.is_cuda
+                 and kv.dtype in (torch.bfloat16, torch.float16)}
     kernel[grid](
         q, kv, scale, block_table, seq_lens, o_part, lse_part,
         float(sm_scale) * _LOG2E, H, num_splits,
@@ -549,7 +586,7 @@ def mla_decode(
         BLOCK_L=V.next_pow2(L), BLOCK_R=V.next_pow2(R),
         IS_FP8=V.is_fp8(kv.dtype),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra,
     )
     if num_splits > 1:
         _merge_into(o_part, lse_part, out, lse)

@@ -189,9 +189,10 @@ TRANSPOSED_CASES = {
 }
 
 
+@pytest.mark.parametrize("pv_heads_m", [False, True])
 @pytest.mark.parametrize("num_splits", [1, 3, 7, None])
 @pytest.mark.parametrize("case", list(TRANSPOSED_CASES))
-def test_decode_transposed_tail_tiles(setting, case, num_splits):
+def test_decode_transposed_tail_tiles(setting, case, num_splits, pv_heads_m):
     """The tokens-on-M kernel on partial tail tiles, with block tables padded by -1 columns
     (which the kernel must never dereference) and splits that hold no tokens."""
     L, R, PS, H, lens, block_n = TRANSPOSED_CASES[case]
@@ -202,7 +203,7 @@ def test_decode_transposed_tail_tiles(setting, case, num_splits):
     table = block_table(lens, PS, num_pages, dev, gen, extra_cols=3)
     q = torch.randn(len(lens), H, L + R, generator=gen).to(setting.q_dtype).to(dev)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
-    cfg = {"transposed": True, "BLOCK_N": block_n, "BLOCK_H": 16}
+    cfg = {"transposed": True, "pv_heads_m": pv_heads_m, "BLOCK_N": block_n, "BLOCK_H": 16}
     out, lse = mla_decode(q, kv, table, seq_lens, 0.2, L, kv_scale=scale,
                           num_splits=num_splits, config=cfg)
     ref_out, ref_lse = mla_decode_ref(q, kv, table, seq_lens, 0.2, L, kv_scale=scale)
@@ -217,11 +218,22 @@ def test_decode_transposed_tail_tiles(setting, case, num_splits):
 # pipelining), tiles of half a page, two pages, 8 warps
 TRANSPOSED_GPU_CONFIGS = {
     "default": None,
-    "n64-s1": {"transposed": True, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1},
-    "n64-s2-w8": {"transposed": True, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
-    "n32-s3": {"transposed": True, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3},
-    "n128-s1": {"transposed": True, "BLOCK_N": 128, "num_warps": 8, "num_stages": 1},
+    "regular": {"transposed": False, "BLOCK_N": 16, "num_warps": 4, "num_stages": 3},
+    "pvh-n64-s1": {"transposed": True, "pv_heads_m": True, "BLOCK_N": 64, "num_stages": 1},
+    "pvh-n64-w8": {"transposed": True, "pv_heads_m": True, "BLOCK_N": 64, "num_warps": 8,
+                   "num_stages": 2},
+    "pvh-n32-s3": {"transposed": True, "pv_heads_m": True, "BLOCK_N": 32, "num_warps": 4,
+                   "num_stages": 3},
+    "pvh-n64-s2": {"transposed": True, "pv_heads_m": True, "BLOCK_N": 64, "num_warps": 4,
+                   "num_stages": 2},
+    "regs-n64-s2": {"transposed": True, "kv_in_regs": True, "BLOCK_N": 64, "num_warps": 4,
+                    "num_stages": 2},
+    "pvt-n64-s2": {"transposed": True, "pv_heads_m": False, "BLOCK_N": 64, "num_warps": 4,
+                   "num_stages": 2},
 }
+# the tokens-on-M value product with kv_nopeᵀ from shared memory: wrong on bf16 under
+# Triton 3.6 (H200); verified on fp8 KV only (converted in registers)
+_FP8_ONLY = {"pvt-n64-s2"}
 
 
 @pytest.mark.gpu
@@ -231,6 +243,8 @@ def test_decode_transposed_production_tails(gpu_device, kv_kind, config):
     """L=512, R=64, page 64, 16 and 20 heads: lengths that are not multiples of BLOCK_N, block
     tables padded with -1 columns, splits of 1, 3, 16 and the launcher's choice. A NaN block is
     freed before each call, so an output element left unwritten is likely NaN and fails."""
+    if kv_kind == "bf16" and config in _FP8_ONLY:
+        pytest.skip("known wrong on bf16 under Triton 3.6: not selectable for bf16")
     gen = torch.Generator().manual_seed(5)
     L, R, PS = 512, 64, 64
     kv_dtype = torch.float8_e4m3fn if kv_kind == "fp8" else torch.bfloat16
