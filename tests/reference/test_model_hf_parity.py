@@ -12,6 +12,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tiny_models import randomise  # noqa: E402
+
 from splash.model.loader import from_pretrained_dir  # noqa: E402
 from splash.model.model import DenseReferenceAttention, MLAModel  # noqa: E402
 from splash.model.presets import PRESETS, make_model  # noqa: E402
@@ -48,29 +50,11 @@ def _hf_config(arch: str):
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 
 
-def _randomise(model, seed: int) -> None:
-    """HF's std-0.02 init gives near-uniform logits; use O(1) activations instead."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if "inv_freq" in name:
-                continue
-            x = torch.randn(t.shape, generator=g)
-            if name.endswith("norm.weight"):
-                t.copy_(1 + 0.1 * x)
-            elif t.dim() == 1:
-                t.copy_(0.05 * x)
-            elif "embed_tokens" in name:
-                t.copy_(x)
-            else:
-                t.copy_(x * t.shape[-1] ** -0.5)
-
-
 @pytest.fixture(scope="module", params=["v2", "v3", "v3-halfsplit", "glm"])
 def checkpoint(request, tmp_path_factory):
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(_hf_config(request.param))
-    _randomise(hf, seed=1)
+    randomise(hf, seed=1)
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
     return path, hf.eval()
