@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 from splash.kernels_triton import _validate as V
-from splash.kernels_triton.mla_decode import _LOG2E, _attend_tile, paged_rows_ref
+from splash.kernels_triton.mla_decode import paged_rows_ref
+from splash.kernels_triton.mla_decode_kernels import _LOG2E, _attend_tile
 
 
 @triton.jit

@@ -1,0 +1,399 @@
+"""Triton kernels of ``mla_decode`` (the launcher, configuration and references live in
+``mla_decode.py``): the head-group kernel and the tokens-on-M kernel for few heads, with their
+tile helpers. See ``mla_decode.py``'s docstring for the design."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_MAX_SPLITS = 64
+
+
+@triton.jit
+def _load_tile(ptrs, mask_rows, mask_cols, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr):
+    """Load a 2-D tile, masking rows and/or columns only where the constexprs ask for it."""
+    if MASK_ROWS:
+        if MASK_COLS:
+            x = tl.load(ptrs, mask=mask_rows[:, None] & mask_cols[None, :], other=0.0)
+        else:
+            x = tl.load(ptrs, mask=mask_rows[:, None], other=0.0)
+    else:
+        if MASK_COLS:
+            x = tl.load(ptrs, mask=mask_cols[None, :], other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _load_kv_tile(
+    kv_ptr, scale_ptr, bt_row_ptr, t0, end,
+    stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    MASK_T: tl.constexpr,
+    IS_FP8: tl.constexpr,
+):
+    """Rows [t0, t0 + BLOCK_N) of one request: nope (BLOCK_N, BLOCK_L), rope (BLOCK_N, BLOCK_R),
+    the token mask and the per-row fp8 scale (1.0 when not fp8)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_t = t0 + offs_n  # (BLOCK_N,) token positions
+    mask_t = offs_t < end
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
+    if PAGE_SIZE % BLOCK_N == 0:
+        # tiles are BLOCK_N-aligned, so the whole tile sits in one page
+        page = tl.load(bt_row_ptr + (t0 // PAGE_SIZE) * stride_btp).to(tl.int64)
+        in_page = (t0 % PAGE_SIZE) + offs_n
+    else:
+        page = tl.load(bt_row_ptr + (offs_t // PAGE_SIZE) * stride_btp, mask=mask_t, other=0)
+        page = page.to(tl.int64)
+        in_page = offs_t % PAGE_SIZE
+    row_off = page * stride_kvp + in_page * stride_kvs  # (BLOCK_N,)
+    kv_nope = _load_tile(
+        kv_ptr + row_off[:, None] + offs_l[None, :] * stride_kvd,
+        mask_t, offs_l < L, MASK_T, BLOCK_L != L,
+    )  # (BLOCK_N, BLOCK_L)
+    kv_rope = _load_tile(
+        kv_ptr + row_off[:, None] + (L + offs_r)[None, :] * stride_kvd,
+        mask_t, offs_r < R, MASK_T, BLOCK_R != R,
+    )  # (BLOCK_N, BLOCK_R)
+    if IS_FP8:
+        scale_ptrs = scale_ptr + page * stride_sp + in_page * stride_ss
+        if MASK_T:
+            row_scale = tl.load(scale_ptrs, mask=mask_t, other=0.0)
+        else:
+            row_scale = tl.load(scale_ptrs)
+    else:
+        row_scale = tl.full((BLOCK_N,), 1.0, tl.float32)
+    return kv_nope, kv_rope, mask_t, row_scale
+
+
+@triton.jit
+def _attend_tile(
+    q_nope, q_rope, m_i, l_i, acc, q_pos,
+    kv_ptr, scale_ptr, bt_row_ptr,
+    t0, end, qk_scale,
+    stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    MASK_T: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One KV tile [t0, t0 + BLOCK_N) (tokens < ``end``) folded into the online softmax of the
+    query rows (heads for decode, chunk rows for extend): q_nope (BLOCK_H, BLOCK_L), scores
+    (BLOCK_H, BLOCK_N), acc (BLOCK_H, BLOCK_L). CAUSAL (extend) also hides tokens after each
+    row's position ``q_pos`` (BLOCK_H,).
+
+    fp8 KV: the tile is widened to the query dtype (exact); the row scales multiply the scores'
+    columns and p's columns.
+    """
+    kv_nope, kv_rope, mask_t, row_scale = _load_kv_tile(
+        kv_ptr, scale_ptr, bt_row_ptr, t0, end,
+        stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss,
+        L, R, PAGE_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, MASK_T, IS_FP8,
+    )
+    if IS_FP8:
+        kv_nope = kv_nope.to(q_nope.dtype)  # exact: fp8 values fit the query dtype
+        kv_rope = kv_rope.to(q_nope.dtype)
+        col_scale = row_scale * qk_scale
+    else:
+        col_scale = tl.full((BLOCK_N,), 1.0, tl.float32) * qk_scale
+    qk = tl.dot(q_nope, tl.trans(kv_nope), input_precision=DOT_PRECISION)
+    qk = tl.dot(q_rope, tl.trans(kv_rope), qk, input_precision=DOT_PRECISION)  # (BLOCK_H, BLOCK_N)
+    qk = qk * col_scale[None, :]
+    if CAUSAL:
+        offs_t = t0 + tl.arange(0, BLOCK_N)
+        visible = (offs_t[None, :] <= q_pos[:, None]) & mask_t[None, :]
+        qk = tl.where(visible, qk, float("-inf"))
+    elif MASK_T:
+        qk = tl.where(mask_t[None, :], qk, float("-inf"))
+    # every row has seen a visible token by its first tile, so m_new is finite
+    m_new = tl.maximum(m_i, tl.max(qk, 1))  # (BLOCK_H,)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])  # (BLOCK_H, BLOCK_N)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IS_FP8:
+        p = p * row_scale[None, :]
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(kv_nope.dtype), kv_nope, acc, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _mla_decode_kernel(
+    q_ptr,  # (N, H, D)
+    kv_ptr,  # (P, PS, D)
+    scale_ptr,  # (P, PS) fp32, fp8 caches only
+    bt_ptr,  # (N, max_pages) int
+    seq_lens_ptr,  # (N,) int
+    o_ptr,  # (S, N, H, L) fp32 partials, or (N, H, L) output when S == 1
+    lse_ptr,  # (S, N, H) fp32, or (N, H)
+    qk_scale,  # sm_scale * log2(e)
+    H,
+    num_splits,
+    stride_qn, stride_qh, stride_qd,
+    stride_kvp, stride_kvs, stride_kvd,
+    stride_sp, stride_ss,
+    stride_btn, stride_btp,
+    stride_sl,
+    stride_os, stride_on, stride_oh, stride_ol,
+    stride_ls, stride_ln, stride_lh,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_h = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_n = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + pid_n * stride_sl).to(tl.int32)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N  # tile-aligned
+    start = pid_s * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    full_end = start + (tl.maximum(end - start, 0) // BLOCK_N) * BLOCK_N
+
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    offs_l = tl.arange(0, BLOCK_L)
+    mask_l = offs_l < L
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < R
+    q_base = q_ptr + pid_n * stride_qn
+    q_nope = tl.load(
+        q_base + offs_h[:, None] * stride_qh + offs_l[None, :] * stride_qd,
+        mask=mask_h[:, None] & mask_l[None, :], other=0.0,
+    )  # (BLOCK_H, BLOCK_L)
+    q_rope = tl.load(
+        q_base + offs_h[:, None] * stride_qh + (L + offs_r)[None, :] * stride_qd,
+        mask=mask_h[:, None] & mask_r[None, :], other=0.0,
+    )  # (BLOCK_H, BLOCK_R)
+    acc = tl.zeros((BLOCK_H, BLOCK_L), tl.float32)
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+
+    bt_row_ptr = bt_ptr + pid_n * stride_btn
+    # full tiles unmasked, then the split's partial tail tile
+    for t0 in range(start, full_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q_nope, q_rope, m_i, l_i, acc, m_i, kv_ptr, scale_ptr, bt_row_ptr, t0, end, qk_scale,
+            stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss,
+            L, R, PAGE_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, False, IS_FP8, False, DOT_PRECISION,
+        )
+    if full_end < end:
+        m_i, l_i, acc = _attend_tile(
+            q_nope, q_rope, m_i, l_i, acc, m_i, kv_ptr, scale_ptr, bt_row_ptr, full_end, end,
+            qk_scale, stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss,
+            L, R, PAGE_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, True, IS_FP8, False, DOT_PRECISION,
+        )
+
+    has_keys = l_i > 0.0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    o_base = o_ptr + pid_s * stride_os + pid_n * stride_on
+    out = acc / l_safe[:, None]  # (BLOCK_H, BLOCK_L)
+    o_ptrs = o_base + offs_h[:, None] * stride_oh + offs_l[None, :] * stride_ol
+    o_mask = mask_h[:, None] & mask_l[None, :]
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=o_mask)
+    tl.store(lse_ptr + pid_s * stride_ls + pid_n * stride_ln + offs_h * stride_lh, lse, mask=mask_h)
+
+
+# ---------------------------------------------------------------------------------------------
+# tokens-on-M form (few heads per program)
+
+
+@triton.jit
+def _attend_tile_tokens_m(
+    q_nope_t, q_rope_t, m_i, l_i, acc_t,
+    kv_ptr, scale_ptr, bt_row_ptr,
+    t0, end, qk_scale,
+    stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    MASK_T: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PV_HEADS_M: tl.constexpr,
+    KV_IN_REGS: tl.constexpr,
+):
+    """One KV tile [t0, t0 + BLOCK_N) with the tokens on the MMA's M side:
+    scoresᵀ (BLOCK_N, BLOCK_H) = kv_nope · q_nopeᵀ + kv_rope · q_ropeᵀ and
+    accᵀ (BLOCK_L, BLOCK_H) += kv_nopeᵀ · pᵀ, so a 64-token tile fills a Hopper MMA even for 16
+    heads. The softmax runs down the columns (one per head). PV_HEADS_M computes the value
+    product the other way round, acc (BLOCK_H, BLOCK_L) += p · kv_nope (kv_nope as the B
+    operand). KV_IN_REGS passes a bf16/fp16 tile through an opaque register move first, so both
+    products take it from registers as the fp8 path does (Triton 3.6 computed the bf16
+    kv_nopeᵀ-from-shared-memory product wrongly on H200).
+
+    Tail tile (MASK_T): rows at or past ``end`` re-read the last valid row (``end - 1``), so every
+    load is unmasked and in bounds (no padded block-table entry is ever dereferenced), and their
+    scores are set to -inf before the max: their p is exactly 0. The tile holds at least one valid
+    row (the caller only passes tiles with t0 < end), so the running max stays finite (no NaN).
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_t = t0 + offs_n
+    if MASK_T:
+        mask_t = offs_t < end
+        offs_t = tl.minimum(offs_t, end - 1)
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
+    if PAGE_SIZE % BLOCK_N == 0:
+        # the tile lies in one page (t0 is BLOCK_N-aligned and t0 < end)
+        page = tl.load(bt_row_ptr + (t0 // PAGE_SIZE) * stride_btp).to(tl.int64)
+    else:
+        page = tl.load(bt_row_ptr + (offs_t // PAGE_SIZE) * stride_btp).to(tl.int64)
+    page = tl.maximum(page, 0)  # belt and braces: never a negative page offset
+    row_off = page * stride_kvp + (offs_t % PAGE_SIZE) * stride_kvs  # (BLOCK_N,)
+    kv_nope = _load_tile(
+        kv_ptr + row_off[:, None] + offs_l[None, :] * stride_kvd,
+        offs_n, offs_l < L, False, BLOCK_L != L,
+    )  # (BLOCK_N, BLOCK_L)
+    kv_rope = _load_tile(
+        kv_ptr + row_off[:, None] + (L + offs_r)[None, :] * stride_kvd,
+        offs_n, offs_r < R, False, BLOCK_R != R,
+    )  # (BLOCK_N, BLOCK_R)
+    if IS_FP8:
+        row_scale = tl.load(scale_ptr + page * stride_sp + (offs_t % PAGE_SIZE) * stride_ss)
+        kv_nope = kv_nope.to(q_nope_t.dtype)  # exact: fp8 values fit the query dtype
+        kv_rope = kv_rope.to(q_nope_t.dtype)
+    elif KV_IN_REGS:
+        kv_nope = tl.inline_asm_elementwise(
+            "mov.b32 $0, $1;", "=r,r", [kv_nope], dtype=kv_nope.dtype, is_pure=True, pack=2
+        )
+    qk = tl.dot(kv_nope, q_nope_t, input_precision=DOT_PRECISION)
+    qk = tl.dot(kv_rope, q_rope_t, qk, input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_H)
+    if IS_FP8:
+        qk = qk * (row_scale * qk_scale)[:, None]
+    else:
+        qk = qk * qk_scale
+    if MASK_T:
+        qk = tl.where(mask_t[:, None], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 0))  # (BLOCK_H,), finite: one valid row per tile
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[None, :])  # (BLOCK_N, BLOCK_H); 0 on masked rows
+    l_i = l_i * alpha + tl.sum(p, 0)
+    if IS_FP8:
+        p = p * row_scale[:, None]
+    if PV_HEADS_M:  # acc_t is (BLOCK_H, BLOCK_L) here
+        acc_t = acc_t * alpha[:, None]
+        acc_t = tl.dot(tl.trans(p.to(kv_nope.dtype)), kv_nope, acc_t,
+                       input_precision=DOT_PRECISION)
+    else:
+        acc_t = acc_t * alpha[None, :]
+        acc_t = tl.dot(tl.trans(kv_nope), p.to(kv_nope.dtype), acc_t,
+                       input_precision=DOT_PRECISION)
+    return m_new, l_i, acc_t
+
+
+@triton.jit
+def _mla_decode_tokens_m_kernel(
+    q_ptr, kv_ptr, scale_ptr, bt_ptr, seq_lens_ptr, o_ptr, lse_ptr,
+    qk_scale,
+    H,
+    num_splits,
+    stride_qn, stride_qh, stride_qd,
+    stride_kvp, stride_kvs, stride_kvd,
+    stride_sp, stride_ss,
+    stride_btn, stride_btp,
+    stride_sl,
+    stride_os, stride_on, stride_oh, stride_ol,
+    stride_ls, stride_ln, stride_lh,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PV_HEADS_M: tl.constexpr,
+    KV_IN_REGS: tl.constexpr,
+):
+    """``_mla_decode_kernel`` with the tokens on the MMA's M side (``config["transposed"]``):
+    same grid, arguments and outputs."""
+    pid_h = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_n = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + pid_n * stride_sl).to(tl.int32)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N  # tile-aligned
+    start = pid_s * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    full_end = start + (tl.maximum(end - start, 0) // BLOCK_N) * BLOCK_N
+
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    offs_l = tl.arange(0, BLOCK_L)
+    mask_l = offs_l < L
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < R
+    q_base = q_ptr + pid_n * stride_qn
+    q_nope_t = tl.load(
+        q_base + offs_l[:, None] * stride_qd + offs_h[None, :] * stride_qh,
+        mask=mask_l[:, None] & mask_h[None, :], other=0.0,
+    )  # (BLOCK_L, BLOCK_H)
+    q_rope_t = tl.load(
+        q_base + (L + offs_r)[:, None] * stride_qd + offs_h[None, :] * stride_qh,
+        mask=mask_r[:, None] & mask_h[None, :], other=0.0,
+    )  # (BLOCK_R, BLOCK_H)
+    if PV_HEADS_M:
+        acc_t = tl.zeros((BLOCK_H, BLOCK_L), tl.float32)
+    else:
+        acc_t = tl.zeros((BLOCK_L, BLOCK_H), tl.float32)
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+
+    bt_row_ptr = bt_ptr + pid_n * stride_btn
+    for t0 in range(start, full_end, BLOCK_N):
+        m_i, l_i, acc_t = _attend_tile_tokens_m(
+            q_nope_t, q_rope_t, m_i, l_i, acc_t, kv_ptr, scale_ptr, bt_row_ptr, t0, end, qk_scale,
+            stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss,
+            L, R, PAGE_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, False, IS_FP8, DOT_PRECISION,
+            PV_HEADS_M, KV_IN_REGS,
+        )
+    if full_end < end:
+        m_i, l_i, acc_t = _attend_tile_tokens_m(
+            q_nope_t, q_rope_t, m_i, l_i, acc_t, kv_ptr, scale_ptr, bt_row_ptr, full_end, end,
+            qk_scale, stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss,
+            L, R, PAGE_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, True, IS_FP8, DOT_PRECISION,
+            PV_HEADS_M, KV_IN_REGS,
+        )
+
+    has_keys = l_i > 0.0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    if PV_HEADS_M:
+        out = acc_t / l_safe[:, None]  # (BLOCK_H, BLOCK_L)
+    else:
+        out = tl.trans(acc_t / l_safe[None, :])
+    o_base = o_ptr + pid_s * stride_os + pid_n * stride_on
+    o_ptrs = o_base + offs_h[:, None] * stride_oh + offs_l[None, :] * stride_ol
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_l[None, :])
+    tl.store(lse_ptr + pid_s * stride_ls + pid_n * stride_ln + offs_h * stride_lh, lse, mask=mask_h)
+
+
+# ---------------------------------------------------------------------------------------------
+# launcher
