@@ -23,7 +23,7 @@ test: $(STAMP)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n $(JOBS) -m "not gpu" tests
 
 test-gpu:
-	python3 -m pytest -q -m "gpu" tests
+	SPLASH_TEST_GPU=1 python3 -m pytest -q -m "gpu" tests
 
 # All three run even when one fails, so one pass shows every finding; any failure fails lint.
 lint: $(STAMP)

@@ -62,7 +62,9 @@ def cpu_step(jobs: str, extra: Sequence[str] = ()) -> Step:
 
 def gpu_step(no_fp8: bool, extra: Sequence[str] = ()) -> Step:
     args = ["-m", "gpu"] + (["-k", "not fp8"] if no_fp8 else [])
-    return Step(_pytest(*args, extra=extra), unset_env=("TRITON_INTERPRET",))
+    # SPLASH_TEST_GPU tells tests/conftest.py not to default TRITON_INTERPRET on
+    return Step(_pytest(*args, extra=extra), set_env={"SPLASH_TEST_GPU": "1"},
+                unset_env=("TRITON_INTERPRET",))
 
 
 def detect_gfx_arch() -> str:

@@ -84,7 +84,7 @@ def test_rocm_detects_arch_when_not_given(monkeypatch: pytest.MonkeyPatch) -> No
 def test_step_env_sets_and_unsets() -> None:
     cpu, gpu = (run_suite.build_steps("cuda", env={})[i] for i in (1, 0))
     base = {"TRITON_INTERPRET": "1", "PATH": "/bin"}
-    assert gpu.env(base) == {"PATH": "/bin"}
+    assert gpu.env(base) == {"PATH": "/bin", "SPLASH_TEST_GPU": "1"}
     assert cpu.env({"PATH": "/bin"}) == base
 
 
