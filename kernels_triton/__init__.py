@@ -16,6 +16,7 @@ from splash.kernels_triton.exchange import (
     split_heads_to_ranks,
     split_heads_to_ranks_ref,
 )
+from splash.kernels_triton.fused_moe import fused_moe, fused_moe_ref, moe_align
 from splash.kernels_triton.kv_cache_ops import (
     kv_gather,
     kv_gather_ref,
@@ -29,6 +30,8 @@ from splash.kernels_triton.mla_extend import mla_extend, mla_extend_ref
 
 __all__ = [
     "choose_num_splits",
+    "fused_moe",
+    "fused_moe_ref",
     "gather_rows",
     "gather_rows_ref",
     "kv_gather",
@@ -43,6 +46,7 @@ __all__ = [
     "mla_decode_ref",
     "mla_extend",
     "mla_extend_ref",
+    "moe_align",
     "quantise_rows_ref",
     "scatter_rows",
     "scatter_rows_ref",

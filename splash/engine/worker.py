@@ -21,6 +21,7 @@ from splash.engine.worker_config import WorkerConfig
 from splash.layouts.base import KVStore, StepMeta
 from splash.layouts.ownership import get_layout, heads_held
 from splash.layouts.registry import make_layouts
+from splash.model.mlp import MoE
 from splash.model.model import MLAModel
 from splash.model.sampler import sample
 from splash.switching.executor import SwitchExecutor
@@ -56,6 +57,10 @@ class Worker:
         self.model = MLAModel.from_pretrained(
             cfg.model, cfg.rank, cfg.world, heads.start, len(heads),
             dtype=torch_dtype(cfg.dtype), device=self.device)
+        moe_config = self.backend.kernel_config("fused_moe") or None
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.kernel_config = moe_config
         mcfg = self.model.cfg
         kv_dtype = torch_dtype(cfg.kv_dtype, self.backend)
         shape = (cfg.num_pages, cfg.page_size, mcfg.kv_dim)

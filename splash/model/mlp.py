@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
+from splash.kernels_triton import fused_moe
 from splash.model.config import ModelConfig
 from splash.model.loader import take
 
@@ -83,8 +84,27 @@ def select_experts(logits: torch.Tensor, cfg: ModelConfig,
     return weights * cfg.routed_scaling_factor, ids
 
 
+def routed_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                         weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The routed experts as a torch loop over the experts hit (the CPU path; reference of
+    `fused_moe`): x (N, hidden), w13 (E, 2i, hidden), w2 (E, hidden, i) -> (N, hidden)."""
+    size = w2.shape[2]
+    out = torch.zeros_like(x)
+    for expert in torch.unique(ids).tolist():
+        rows, slot = (ids == expert).nonzero(as_tuple=True)
+        gu = x[rows] @ w13[expert].t()  # (n_e, 2i)
+        y = (F.silu(gu[:, :size]) * gu[:, size:]) @ w2[expert].t()  # (n_e, hidden)
+        out.index_add_(0, rows, (y.float() * weights[rows, slot, None]).to(out.dtype))
+    return out
+
+
 class MoE:
-    """Routed experts (this rank's intermediate slice of each) plus optional shared experts."""
+    """Routed experts (this rank's intermediate slice of each) plus optional shared experts.
+
+    The expert weights are stacked once at load, (E, 2i, hidden) and (E, hidden, i), the layout
+    the fused Triton kernel reads on CUDA; elsewhere a torch loop over the experts runs.
+    `kernel_config` (the backend's "fused_moe" tuning entry) sets the kernel's launch parameters.
+    """
 
     def __init__(self, cfg: ModelConfig, router: torch.Tensor, bias: torch.Tensor | None,
                  w13: torch.Tensor, w2: torch.Tensor, shared: DenseMLP | None) -> None:
@@ -95,6 +115,7 @@ class MoE:
         self.w2 = w2  # (E, hidden, i)
         self.size = w2.shape[2]
         self.shared = shared
+        self.kernel_config: dict | None = None
 
     @classmethod
     def from_weights(cls, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], prefix: str,
@@ -131,12 +152,10 @@ class MoE:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        out = torch.zeros_like(x)
-        for expert in torch.unique(ids).tolist():
-            rows, slot = (ids == expert).nonzero(as_tuple=True)
-            gu = x[rows] @ self.w13[expert].t()  # (n_e, 2i)
-            y = (F.silu(gu[:, :self.size]) * gu[:, self.size:]) @ self.w2[expert].t()
-            out.index_add_(0, rows, (y.float() * weights[rows, slot, None]).to(out.dtype))
+        if x.is_cuda and torch.version.hip is None:
+            out = fused_moe(x, self.w13, self.w2, weights, ids, self.kernel_config)
+        else:
+            out = routed_experts_torch(x, self.w13, self.w2, weights, ids)
         if self.shared is not None:
             out = out + self.shared(x)
         return out

@@ -1,0 +1,281 @@
+"""Fused MoE: the SwiGLU routed experts of DeepSeek MoE as two grouped GEMMs.
+
+For token t with routing ``(topk_weights[t, j], topk_ids[t, j])``, j < k::
+
+    out[t] = sum_j  w_j · down_e(silu(gate_e(x_t)) · up_e(x_t)),   e = topk_ids[t, j]
+
+with ``w_gate_up[e]`` (2I, hidden) = gate rows then up rows and ``w_down[e]`` (hidden, I). I is
+this rank's slice of the expert width, so on tensor-parallel ranks the result is a partial sum.
+
+Steps (M = N·k token-expert pairs, pair p = t·k + j):
+
+1. ``moe_align``: sort the pairs by expert and pad each expert's run to a multiple of BLOCK_M
+   (padding slots hold the sentinel M), so every BLOCK_M block of the sorted list belongs to one
+   expert (``block_expert``; -1 past the end). Pure torch, no host sync (CUDA-graph safe): the
+   list is sized for the worst case M + min(E, M)·(BLOCK_M - 1).
+2. gate_up GEMM: block b multiplies the rows x[p // k] of its pairs by expert e's gate and up
+   tiles (two accumulators) and stores silu(gate)·up, rounded to x's dtype, at row p of
+   ``inter`` (M, I).
+3. down GEMM: the same blocks multiply inter[p] by w_down[e]ᵀ, scale row p by its routing weight
+   and store at row p of ``partial`` (M, hidden).
+4. ``partial.view(N, k, hidden).sum(1)`` adds the k slots of each token (fp32 accumulation).
+
+Tiles are swizzled in groups of GROUP_M row blocks so consecutive programs share weight tiles in
+L2. Both GEMMs use the one BLOCK_M of the alignment; the other tile sizes may differ per GEMM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from splash.kernels_triton import _validate as V
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr,  # (rows, K): x (rows = tokens) for gate_up, inter (rows = pairs) for down
+    w_ptr,  # (E, N_w, K): N_w = 2·N_out when GATED (gate rows, then up rows), else N_out
+    c_ptr,  # (M, N_out), row p = pair p
+    sorted_ids_ptr,  # (num_blocks·BLOCK_M,) int32 pair ids sorted by expert, sentinel M
+    block_expert_ptr,  # (num_blocks,) int32 expert of each row block, -1 past the end
+    topk_weights_ptr,  # (M,) fp32, read when not GATED
+    num_pairs,  # M
+    a_row_div,  # a row of pair p is p // a_row_div (k for gate_up, 1 for down)
+    N_out,
+    K,
+    num_blocks,
+    stride_am, stride_ak,
+    stride_we, stride_wn, stride_wk,
+    stride_cm, stride_cn,
+    GATED: tl.constexpr,  # True: c = silu(a·gateᵀ)·(a·upᵀ); False: c = weight · (a·wᵀ)
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # grouped tile order: GROUP_M row blocks sweep the N tiles together (weight reuse in L2)
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N_out, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(num_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ids_ptr + offs_m)  # (BLOCK_M,)
+    row_ok = pairs < num_pairs
+    a_rows = (pairs // a_row_div).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_wn = offs_n % N_out  # wrapped columns are computed but never stored
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak  # (BM, BK)
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    b_ptrs = w_base + offs_wn[None, :] * stride_wn + offs_k[:, None] * stride_wk  # (BK, BN)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if GATED:
+        u_ptrs = b_ptrs + N_out * stride_wn
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = offs_k < K - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        acc += tl.dot(a, b, input_precision=DOT_PRECISION)
+        if GATED:
+            if EVEN_K:
+                u = tl.load(u_ptrs)
+            else:
+                u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
+            acc_up += tl.dot(a, u, input_precision=DOT_PRECISION)
+            u_ptrs += BLOCK_K * stride_wk
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_wk
+
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up  # silu(gate) · up, in fp32
+    else:
+        weight = tl.load(topk_weights_ptr + pairs, mask=row_ok, other=0.0)
+        acc = acc * weight[:, None]
+    c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_n < N_out)[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# launchers
+
+# Best of the H200 sweep (benchmarks/results/h200/moe_kernel.json; = the CUDA backend's TUNING
+# entry "fused_moe", which a caller passes as ``config``). Top-level keys apply to both GEMMs,
+# "gate_up" / "down" override per GEMM (BLOCK_M is shared: the alignment of the sorted pairs).
+_GPU_DEFAULTS: dict[str, Any] = {
+    "BLOCK_M": 128, "BLOCK_K": 64, "num_warps": 8,
+    "gate_up": {"BLOCK_N": 128, "GROUP_M": 16, "num_stages": 4},
+    "down": {"BLOCK_N": 256, "GROUP_M": 8, "num_stages": 3},
+}
+_CPU_DEFAULTS: dict[str, Any] = {
+    "BLOCK_M": 16, "BLOCK_K": 32, "GROUP_M": 4, "num_warps": 4, "num_stages": 1,
+    "gate_up": {"BLOCK_N": 32}, "down": {"BLOCK_N": 32},
+}
+_TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")
+_GEMMS = ("gate_up", "down")
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = {**base.get(key, {}), **value} if key in _GEMMS else value
+    return out
+
+
+def _gemm_configs(config: dict | None, device: torch.device) -> dict[str, dict[str, Any]]:
+    """Per-GEMM launch parameters: defaults of the device, then ``config``."""
+    cfg = _merge(_GPU_DEFAULTS if device.type == "cuda" else _CPU_DEFAULTS, config or {})
+    unknown = set(cfg) - {*_TILE_KEYS, "num_warps", "num_stages", *_GEMMS}
+    if unknown:
+        raise ValueError(f"config has unknown keys {sorted(unknown)}")
+    out = {}
+    for gemm in _GEMMS:
+        one = {k: v for k, v in cfg.items() if k not in _GEMMS}
+        one.update(cfg.get(gemm, {}))
+        if "BLOCK_M" in cfg.get(gemm, {}):
+            raise ValueError(f"config[{gemm!r}] may not set BLOCK_M (shared by both GEMMs)")
+        for key in _TILE_KEYS:
+            v = one.get(key)
+            if not isinstance(v, int) or v < 1 or v & (v - 1):
+                raise ValueError(f"config {gemm} {key}={v!r} must be a power of two")
+        if min(one["BLOCK_M"], one["BLOCK_N"], one["BLOCK_K"]) < 16:
+            raise ValueError(f"config {gemm}: BLOCK_M, BLOCK_N, BLOCK_K must be >= 16 (tl.dot)")
+        out[gemm] = one
+    return out
+
+
+def moe_align(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort the N·k pairs by expert, each expert's run padded to a multiple of ``block_m``.
+
+    Returns ``sorted_ids`` (num_blocks·block_m,) int32 (pair ids p = t·k + j, padding = N·k) and
+    ``block_expert`` (num_blocks,) int32 (-1 for blocks past the last expert's run). Sized for
+    the worst case, so no value is read back to the host.
+    """
+    flat = topk_ids.reshape(-1).to(torch.int64)  # (M,)
+    M, device = flat.numel(), flat.device
+    num_blocks = triton.cdiv(M + min(num_experts, M) * (block_m - 1), block_m)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # (E,); bincount would sync
+    padded = (counts + block_m - 1) // block_m * block_m
+    run_end = padded.cumsum(0)  # (E,) end of each expert's padded run
+    run_start = run_end - padded
+    order = torch.argsort(flat, stable=True)  # (M,) pair ids grouped by expert
+    expert_sorted = flat[order]
+    rank = torch.arange(M, device=device) - (counts.cumsum(0) - counts)[expert_sorted]
+    sorted_ids = torch.full((num_blocks * block_m,), M, dtype=torch.int32, device=device)
+    sorted_ids[run_start[expert_sorted] + rank] = order.to(torch.int32)
+    block_start = torch.arange(num_blocks, device=device) * block_m
+    block_expert = torch.searchsorted(run_end, block_start, right=True)  # (num_blocks,)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return sorted_ids, block_expert
+
+
+def _launch_gemm(a, w, c, sorted_ids, block_expert, topk_weights, num_pairs, a_row_div,
+                 n_out, k_dim, gated, cfg) -> None:
+    num_blocks = block_expert.shape[0]
+    grid = (num_blocks * triton.cdiv(n_out, cfg["BLOCK_N"]),)
+    _moe_gemm_kernel[grid](
+        a, w, c, sorted_ids, block_expert, topk_weights, num_pairs, a_row_div, n_out, k_dim,
+        num_blocks, a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
+        c.stride(0), c.stride(1),
+        GATED=gated, EVEN_K=k_dim % cfg["BLOCK_K"] == 0, BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+def _check_inputs(x, w_gate_up, w_down, topk_weights, topk_ids) -> None:
+    V.check_tensor("x", x, 2, V.FLOAT_DTYPES)
+    dev, dtype = x.device, x.dtype
+    V.check_tensor("w_gate_up", w_gate_up, 3, (dtype,), dev)
+    V.check_tensor("w_down", w_down, 3, (dtype,), dev)
+    V.check_tensor("topk_weights", topk_weights, 2, (torch.float32,), dev)
+    V.check_tensor("topk_ids", topk_ids, 2, V.INDEX_DTYPES, dev)
+    N, hidden = x.shape
+    E, two_i, _ = w_gate_up.shape
+    if two_i == 0 or two_i % 2:
+        raise ValueError(f"w_gate_up has {two_i} rows per expert; expected 2·I > 0 (gate, up)")
+    I = two_i // 2
+    V.check_dim("w_gate_up", w_gate_up, 2, hidden, "hidden size of x")
+    if tuple(w_down.shape) != (E, hidden, I):
+        raise ValueError(f"w_down has shape {tuple(w_down.shape)}; expected {(E, hidden, I)} "
+                         "(experts, hidden, I) to match w_gate_up and x")
+    if topk_ids.shape[0] != N or topk_ids.shape[1] == 0:
+        raise ValueError(f"topk_ids has shape {tuple(topk_ids.shape)}; expected ({N}, k >= 1)")
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"topk_weights has shape {tuple(topk_weights.shape)}; expected "
+                         f"{tuple(topk_ids.shape)} like topk_ids")
+    for name, t in (("x", x), ("w_gate_up", w_gate_up), ("w_down", w_down)):
+        V.check_unit_stride(name, t)
+    V.check_index_range("topk_ids", topk_ids, E, allow_neg1=False)
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Routed SwiGLU experts: x (N, hidden), w_gate_up (E, 2I, hidden) gate rows then up rows,
+    w_down (E, hidden, I), topk_weights (N, k) fp32, topk_ids (N, k) int in [0, E) ->
+    (N, hidden) in x's dtype: sum_j topk_weights[:, j] · down_e(silu(gate_e(x)) · up_e(x))."""
+    _check_inputs(x, w_gate_up, w_down, topk_weights, topk_ids)
+    N, hidden = x.shape
+    E, I, k = w_gate_up.shape[0], w_down.shape[2], topk_ids.shape[1]
+    if N == 0:
+        return torch.zeros_like(x)
+    cfgs = _gemm_configs(config, x.device)
+    M = N * k
+    sorted_ids, block_expert = moe_align(topk_ids, E, cfgs["gate_up"]["BLOCK_M"])
+    weights = topk_weights.contiguous().reshape(-1)  # (M,)
+    inter = torch.empty((M, I), dtype=x.dtype, device=x.device)
+    partial = torch.empty((M, hidden), dtype=x.dtype, device=x.device)
+    _launch_gemm(x, w_gate_up, inter, sorted_ids, block_expert, weights, M, k, I, hidden, True,
+                 cfgs["gate_up"])
+    _launch_gemm(inter, w_down, partial, sorted_ids, block_expert, weights, M, 1, hidden, I,
+                 False, cfgs["down"])
+    return partial.view(N, k, hidden).sum(dim=1)  # (N, hidden)
+
+
+def fused_moe_ref(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Torch reference of ``fused_moe``: a loop over the experts, in fp32, cast to x's dtype."""
+    I = w_down.shape[2]
+    xf = x.float()
+    out = torch.zeros_like(xf)
+    for expert in torch.unique(topk_ids).tolist():
+        rows, slot = (topk_ids == expert).nonzero(as_tuple=True)
+        gu = xf[rows] @ w_gate_up[expert].float().t()  # (n_e, 2I)
+        y = (torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]) @ w_down[expert].float().t()
+        out.index_add_(0, rows, y * topk_weights[rows, slot, None].float())
+    return out.to(x.dtype)
