@@ -110,10 +110,10 @@ class Scheduler:
         return True
 
     def _pick_owner(self, req: Request, num_tokens: int) -> int | None:
-        if not self.layout.uses_owners:
-            return min(range(self.cfg.world), key=lambda r: self.live_tokens_by_rank()[r])
-        pages = -(-num_tokens // self.cfg.page_size)
         load = self.live_tokens_by_rank()
+        if not self.layout.uses_owners:  # owners matter only after a switch to an owned layout
+            return min(range(self.cfg.world), key=lambda r: (load[r], r))
+        pages = -(-num_tokens // self.cfg.page_size)
         ranks = [r for r in range(self.cfg.world) if self.alloc[r].num_available >= pages]
         return min(ranks, key=lambda r: (load[r], r)) if ranks else None
 
