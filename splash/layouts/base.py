@@ -12,12 +12,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from splash.engine.comm import Comm
 from splash.engine.protocol import StepPlan
 from splash.kernels_triton import kv_write, mla_decode, mla_extend
-from splash.layouts.ownership import Layout, local_kv_len, local_page_index, page_holders
+from splash.layouts.ownership import KVPlacement, Layout, local_kv_len
 
 
 class StepMeta:
@@ -58,20 +59,30 @@ class StepMeta:
         return [b for b, o in enumerate(self.plan.owners) if o == rank]
 
     def write_slots(self, layout: Layout, reqs: list[int]) -> torch.Tensor:
-        """Slot on this rank of each row of ``reqs``; -1 where this rank does not hold it."""
-        slots = []
-        ps = self.page_size
-        for b in reqs:
-            owner = self.plan.owners[b]
-            for i in range(self.row_start[b], self.row_start[b + 1]):
-                pos = self.plan.positions[i]
-                holders = page_holders(layout, pos // ps, owner, self.world)
-                if self.rank in holders:
-                    page = self.tables[b][local_page_index(layout, pos // ps, self.world)]
-                    slots.append(page * ps + pos % ps)
-                else:
-                    slots.append(-1)
-        return torch.tensor(slots, dtype=torch.long, device=self.device)
+        """Slot on this rank of each row of ``reqs``; -1 where this rank does not hold it.
+        Vectorised over rows (numpy): this runs once per step on the hot path."""
+        if not reqs:
+            return torch.empty(0, dtype=torch.long, device=self.device)
+        ps, world, plan = self.page_size, self.world, self.plan
+        qlens = np.array([plan.query_lens[b] for b in reqs])
+        row_req = np.repeat(np.arange(len(reqs)), qlens)  # request of each row
+        rows = np.concatenate([np.arange(self.row_start[b], self.row_start[b + 1]) for b in reqs])
+        pos = np.asarray(plan.positions, dtype=np.int64)[rows]
+        logical = pos // ps
+        if layout.kv is KVPlacement.REPLICATED:
+            mine, local = np.ones(len(pos), dtype=bool), logical
+        elif layout.kv is KVPlacement.OWNED:
+            owners = np.array([plan.owners[b] for b in reqs])
+            mine, local = owners[row_req] == self.rank, logical
+        else:
+            mine, local = logical % world == self.rank, logical // world
+        lengths = np.array([len(self.tables[b]) for b in reqs])
+        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        flat = np.concatenate([np.asarray(self.tables[b], dtype=np.int64) for b in reqs] +
+                              [np.zeros(1, dtype=np.int64)])
+        slots = np.full(len(pos), -1, dtype=np.int64)
+        slots[mine] = flat[offsets[row_req[mine]] + local[mine]] * ps + pos[mine] % ps
+        return torch.from_numpy(slots).to(self.device)
 
     def kernel_args(self, layout: Layout, reqs: list[int]) -> dict[str, Any]:
         """Block table, local KV lengths and query offsets of ``reqs`` on this rank."""
@@ -81,16 +92,14 @@ class StepMeta:
             for b in reqs
         ]
         width = max([len(self.tables[b]) for b in reqs] + [1])
-        table = torch.zeros((len(reqs), width), dtype=torch.int32)
+        table = np.zeros((len(reqs), width), dtype=np.int32)
         for j, b in enumerate(reqs):
-            table[j, : len(self.tables[b])] = torch.tensor(self.tables[b], dtype=torch.int32)
-        q_start = [0]
-        for b in reqs:
-            q_start.append(q_start[-1] + self.plan.query_lens[b])
+            table[j, : len(self.tables[b])] = self.tables[b]
+        q_start = np.concatenate([[0], np.cumsum([self.plan.query_lens[b] for b in reqs])])
         return {
-            "block_table": table.to(self.device),
+            "block_table": torch.from_numpy(table).to(self.device),
             "seq_lens": torch.tensor(lens, dtype=torch.int32, device=self.device),
-            "q_start_loc": torch.tensor(q_start, dtype=torch.int32, device=self.device),
+            "q_start_loc": torch.from_numpy(q_start.astype(np.int32)).to(self.device),
             "decode": all(self.plan.query_lens[b] == 1 for b in reqs),
         }
 
