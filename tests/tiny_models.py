@@ -33,9 +33,10 @@ def hf_config(arch: str, **over):
             **base, q_lora_rank=48, v_head_dim=24, n_shared_experts=1, num_experts_per_tok=2,
             n_group=4, topk_group=2, rope_parameters=yarn)
     if arch == "glm":  # GLM-5 architecture (DSA; dense while context <= index_topk)
+        base.setdefault("index_topk", 256)
         return transformers.GlmMoeDsaConfig(
             **base, q_lora_rank=48, v_head_dim=32, n_shared_experts=1, num_experts_per_tok=2,
-            index_topk=256, index_head_dim=32, index_n_heads=4,
+            index_head_dim=32, index_n_heads=4,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     raise ValueError(arch)
 
