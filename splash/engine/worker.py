@@ -18,6 +18,7 @@ from splash.backends import get_backend
 from splash.engine.comm import Comm
 from splash.engine.protocol import WORKER_PROTOCOL_VERSION, StepPlan, StepResult
 from splash.engine.worker_config import WorkerConfig
+from splash.kernels_triton import set_value_checks
 from splash.layouts.base import KVStore, StepMeta
 from splash.layouts.ownership import get_layout, heads_held
 from splash.layouts.registry import make_layouts
@@ -48,6 +49,9 @@ class Worker:
         self.device = self.backend.device(cfg.rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            # the engine builds every kernel input itself: skip the launchers' value checks,
+            # which read tensors back to the host and would sync the device every layer
+            set_value_checks(False)
         if cfg.world > 1:
             dist.init_process_group(envs.get("SPLASH_DIST_BACKEND") or self.backend.dist_backend,
                                     init_method=cfg.dist_init,
