@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import sys
 import time
 
 import torch
+from _results import save_json  # noqa: E402  (benchmarks/ is on sys.path)
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -127,9 +127,7 @@ def main() -> int:
               "torch": torch.__version__,
               "auto_vs_best_fixed": runs[0]["tokens_per_s"] / best_fixed, "runs": runs,
               "note": "CPU figures (Triton interpreter + gloo) are not GPU claims"}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    save_json(args.out, result)
     plot(result, args.out.replace(".json", ".png"))
     print(f"auto / best fixed = {result['auto_vs_best_fixed']:.3f}")
     return 0

@@ -18,6 +18,7 @@ import os
 import sys
 
 import torch
+from _results import save_json  # noqa: E402  (benchmarks/ is on sys.path)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
@@ -64,9 +65,7 @@ def main() -> int:
             records.append(rec)
     out = {"benchmark": "engine_bf16_vs_transformers_fp32", "date": datetime.date.today().isoformat(),
            "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "records": records}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
+    save_json(args.out, out)
     return 0
 
 

@@ -20,6 +20,7 @@ import sys
 import time
 
 import torch
+from _results import save_json  # noqa: E402  (benchmarks/ is on sys.path)
 
 CIRCUIT = ["tp", "dp", "tp", "cp", "tp", "dop", "dp", "cp", "dp", "dop", "cp", "dop", "tp"]
 
@@ -126,9 +127,7 @@ def main() -> int:
     result.update(run=args.run, date=datetime.date.today().isoformat(),
                   gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(),
                   torch=torch.__version__)
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, f"{args.run}_tp{args.tp}.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    save_json(os.path.join(args.out_dir, f"{args.run}_tp{args.tp}.json"), result)
     print(json.dumps(result)[:2000])
     return 0
 

@@ -20,6 +20,7 @@ import sys
 import time
 
 import torch
+from _results import save_json  # noqa: E402  (benchmarks/ is on sys.path)
 
 
 def build_checkpoint(path: str, layers: int, dtype: torch.dtype) -> None:
@@ -118,9 +119,7 @@ def main() -> int:
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__, "python": sys.version.split()[0], "records": records,
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    save_json(args.out, result)
     return 0
 
 

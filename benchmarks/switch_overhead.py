@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
 import sys
 
 import torch
+from _results import save_json  # noqa: E402  (benchmarks/ is on sys.path)
 
 CIRCUIT = ["tp", "dp", "tp", "cp", "tp", "dop", "dp", "cp", "dp", "dop", "cp", "dop", "tp"]
 
@@ -100,9 +100,7 @@ def main() -> int:
         "median_live_overhead_pct_of_step": statistics.median(
             d["live_p50_pct_of_ready_step"] for d in directions),
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    save_json(args.out, result)
     return 0
 
 
