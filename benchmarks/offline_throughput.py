@@ -1,5 +1,6 @@
-"""Offline generation throughput at T=1: SPLASH beside transformers' `generate` on the same
-prompts and the same random DeepSeek-V2-Lite-shaped weights, in the same run.
+"""Offline generation throughput at T=1: SPLASH (decode steps from CUDA graphs, and eager)
+beside transformers' `generate` on the same prompts and the same random DeepSeek-V2-Lite-shaped
+weights, in the same run.
 
     python benchmarks/offline_throughput.py --layers 4 --batches 1 16 64 256 --out results.json
 
@@ -46,17 +47,22 @@ def prompts_for(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[
     return torch.randint(10, vocab, (batch, prompt_len), generator=g).tolist()
 
 
-def run_splash(path: str, prompts, out_len: int, dtype: str) -> float:
+def run_splash(path: str, prompts, out_len: int, dtype: str, eager: bool = False) -> float:
     from splash import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
     with LLM(path, tp_size=1, layout="tp", dtype=dtype, memory_fraction=0.5,
-             max_num_batched_tokens=max(8192, len(prompts) * 8)) as llm:
-        llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+             max_num_batched_tokens=max(8192, len(prompts) * 8), enforce_eager=eager) as llm:
+        # warm-up on the same batch: compiles kernels and captures the decode graphs (a
+        # one-time cost per batch bucket and block-table width, logged by the worker)
+        llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True))
         torch.cuda.synchronize() if torch.cuda.is_available() else None
+        graph_steps = llm.stats()["graph_steps"]
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)
         elapsed = time.perf_counter() - t0
+        print(f"splash eager={eager}: {llm.stats()['graph_steps'] - graph_steps} graph steps",
+              flush=True)
     tokens = sum(len(o.token_ids) for o in outs)
     del llm, outs
     gc.collect()
@@ -106,7 +112,10 @@ def main() -> int:
         prompts = prompts_for(batch, args.prompt_len, vocab)
         rec = {"batch": batch, "prompt_len": args.prompt_len, "out_len": args.out_len,
                "layers": args.layers, "splash_tokens_per_s": run_splash(
-                   args.ckpt, prompts, args.out_len, "bf16")}
+                   args.ckpt, prompts, args.out_len, "bf16"),
+               "splash_eager_tokens_per_s": run_splash(
+                   args.ckpt, prompts, args.out_len, "bf16", eager=True)}
+        rec["graphs_vs_eager"] = rec["splash_tokens_per_s"] / rec["splash_eager_tokens_per_s"]
         if not args.skip_transformers:
             rec["transformers_tokens_per_s"] = run_transformers(
                 args.ckpt, prompts, args.out_len, torch.bfloat16)

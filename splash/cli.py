@@ -23,6 +23,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-pages-per-rank", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs for decode steps (on by default on CUDA)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,6 +14,9 @@ _DEFAULTS: dict[str, str] = {
     # torch.distributed backend override, e.g. "gloo" to run several ranks on one GPU
     # (NCCL refuses two ranks on one device)
     "SPLASH_DIST_BACKEND": "",
+    # "1": pad decode steps with ghost rows as CUDA graphs do, but run them eagerly (tests the
+    # padding on backends without graphs, e.g. the CPU suite)
+    "SPLASH_PAD_DECODE": "",
     "SPLASH_TOKEN": "",  # shared secret of `splash serve` and its clients (required off loopback)
 }
 

@@ -41,6 +41,8 @@ def generate_main(args: Any) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     engine_kw = {k: getattr(args, k) for k in ("dtype", "kv_dtype", "page_size", "max_model_len",
                                                 "kv_pages_per_rank") if getattr(args, k) is not None}
+    if args.enforce_eager:
+        engine_kw["enforce_eager"] = True
     with LLM(args.model, tp_size=args.tp_size, backend=args.backend, layout=args.layout,
              **engine_kw) as llm:
         outs = llm.generate(prompts, params, layout_plan=plan)

@@ -26,6 +26,7 @@ class EngineConfig:
     switch_mode: str = "live"  # live (layer-pipelined) | blocking (baseline)
     policy_margin: float = 0.1  # auto: switch when the best layout leads by this fraction
     worker_addr: str | None = None  # bind here and wait for torchrun-started workers
+    enforce_eager: bool = False  # no CUDA graphs for decode steps (they are on by default on CUDA)
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:

@@ -44,6 +44,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         self._tokens_total = 0
+        self._graph_steps = 0
         self._step_ms_ema: float | None = None
         self._started = time.monotonic()
 
@@ -121,6 +122,7 @@ class LLMEngine:
         self._step_ms_ema = step_ms if self._step_ms_ema is None else (
             0.9 * self._step_ms_ema + 0.1 * step_ms)
         self.step_count += 1
+        self._graph_steps += int(all(r.graph_replay for r in results))
         outputs += self._update(batch, results[0].tokens)
         for out in outputs:  # finished requests leave the table (ids may be reused)
             if out.finished:
@@ -201,6 +203,8 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_steps": self.step_count,
             "num_preemptions": self.scheduler.num_preemptions,
+            "cuda_graphs": self.setup.cuda_graphs,
+            "graph_steps": self._graph_steps,  # steps replayed from CUDA graphs
             "step_time_ms_ema": self._step_ms_ema,
             "tokens_generated": self._tokens_total,
             "tokens_per_s": self._tokens_total / elapsed,

@@ -75,6 +75,7 @@ class StepResult(msgspec.Struct, tag=True):
     tokens: list[int] = []  # rank 0: one per request with sample=True, in order
     elapsed_ms: float = 0.0  # forward time of this rank
     switch_ms: float = 0.0  # time spent waiting for switch transfers
+    graph_replay: bool = False  # the step was replayed from a CUDA graph
     kv_bytes_received: int = 0
     weight_bytes_received: int = 0
     error: str | None = None  # a worker-side failure, reported instead of tokens

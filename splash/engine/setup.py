@@ -135,7 +135,18 @@ class EngineSetup:
         return WorkerConfig(model=self.cfg.model, rank=0, world=self.cfg.tp_size,
                             backend=self.backend_name, dtype=self.dtype, kv_dtype=self.kv_dtype,
                             page_size=self.page_size, num_pages=self.num_pages,
-                            layout=self.initial_layout)
+                            layout=self.initial_layout, cuda_graphs=self.cuda_graphs,
+                            graph_max_batch=min(self.cfg.max_num_seqs, 512))
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Decode steps from CUDA graphs: CUDA only, and only with NCCL when T > 1 (gloo
+        collectives cannot be captured); off with enforce_eager."""
+        from splash import envs
+
+        dist = envs.get("SPLASH_DIST_BACKEND") or "nccl"
+        return (self.backend_name == "cuda" and not self.cfg.enforce_eager
+                and (self.cfg.tp_size == 1 or dist == "nccl"))
 
     def start_executor(self):
         from splash.engine.executor import ExternalExecutor, InprocExecutor, MPExecutor

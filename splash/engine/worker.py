@@ -10,16 +10,18 @@ from __future__ import annotations
 import os
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from splash import envs
 from splash.backends import get_backend
 from splash.engine.comm import Comm
+from splash.engine.graphs import DecodeGraphs
 from splash.engine.protocol import WORKER_PROTOCOL_VERSION, StepPlan, StepResult
 from splash.engine.worker_config import WorkerConfig
 from splash.kernels_triton import set_value_checks
-from splash.layouts.base import KVStore, StepMeta
+from splash.layouts.base import AttentionLayout, KVStore, StepMeta
 from splash.layouts.ownership import get_layout, heads_held
 from splash.layouts.registry import make_layouts
 from splash.model.mlp import MoE
@@ -77,6 +79,11 @@ class Worker:
         self.store = KVStore(caches, scales)
         self.layouts = make_layouts(self.comm, self.store, mcfg.kv_lora_rank)
         self.tables: dict[str, list[int]] = {}
+        self.graphs: DecodeGraphs | None = None
+        capture = cfg.cuda_graphs and self.device.type == "cuda"
+        if capture or envs.get("SPLASH_PAD_DECODE") == "1":
+            self.graphs = DecodeGraphs(self._model_forward, cfg.rank, cfg.world, cfg.page_size,
+                                       self.device, cfg.graph_max_batch, capture=capture)
 
     def _heads(self, layout: str) -> range:
         mcfg_heads = _num_heads(self.cfg.model)
@@ -100,6 +107,7 @@ class Worker:
                                     self.device)
             switch.start()
         tokens: list[int] = []
+        self.graph_step = False
         if plan.input_ids:
             tokens = self._forward(plan, switch)
         elif switch is not None:  # nothing to compute: complete every layer's transfer
@@ -109,28 +117,37 @@ class Worker:
         return StepResult(
             version=WORKER_PROTOCOL_VERSION, step=plan.step, rank=self.cfg.rank, tokens=tokens,
             elapsed_ms=(time.perf_counter() - t0) * 1e3,
-            switch_ms=switch.wait_ms if switch else 0.0,
+            switch_ms=switch.wait_ms if switch else 0.0, graph_replay=self.graph_step,
             kv_bytes_received=switch.kv_bytes if switch else 0,
             weight_bytes_received=switch.weight_bytes if switch else 0)
 
-    def _forward(self, plan: StepPlan, switch: SwitchExecutor | None) -> list[int]:
-        meta = StepMeta(plan, self.tables, self.cfg.rank, self.cfg.world, self.cfg.page_size,
-                        self.device)
-        impl = self.layouts[plan.layout]
-
+    def _model_forward(self, ids: torch.Tensor, meta: StepMeta, impl: AttentionLayout,
+                       switch: SwitchExecutor | None = None) -> torch.Tensor:
         def attn_fn(layer: int, attn, h: torch.Tensor) -> torch.Tensor:
             if switch is not None:
                 switch.before_layer(layer)
             return impl.forward(layer, attn, h, meta)
 
-        ids = torch.tensor(plan.input_ids, dtype=torch.long, device=self.device)
-        hidden = self.model.forward(ids, meta.positions, attn_fn, self.comm.all_reduce)
+        return self.model.forward(ids, meta.positions, attn_fn, self.comm.all_reduce)
+
+    def _forward(self, plan: StepPlan, switch: SwitchExecutor | None) -> list[int]:
+        impl = self.layouts[plan.layout]
+        hidden = None
+        if self.graphs is not None and switch is None:
+            hidden = self.graphs.run(plan, self.tables, impl)
+            self.graph_step = hidden is not None and self.graphs.capture
+        if hidden is None:
+            meta = StepMeta(plan, self.tables, self.cfg.rank, self.cfg.world,
+                            self.cfg.page_size, self.device)
+            ids = torch.tensor(plan.input_ids, dtype=torch.long, device=self.device)
+            hidden = self._model_forward(ids, meta, impl, switch)
         if self.cfg.rank != 0:
             return []
         picks = [b for b, s in enumerate(plan.sample) if s]
         if not picks:
             return []
-        rows = torch.tensor([meta.row_start[b + 1] - 1 for b in picks], device=self.device)
+        ends = np.cumsum(plan.query_lens)
+        rows = torch.tensor([int(ends[b]) - 1 for b in picks], device=self.device)
         logits = self.model.compute_logits(hidden[rows])  # (n, V) fp32
         sp = [plan.sampling[b] for b in picks]
         out = sample(

@@ -17,3 +17,5 @@ class WorkerConfig:
     num_pages: int  # physical KV pages of this rank
     layout: str  # layout at start
     dist_init: str = ""  # torch.distributed init method ("" with world == 1; "env://")
+    cuda_graphs: bool = False  # replay decode steps from CUDA graphs (splash/engine/graphs.py)
+    graph_max_batch: int = 256  # largest padded decode batch (per rank for DP/DOP) captured

@@ -1,9 +1,11 @@
 """What every layout's attention forward shares: the step's metadata on this rank, and
 `attend`, which runs the paged MLA kernels for a subset of requests.
 
-A layout is a small class with one method, ``forward(layer, attn, h, meta) -> (N, hidden)``:
-on entry every rank holds the full hidden states of the step (DESIGN §2 invariant), on exit
-every rank holds the attention output of every row.
+A layout is a small class with two methods: ``inputs(meta)`` builds the step's device tensors
+(write slots, block tables, row permutations) once per step, and ``forward(layer, attn, h,
+meta) -> (N, hidden)`` uses them; on entry every rank holds the full hidden states of the step
+(DESIGN §2 invariant), on exit every rank holds the attention output of every row. Keeping the
+inputs apart lets a CUDA-graph replay refill them in place (``splash/engine/graphs.py``).
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ class StepMeta:
         world: int,
         page_size: int,
         device: torch.device,
+        table_width: int = 0,
     ) -> None:
         self.plan, self.rank, self.world = plan, rank, world
         self.page_size, self.device = page_size, device
+        self.table_width = table_width  # block tables at least this wide (CUDA graphs)
         self.num_requests = len(plan.request_ids)
         self.tables = [tables.get(rid, []) for rid in plan.request_ids]
         starts = [0]
@@ -50,6 +54,17 @@ class StepMeta:
             self._cache[key] = build()
         return self._cache[key]
 
+    def inputs(self, impl: AttentionLayout) -> dict[str, Any]:
+        """``impl.inputs(self)``, built once per step (graph replays preset it)."""
+        return self.cached(("inputs", impl.layout.name), lambda: impl.inputs(self))
+
+    def owned_rows(self) -> list[int]:
+        """Rows owned by each rank (host list)."""
+        counts = [0] * self.world
+        for owner, n in zip(self.plan.owners, self.plan.query_lens, strict=True):
+            counts[owner] += n
+        return counts
+
     def rows(self, reqs: list[int]) -> torch.Tensor:
         """Row indices (in step order) of the requests ``reqs``."""
         idx = [i for b in reqs for i in range(self.row_start[b], self.row_start[b + 1])]
@@ -59,8 +74,9 @@ class StepMeta:
         return [b for b, o in enumerate(self.plan.owners) if o == rank]
 
     def write_slots(self, layout: Layout, reqs: list[int]) -> torch.Tensor:
-        """Slot on this rank of each row of ``reqs``; -1 where this rank does not hold it.
-        Vectorised over rows (numpy): this runs once per step on the hot path."""
+        """Slot on this rank of each row of ``reqs``; -1 where this rank does not hold it (or
+        the request has no page there: the padding rows of a CUDA-graph step). Vectorised over
+        rows (numpy): this runs once per step on the hot path."""
         if not reqs:
             return torch.empty(0, dtype=torch.long, device=self.device)
         ps, world, plan = self.page_size, self.world, self.plan
@@ -77,6 +93,7 @@ class StepMeta:
         else:
             mine, local = logical % world == self.rank, logical // world
         lengths = np.array([len(self.tables[b]) for b in reqs])
+        mine &= local < lengths[row_req]
         offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         flat = np.concatenate([np.asarray(self.tables[b], dtype=np.int64) for b in reqs] +
                               [np.zeros(1, dtype=np.int64)])
@@ -91,7 +108,7 @@ class StepMeta:
                          self.world, self.page_size)
             for b in reqs
         ]
-        width = max([len(self.tables[b]) for b in reqs] + [1])
+        width = max([len(self.tables[b]) for b in reqs] + [1, self.table_width])
         table = np.zeros((len(reqs), width), dtype=np.int32)
         for j, b in enumerate(reqs):
             table[j, : len(self.tables[b])] = self.tables[b]
@@ -139,6 +156,21 @@ class AttentionLayout(ABC):
 
     def __init__(self, comm: Comm, store: KVStore, kv_lora_rank: int) -> None:
         self.comm, self.store, self.kv_lora_rank = comm, store, kv_lora_rank
+
+    @abstractmethod
+    def inputs(self, meta: StepMeta) -> dict[str, Any]:
+        """The step's device tensors (and host values) ``forward`` needs, built once."""
+
+    def owner_inputs(self, meta: StepMeta) -> dict[str, Any]:
+        """Owner-held KV (DP, DOP): rows in owner order (``perm``) and, where this rank owns
+        rows, their indices, write slots and kernel arguments."""
+        owned = [meta.owned(r) for r in range(self.comm.world)]
+        mine = owned[self.comm.rank]
+        inp: dict[str, Any] = {"perm": meta.rows([b for reqs in owned for b in reqs])}
+        if mine:
+            inp.update(rows=meta.rows(mine), slots=meta.write_slots(self.layout, mine),
+                       args=meta.kernel_args(self.layout, mine))
+        return inp
 
     @abstractmethod
     def forward(self, layer: int, attn: Any, h: torch.Tensor, meta: StepMeta) -> torch.Tensor:

@@ -20,18 +20,24 @@ from splash.layouts.ownership import LAYOUTS, local_kv_len
 class CPAttention(AttentionLayout):
     layout = LAYOUTS["cp"]
 
-    def forward(self, layer: int, attn: Any, h: torch.Tensor, meta: StepMeta) -> torch.Tensor:
+    def inputs(self, meta: StepMeta) -> dict[str, Any]:
         everyone = list(range(meta.num_requests))
-        slots = meta.cached("cp.slots", lambda: meta.write_slots(self.layout, everyone))
-        write_kv(self.store, layer, attn.latent(h, meta.positions), slots)  # holder rows only
-        out = torch.zeros_like(h)
+        inp: dict[str, Any] = {"slots": meta.write_slots(self.layout, everyone)}
         dec = [b for b in everyone if meta.plan.query_lens[b] == 1]
-        pre = [b for b in everyone if meta.plan.query_lens[b] > 1]
         if dec:
-            rows = meta.cached("cp.dec_rows", lambda: meta.rows(dec))
+            inp.update(dec_rows=meta.rows(dec), dec_args=meta.kernel_args(self.layout, dec))
+        return inp
+
+    def forward(self, layer: int, attn: Any, h: torch.Tensor, meta: StepMeta) -> torch.Tensor:
+        inp = meta.inputs(self)
+        write_kv(self.store, layer, attn.latent(h, meta.positions), inp["slots"])  # holders only
+        out = torch.zeros_like(h)
+        pre = [b for b in range(meta.num_requests) if meta.plan.query_lens[b] > 1]
+        if "dec_rows" in inp:
+            rows = inp["dec_rows"]
             q = attn.query(h[rows], meta.positions[rows])  # (n, H, D), same on every rank
-            args = meta.cached("cp.dec_args", lambda: meta.kernel_args(self.layout, dec))
-            o, lse = attend(q, self.store, layer, args, attn.sm_scale, self.kv_lora_rank)
+            o, lse = attend(q, self.store, layer, inp["dec_args"], attn.sm_scale,
+                            self.kv_lora_rank)
             o_all = self.comm.all_gather_same(o)  # (T, n, H, L)
             lse_all = self.comm.all_gather_same(lse)  # (T, n, H)
             o, _ = lse_merge(o_all, lse_all)

@@ -27,23 +27,24 @@ from splash.layouts.ownership import LAYOUTS
 class DOPAttention(AttentionLayout):
     layout = LAYOUTS["dop"]
 
+    def inputs(self, meta: StepMeta) -> dict[str, Any]:
+        return self.owner_inputs(meta)
+
     def forward(self, layer: int, attn: Any, h: torch.Tensor, meta: StepMeta) -> torch.Tensor:
         world, rank = self.comm.world, self.comm.rank
-        owned = [meta.owned(r) for r in range(world)]
-        counts = [sum(meta.plan.query_lens[b] for b in reqs) for reqs in owned]
-        perm = meta.cached("dop.perm", lambda: meta.rows([b for reqs in owned for b in reqs]))
+        inp = meta.inputs(self)
+        counts = meta.owned_rows()
+        perm = inp["perm"]
         q = attn.query(h, meta.positions)  # (N, H/T, D)
         send = gather_rows(q, perm)  # (N, H/T, D) grouped by owner
         n_own = counts[rank]
         recv, _ = self.comm.all_to_all_rows(send, counts, [n_own] * world)  # (T*n_own, H/T, D)
         q_own = merge_heads_from_ranks(recv.view(world, n_own, *q.shape[1:]), world)  # (n, H, D)
         if n_own:
-            mine = owned[rank]
-            rows = meta.cached("dop.rows", lambda: meta.rows(mine))
-            slots = meta.cached("dop.slots", lambda: meta.write_slots(self.layout, mine))
-            write_kv(self.store, layer, attn.latent(h[rows], meta.positions[rows]), slots)
-            args = meta.cached("dop.args", lambda: meta.kernel_args(self.layout, mine))
-            o_own, _ = attend(q_own, self.store, layer, args, attn.sm_scale, self.kv_lora_rank)
+            rows = inp["rows"]
+            write_kv(self.store, layer, attn.latent(h[rows], meta.positions[rows]), inp["slots"])
+            o_own, _ = attend(q_own, self.store, layer, inp["args"], attn.sm_scale,
+                              self.kv_lora_rank)
         else:
             o_own = q_own.new_zeros((0, q_own.shape[1], self.kv_lora_rank))  # (0, H, L)
         back = split_heads_to_ranks(o_own, world)  # (T, n_own, H/T, L)

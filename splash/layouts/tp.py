@@ -13,12 +13,15 @@ from splash.layouts.ownership import LAYOUTS
 class TPAttention(AttentionLayout):
     layout = LAYOUTS["tp"]
 
-    def forward(self, layer: int, attn: Any, h: torch.Tensor, meta: StepMeta) -> torch.Tensor:
+    def inputs(self, meta: StepMeta) -> dict[str, Any]:
         reqs = list(range(meta.num_requests))
+        return {"slots": meta.write_slots(self.layout, reqs),
+                "args": meta.kernel_args(self.layout, reqs)}
+
+    def forward(self, layer: int, attn: Any, h: torch.Tensor, meta: StepMeta) -> torch.Tensor:
+        inp = meta.inputs(self)
         q = attn.query(h, meta.positions)  # (N, H/T, D)
         kv = attn.latent(h, meta.positions)  # (N, D): every rank stores every row
-        slots = meta.cached("tp.slots", lambda: meta.write_slots(self.layout, reqs))
-        write_kv(self.store, layer, kv, slots)
-        args = meta.cached("tp.args", lambda: meta.kernel_args(self.layout, reqs))
-        o, _ = attend(q, self.store, layer, args, attn.sm_scale, self.kv_lora_rank)
+        write_kv(self.store, layer, kv, inp["slots"])
+        o, _ = attend(q, self.store, layer, inp["args"], attn.sm_scale, self.kv_lora_rank)
         return self.comm.all_reduce(attn.output(o))  # (N, hidden)

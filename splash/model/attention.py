@@ -46,6 +46,10 @@ class MLAAttention:
         self.kv_a_layernorm = common["kv_a_layernorm"]  # (L,)
         if (self.q_a_proj is None) != (cfg.q_lora_rank is None):
             raise ConfigError("q_a_proj must be given exactly when q_lora_rank is set")
+        # one set of placed tensors per head range ever held, kept for the engine's life: a
+        # layout switch back to a range copies into the same memory, so CUDA graphs captured
+        # for the layouts of that placement stay valid (paper §G; docs/internals.md)
+        self._buffers: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.set_placed(head_start, placed)
 
     @classmethod
@@ -108,9 +112,16 @@ class MLAAttention:
         if not (0 <= head_start and h > 0 and head_start + h <= cfg.num_attention_heads):
             raise ConfigError(f"head range [{head_start}, {head_start + h}) outside "
                               f"[0, {cfg.num_attention_heads})")
+        buf = self._buffers.get((head_start, h))
+        if buf is None:
+            buf = self._buffers[(head_start, h)] = {k: tensors[k] for k in PLACED_NAMES}
+        else:
+            for k in PLACED_NAMES:
+                if buf[k] is not tensors[k]:
+                    buf[k].copy_(tensors[k])
         self.head_start, self.num_heads = head_start, h
-        self.q_b, self.w_uk = tensors["q_b"], tensors["w_uk"]
-        self.w_uv, self.w_o = tensors["w_uv"], tensors["w_o"]
+        self.q_b, self.w_uk = buf["q_b"], buf["w_uk"]
+        self.w_uv, self.w_o = buf["w_uv"], buf["w_o"]
 
     @property
     def sm_scale(self) -> float:

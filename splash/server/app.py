@@ -78,7 +78,8 @@ def serve_main(args: argparse.Namespace) -> int:
     engine = LLMEngine.from_args(
         model=args.model, tp_size=args.tp_size, backend=args.backend, layout=args.layout,
         dtype=args.dtype, kv_dtype=args.kv_dtype, page_size=args.page_size,
-        max_model_len=args.max_model_len, kv_pages_per_rank=args.kv_pages_per_rank)
+        max_model_len=args.max_model_len, kv_pages_per_rank=args.kv_pages_per_rank,
+        enforce_eager=args.enforce_eager)
     try:
         server = ZmqServer(engine, zmq_endpoint(args.host, args.port), ServerConfig(token=token))
     except Exception:

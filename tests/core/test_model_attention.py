@@ -55,6 +55,25 @@ def test_set_placed_swaps_head_range(tiny):
         a.set_placed(H - 1, b.placed_weights())
 
 
+@torch.no_grad()
+def test_returning_to_a_head_range_reuses_its_memory(tiny):
+    """CUDA graphs captured in a layout read the placed weights' addresses: a switch away and
+    back must land in the same tensors (with the values the switch delivered)."""
+    cfg, weights = tiny
+    H = cfg.num_attention_heads
+    a = MLAAttention.from_weights(cfg, weights, 0, 0, H // 2)
+    full = MLAAttention.from_weights(cfg, weights, 0, 0, H)
+    first = {k: t.data_ptr() for k, t in a.placed_weights().items()}
+    x, pos = torch.randn(3, cfg.hidden_size), torch.arange(3)
+    want = a.query(x, pos)
+    a.set_placed(0, full.placed_weights())  # e.g. TP -> DP: all heads
+    assert a.num_heads == H
+    back = {k: t.clone() for k, t in a.placed_weights().items()}  # DP -> TP: fresh tensors
+    a.set_placed(0, {k: t[: H // 2].clone() for k, t in back.items()})
+    assert {k: t.data_ptr() for k, t in a.placed_weights().items()} == first
+    torch.testing.assert_close(a.query(x, pos), want)
+
+
 class _ThreadGroup:
     """all_reduce among `world` threads: every rank gets the sum of all ranks' tensors."""
 

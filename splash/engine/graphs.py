@@ -1,0 +1,212 @@
+"""CUDA graphs for decode steps, one set per layout (paper §G).
+
+A decode step launches a few hundred small kernels (projections, the MLA kernels, MoE, norms),
+so at small batches the host's launch time, not the GPU, sets the step time. A worker replays a
+captured graph of the whole model forward instead:
+
+- **Shapes are padded to buckets.** The batch is padded with *ghost* requests (no pages, KV
+  length 0, never sampled: their KV writes are skipped and their attention output is 0) to the
+  next batch bucket; for owner-held layouts (DP, DOP) every rank is padded to the same row
+  count. Block tables are padded to a power-of-two width. A graph is keyed by
+  ``(layout, padded batch, table width)``.
+- **Inputs live in static buffers.** Each layout builds its step tensors in ``inputs(meta)``
+  (``splash/layouts``); a replay builds them for the new step and copies them into the buffers
+  the graph was captured with (token ids and positions too), then replays.
+- **A layout switch invalidates nothing.** Graphs read the KV pools (allocated once) and the
+  placed attention weights, which ``MLAAttention`` keeps in one buffer per head range for the
+  engine's life: switching back to a layout reuses the very tensors its graphs were captured
+  with. A step that carries a switch, or any prefill, runs eagerly.
+- ``capture=False`` pads the same way but runs the padded step eagerly: the padding's
+  semantics can then be tested on any backend (``SPLASH_PAD_DECODE=1``).
+- Graphs are captured lazily, the first time a key is seen (logged with its capture time), into
+  one shared memory pool (replays never overlap; each replay's output is consumed before the
+  next), and the least recently used are dropped past ``max_graphs``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import torch
+
+from splash.engine.protocol import StepPlan
+from splash.layouts.base import AttentionLayout, StepMeta
+from splash.layouts.ownership import KVPlacement
+
+logger = logging.getLogger("splash.graphs")
+
+_GHOST = "\x00ghost-"  # request-id prefix of padding rows (never a real id: ids are printable)
+
+Forward = Callable[[torch.Tensor, StepMeta, AttentionLayout], torch.Tensor]
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 8 to 64, of 16 to 128, of 32 beyond (vLLM-like granularity)."""
+    sizes, n = [1, 2, 4], 8
+    while n < max_batch:
+        sizes.append(n)
+        n += 8 if n < 64 else 16 if n < 128 else 32
+    return sorted({s for s in sizes if s < max_batch} | {max_batch})
+
+
+def _bucket(n: int, buckets: list[int]) -> int | None:
+    for b in buckets:
+        if b >= n:
+            return b
+    return None
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+class _Mismatch(Exception):
+    """A step's inputs do not have the structure the graph was captured with."""
+
+
+def _copy_into(static: Any, fresh: Any) -> None:
+    """Copy a step's inputs into a graph's static buffers (same nesting, shapes and host values)."""
+    if isinstance(static, torch.Tensor):
+        if not isinstance(fresh, torch.Tensor) or fresh.shape != static.shape:
+            raise _Mismatch(f"tensor {tuple(static.shape)} vs {getattr(fresh, 'shape', fresh)}")
+        static.copy_(fresh, non_blocking=True)
+    elif isinstance(static, dict):
+        if not isinstance(fresh, dict) or static.keys() != fresh.keys():
+            raise _Mismatch("input keys differ")
+        for k in static:
+            _copy_into(static[k], fresh[k])
+    elif static != fresh:
+        raise _Mismatch(f"host value {static!r} vs {fresh!r}")
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    ids: torch.Tensor  # (N_pad,) static token ids
+    positions: torch.Tensor  # (N_pad,) static positions
+    inputs: dict[str, Any]  # the layout's static step tensors
+    hidden: torch.Tensor  # (N_pad, hidden) output, valid until the next replay
+
+
+class DecodeGraphs:
+    """Captures and replays decode-step graphs for one worker (see the module docstring)."""
+
+    def __init__(self, forward: Forward, rank: int, world: int, page_size: int,
+                 device: torch.device, max_batch: int = 256, max_graphs: int = 96,
+                 capture: bool = True) -> None:
+        self.forward, self.rank, self.world = forward, rank, world
+        self.page_size, self.device = page_size, device
+        self.buckets = batch_buckets(max_batch)
+        self.max_graphs, self.capture = max_graphs, capture
+        self.pool: Any = None
+        self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self.disabled = False
+        self.replays = 0
+
+    # -- padding ---------------------------------------------------------------------------
+    def pad(self, plan: StepPlan, impl: AttentionLayout) -> StepPlan | None:
+        """The plan with ghost requests appended up to the batch bucket (per owner for
+        owner-held layouts); None when the step is not graph-eligible."""
+        if self.disabled or plan.switch is not None or not plan.query_lens:
+            return None
+        if any(n != 1 for n in plan.query_lens):
+            return None
+        n = len(plan.request_ids)
+        if impl.layout.kv is KVPlacement.OWNED:
+            counts = [0] * self.world
+            for owner in plan.owners:
+                counts[owner] += 1
+            per_rank = _bucket(max(counts), self.buckets)
+            if per_rank is None:
+                return None
+            ghost_owners = [r for r in range(self.world) for _ in range(per_rank - counts[r])]
+        else:
+            padded = _bucket(n, self.buckets)
+            if padded is None:
+                return None
+            ghost_owners = [0] * (padded - n)
+        g = len(ghost_owners)
+        if g == 0:
+            return plan
+        return msgspec.structs.replace(
+            plan,
+            request_ids=plan.request_ids + [f"{_GHOST}{i}" for i in range(g)],
+            query_lens=plan.query_lens + [1] * g,
+            context_lens=plan.context_lens + [0] * g,
+            owners=plan.owners + ghost_owners,
+            input_ids=plan.input_ids + [0] * g,
+            positions=plan.positions + [0] * g,
+            sample=plan.sample + [False] * g,
+            sampling=plan.sampling + [plan.sampling[0]] * g if plan.sampling else [],
+            output_index=plan.output_index + [0] * g,
+        )
+
+    # -- run -------------------------------------------------------------------------------
+    def run(self, plan: StepPlan, tables: dict[str, list[int]],
+            impl: AttentionLayout) -> torch.Tensor | None:
+        """Hidden states (N, hidden) of the step's rows from a graph replay, or None when the
+        step must run eagerly."""
+        padded = self.pad(plan, impl)
+        if padded is None:
+            return None
+        width = _next_pow2(max([len(tables.get(r, ())) for r in plan.request_ids] + [1]))
+        meta = StepMeta(padded, tables, self.rank, self.world, self.page_size, self.device,
+                        table_width=width)
+        if not self.capture:
+            ids = torch.tensor(padded.input_ids, dtype=torch.long, device=self.device)
+            return self.forward(ids, meta, impl)[: len(plan.request_ids)]
+        key = (impl.layout.name, len(padded.request_ids), width)
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self._capture(key, padded, meta, impl)
+            if entry is None:
+                return None
+        else:
+            self.graphs.move_to_end(key)
+            try:
+                _copy_into(entry.inputs, impl.inputs(meta))
+            except _Mismatch as e:  # never expected: same key, same structure
+                logger.warning("graph %s: inputs changed structure (%s); running eagerly", key, e)
+                return None
+            entry.positions.copy_(meta.positions, non_blocking=True)
+            entry.ids.copy_(torch.tensor(padded.input_ids, dtype=torch.long), non_blocking=True)
+        entry.graph.replay()
+        self.replays += 1
+        return entry.hidden[: len(plan.request_ids)]
+
+    def _capture(self, key: tuple, padded: StepPlan, meta: StepMeta,
+                 impl: AttentionLayout) -> _Graph | None:
+        t0 = time.perf_counter()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        ids = torch.tensor(padded.input_ids, dtype=torch.long, device=self.device)
+        inputs = meta.inputs(impl)  # the static buffers from now on
+        try:
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):  # warm-up: compiles kernels, idempotent KV writes
+                self.forward(ids, meta, impl)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                hidden = self.forward(ids, meta, impl)
+        except Exception:
+            if self.world > 1:
+                raise  # ranks must not diverge (a collective would hang): report the step
+            logger.exception("CUDA graph capture failed for %s; decode steps run eagerly", key)
+            self.disabled = True
+            return None
+        entry = _Graph(graph, ids, meta.positions, inputs, hidden)
+        self.graphs[key] = entry
+        while len(self.graphs) > self.max_graphs:
+            self.graphs.popitem(last=False)
+        logger.info("captured CUDA graph: layout %s, batch %d, block-table width %d (%.0f ms, "
+                    "%d graphs held)", key[0], key[1], key[2], (time.perf_counter() - t0) * 1e3,
+                    len(self.graphs))
+        return entry
