@@ -17,7 +17,10 @@ class CUDABackend(BaseBackend):
         # uses the tokens-on-M kernel ("transposed", value product heads-on-M: "pv_heads_m")
         # with 32-token tiles, 3 stages, 2 programs per SM in the launcher's wave model; H > 32
         # ("many_heads") uses 64-head groups on M with 8 warps; fp8 KV with H <= 32 keeps the
-        # heads-on-M kernel (the tokens-on-M one was slower there).
+        # heads-on-M kernel (the tokens-on-M one was slower there), with 2 programs per SM in
+        # the wave model (it then picks the measured-best split at all six anchor shapes).
+        # fp8 KV: "fp8_fp16" runs the products on fp16 operands (native fp8 -> fp16
+        # conversion; q clamped to fp16's range).
         "mla_decode": {
             "default": {
                 "transposed": True, "pv_heads_m": True, "BLOCK_N": 32, "BLOCK_H": 16,
@@ -27,12 +30,13 @@ class CUDABackend(BaseBackend):
                                "num_warps": 8, "num_stages": 2, "programs_per_sm": 1,
                                "split_overhead_tokens": 64},
                 "fp8": {"transposed": False, "BLOCK_N": 16, "num_warps": 4, "num_stages": 3,
-                        "programs_per_sm": 4, "split_overhead_tokens": 64,
+                        "programs_per_sm": 2, "split_overhead_tokens": 64, "fp8_fp16": True,
                         "many_heads": {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2,
                                        "programs_per_sm": 1}},
             },
         },
-        "mla_extend": {"default": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}},
+        "mla_extend": {"default": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2,
+                                   "fp8_fp16": True}},
         "kv_write": {"default": {"BLOCK_M": 16, "num_warps": 4}},
         "kv_gather": {"default": {"BLOCK_M": 16, "num_warps": 4}},
         "exchange": {"default": {"BLOCK_M": 4, "BLOCK_W": 1024, "num_warps": 4}},

@@ -1,20 +1,34 @@
 """Kernel benchmark: SPLASH's Triton kernels against ceilings measured in the same run.
 
     python benchmarks/kernels.py --out benchmarks/results/h200/kernels.json [--no-sweep]
+        [--sweep-configs] [--only-decode] [--shapes 16x64x4096,128x8x32768] [--kinds bf16,fp8]
 
 Measures, on the current GPU:
 - ceilings: device copy bandwidth (read + write of a large clone) and bf16 8192^3 matmul TFLOP/s;
 - ``mla_decode`` on the six anchor shapes (16 heads: 64x4K, 64x32K, 16x128K; 128 heads: 8x32K,
   64x4K, 2x128K; L=512, R=64, page 64, random page order), bf16 and fp8 KV, with the launcher's
-  own choices ("auto") and a small sweep of tile configs and split counts ("best");
+  own choices ("auto") and a small sweep of tile configs and split counts ("best"; fp8 KV with
+  fp16 products, ``fp8_fp16``, on both kernels, and without it as the reference);
 - ``mla_extend``: one 8K-row chunk x 128 heads, causal, prefix 0 and 24K;
 - exchange / repack copies (gather_rows, scatter_rows, split/merge heads, kv_gather, kv_write)
   at >= 64 MiB, as read + write bandwidth.
 
 Decode FLOPs are 2·H·(D + L) per KV token per query; effective bandwidth counts the KV bytes
 (rows + fp8 scales) read once. Peer figures: the Triton MLA decode kernel SGLang/vLLM ship, best
-split, measured on the same kind of machine (anchors/h200_measured.json). Timings are
-``triton.testing.do_bench`` medians (L2 flushed between repetitions); value checks are off.
+split, measured on the same kind of machine (anchors/h200_measured.json).
+
+Timings (value checks off, so a call never syncs with the host):
+- ``ms`` (the headline) is ``triton.testing.do_bench_cudagraph``'s median: the call's kernels
+  (decode, plus the merge when split) captured in a CUDA graph and replayed, which is what the
+  engine's CUDA-graph decode steps pay. No L2 flush, but every decode/extend shape reads far
+  more KV than the 50 MB L2 holds.
+- ``ms_eager`` is ``triton.testing.do_bench``'s median (L2 flushed between repetitions): one
+  eager call each time, so it includes the Python launcher (argument checks, config, Triton
+  launch). Where ``ms_eager`` >> ``ms`` the launcher, not the kernel, bounds the eager figure
+  (the 16-head 64x4K shape: ~0.13 ms per call).
+The warm-up runs the call eagerly first (compiles the kernels), so capture never compiles. If a
+capture fails, ``ms`` falls back to the eager time and ``graph_error`` says why. The copy
+benchmarks are eager only (large, bandwidth-bound).
 """
 
 from __future__ import annotations
@@ -30,7 +44,7 @@ from typing import Any
 
 import torch
 import triton
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 import splash.kernels_triton as K
 
@@ -57,6 +71,14 @@ PEER = {
 _OLD_FEW = {"transposed": False, "BLOCK_N": 16, "num_warps": 4, "num_stages": 3,
             "programs_per_sm": 4}
 _PVH = {"transposed": True, "pv_heads_m": True}
+# fp8 KV: "fp8_fp16" = fp16 products (native fp8 -> fp16 on Hopper), on both kernels (heads on M
+# and tokens on M with the value product heads-on-M), 16/32/64-token tiles, 2/3 stages; the
+# bf16-product path ("fp8_fp16": False, the old default) stays as the reference.
+_FP8_FEW = [
+    {"fp8_fp16": True, "transposed": transposed, **({"pv_heads_m": True} if transposed else {}),
+     "BLOCK_N": block_n, "num_warps": 4, "num_stages": stages}
+    for transposed in (False, True) for block_n in (16, 32, 64) for stages in (2, 3)
+]
 SWEEP: dict[tuple[str, str], list[dict[str, Any]]] = {
     ("bf16", "few"): [
         {},
@@ -65,19 +87,49 @@ SWEEP: dict[tuple[str, str], list[dict[str, Any]]] = {
         {"transposed": True, "kv_in_regs": True, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
         _OLD_FEW,
     ],
-    ("bf16", "many"): [{}],
+    # 128 heads is compute-bound (64x512 fp32 accumulators per program): pipelining and tiles
+    ("bf16", "many"): [
+        {},
+        {"BLOCK_N": 64, "num_stages": 2},
+        {"BLOCK_N": 16, "num_stages": 3},
+        {"BLOCK_N": 32, "num_stages": 3},
+        {"BLOCK_H": 32, "num_warps": 4},
+        {"BLOCK_H": 32, "num_warps": 8},
+    ],
     ("fp8", "few"): [
         {},
-        {"transposed": True, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
-        _OLD_FEW,
+        {"fp8_fp16": False},
+        *_FP8_FEW,
+        {"fp8_fp16": False, "transposed": True, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
     ],
-    ("fp8", "many"): [{}],
+    ("fp8", "many"): [{}, {"fp8_fp16": False}],  # {} = fp16 products (the CUDA default)
 }
-SPLITS = (2, 4, 8, 16)
+# split counts timed per config: the full set for the launcher default ({}, which the split
+# heuristic is checked against), a few for the other configs (keeps the sweep to minutes)
+SPLITS_DEFAULT = (1, 2, 4, 8, 16, 32)
+SPLITS = (4, 16)
 
 
 def bench(fn, rep: int = 60) -> float:
+    """Eager median (ms), L2 flushed between repetitions."""
     return float(do_bench(fn, warmup=15, rep=rep, return_mode="median"))
+
+
+def bench_both(fn, rep: int = 30) -> dict[str, Any]:
+    """``{"ms": CUDA-graph median, "ms_eager": eager median}`` (ms). The eager run comes first and
+    doubles as the warm-up (compilation, allocator pools), so the capture only records launches;
+    a failed capture leaves ``ms`` = the eager time and ``graph_error``."""
+    eager = bench(fn, rep=rep)
+    out: dict[str, Any] = {"ms_eager": eager}
+    try:
+        fn()
+        torch.cuda.synchronize()
+        out["ms"] = float(do_bench_cudagraph(fn, rep=max(10, rep // 2), return_mode="median"))
+    except Exception as exc:  # noqa: BLE001 - report and keep the eager figure
+        torch.cuda.synchronize()
+        out["ms"] = eager
+        out["graph_error"] = repr(exc)[:300]
+    return out
 
 
 def ceilings(dev: torch.device) -> dict[str, float]:
@@ -121,7 +173,10 @@ def verify_config(dev, kind, heads, cfg) -> bool:
     lens = [1, 63, 65, 700, 2500, 4095]
     pages = [triton.cdiv(n, PAGE) for n in lens]
     kv, scale, _ = paged_pool(1, sum(pages) * PAGE, kind, dev, gen)
-    table = torch.full((len(lens), max(pages) + 3), -1, dtype=torch.int32, device=dev)
+    # -1 padded columns; the width a multiple of 16 like the benchmark tables, so Triton
+    # specialises the row stride alike and the timed runs reuse the compiled kernels
+    width = triton.cdiv(max(pages) + 3, 16) * 16
+    table = torch.full((len(lens), width), -1, dtype=torch.int32, device=dev)
     perm = torch.randperm(sum(pages), device=dev, generator=gen).to(torch.int32)
     used = 0
     for i, n in enumerate(pages):
@@ -151,22 +206,29 @@ def verify_config(dev, kind, heads, cfg) -> bool:
     return ok
 
 
-def precheck(result: dict) -> None:
-    """Verify every swept config (and the defaults) in parallel subprocesses first; configs that
-    fault or differ from the reference are dropped from the sweep and listed in ``result``."""
-    jobs = {}
-    for (kind, cls), cfgs in SWEEP.items():
-        heads = 128 if cls == "many" else 16
-        for cfg in cfgs:
-            arg = json.dumps([kind, heads, cfg])
-            jobs[arg] = subprocess.Popen([sys.executable, __file__, "--out", "-", "--verify-one", arg])
+def precheck(result: dict, max_procs: int = 12) -> None:
+    """Verify every swept config (and the defaults) in parallel subprocesses first (at most
+    ``max_procs`` at a time); configs that fault or differ from the reference are dropped from
+    the sweep and listed in ``result``."""
+    args = [json.dumps([kind, 128 if cls == "many" else 16, cfg])
+            for (kind, cls), cfgs in SWEEP.items() for cfg in cfgs]
+    running: dict[str, subprocess.Popen] = {}
     failed = []
-    for arg, proc in jobs.items():
+
+    def reap(arg: str) -> None:
         kind, heads, cfg = json.loads(arg)
-        ok = proc.wait() == 0
+        ok = running.pop(arg).wait() == 0
         _VERIFIED[(kind, heads, json.dumps(cfg, sort_keys=True))] = ok
         if not ok:
             failed.append([kind, heads, cfg])
+
+    for arg in dict.fromkeys(args):  # unique, in order
+        if len(running) >= max_procs:
+            reap(next(iter(running)))
+        running[arg] = subprocess.Popen(
+            [sys.executable, __file__, "--out", "-", "--verify-one", arg])
+    while running:
+        reap(next(iter(running)))
     for key in SWEEP:
         heads = 128 if key[1] == "many" else 16
         SWEEP[key] = [c for c in SWEEP[key]
@@ -175,9 +237,9 @@ def precheck(result: dict) -> None:
     print("precheck failed:", json.dumps(failed), flush=True)
 
 
-def _decode_shape(dev, gen, kind, heads, batch, context, sweep, tried) -> list[tuple]:
-    """(label, ms, config, splits) for the launcher's defaults and the best of the sweep (among
-    configs that match the reference)."""
+def _decode_shape(dev, gen, kind, heads, batch, context, sweep, tried) -> tuple[list, int]:
+    """(label, timings, config, splits, ok) for the launcher's defaults and the best of the sweep
+    (among configs that match the reference; by the CUDA-graph time)."""
     kv, scale, table = paged_pool(batch, context, kind, dev, gen)
     q = torch.randn(batch, heads, D, device=dev, dtype=torch.bfloat16, generator=gen)
     lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
@@ -187,47 +249,53 @@ def _decode_shape(dev, gen, kind, heads, batch, context, sweep, tried) -> list[t
                             num_splits=splits, config=cfg or None)
 
     auto_ok = verify_config(dev, kind, heads, {})
-    auto_ms = bench(run) if auto_ok else float("nan")
-    best = (auto_ms, "default", None) if auto_ok else (float("inf"), None, None)
+    nan = {"ms": float("nan"), "ms_eager": float("nan")}
+    auto = bench_both(run) if auto_ok else nan
+    best = (auto, "default", None) if auto_ok else ({"ms": float("inf")}, None, None)
     if sweep:
         for cfg in SWEEP[(kind, "many" if heads > 32 else "few")]:
             ok = verify_config(dev, kind, heads, cfg)
             if not ok:
                 continue
-            for splits in (None, *SPLITS):
+            for splits in (None, *(SPLITS_DEFAULT if cfg == {} else SPLITS)):
                 entry = {"kernel": "mla_decode", "dtype": kind, "heads": heads, "batch": batch,
                          "context": context, "config": cfg, "num_splits": splits,
                          "verified_correct": ok}
                 try:
-                    entry["ms"] = bench(functools.partial(run, cfg, splits), rep=30)
+                    entry.update(bench_both(functools.partial(run, cfg, splits)))
                 except Exception as exc:  # a config that does not compile is reported
                     entry["error"] = repr(exc)[:300]
                     tried.append(entry)
                     break
                 tried.append(entry)
-                if ok and entry["ms"] < best[0]:
-                    best = (entry["ms"], cfg, splits)
+                print("sweep", kind, heads, batch, context, json.dumps(cfg), splits,
+                      round(entry["ms"], 4), round(entry["ms_eager"], 4), flush=True)
+                if ok and entry["ms"] < best[0]["ms"]:
+                    best = ({k: entry[k] for k in ("ms", "ms_eager")}, cfg, splits)
     row_bytes = D * kv.element_size() + (4 if scale is not None else 0)
-    results = [("auto", auto_ms, "default", None, auto_ok)]
+    results = [("auto", auto, "default", None, auto_ok)]
     if best[1] is not None:
         results.append(("best", best[0], best[1], best[2], True))
     return results, row_bytes
 
 
-def decode_records(dev, ceil, sweep: bool, records: list, tried: list, save) -> None:
+def decode_records(dev, ceil, sweep: bool, records: list, tried: list, save,
+                   shapes=DECODE_SHAPES, kinds=("bf16", "fp8")) -> None:
     gen = torch.Generator(device=dev).manual_seed(0)
     bf16_tokens_per_s: dict[tuple, float] = {}
-    for kind in ("bf16", "fp8"):
-        for heads, batch, context in DECODE_SHAPES:
+    for kind in kinds:
+        for heads, batch, context in shapes:
             results, row_bytes = _decode_shape(dev, gen, kind, heads, batch, context, sweep, tried)
             torch.cuda.empty_cache()
             kv_bytes = batch * context * row_bytes
             flops = 2 * heads * (D + L) * batch * context
             peer = PEER[(heads, batch, context)]
-            for label, ms, cfg, splits, ok in results:
+            for label, times, cfg, splits, ok in results:
+                ms = times["ms"]
                 rec = {
                     "kernel": "mla_decode", "variant": label, "heads": heads, "batch": batch,
                     "context": context, "dtype": kind, "ms": round(ms, 4),
+                    "ms_eager": round(times["ms_eager"], 4),
                     "effective_GBps": round(kv_bytes / ms / 1e6, 1),
                     "TFLOPs": round(flops / ms / 1e9, 1),
                     "tokens_per_s": batch * context / ms * 1e3,
@@ -240,6 +308,8 @@ def decode_records(dev, ceil, sweep: bool, records: list, tried: list, save) -> 
                     "speedup_vs_peer": round(peer["ms"] / ms, 2),
                     "config": cfg, "num_splits": splits, "verified_correct": ok,
                 }
+                if "graph_error" in times:
+                    rec["graph_error"] = times["graph_error"]
                 if kind == "bf16":
                     bf16_tokens_per_s[(heads, batch, context, label)] = rec["tokens_per_s"]
                 else:
@@ -250,27 +320,32 @@ def decode_records(dev, ceil, sweep: bool, records: list, tried: list, save) -> 
             save()  # after every shape, so a cut-off run keeps what it measured
 
 
-def _extend_ms(dev, gen, kind, heads, rows, prefix) -> float:
+def _extend_ms(dev, gen, kind, heads, rows, prefix, cfg=None) -> dict[str, Any]:
     length = prefix + rows
     kv, scale, table = paged_pool(1, length, kind, dev, gen)
     q = torch.randn(rows, heads, D, device=dev, dtype=torch.bfloat16, generator=gen)
     lens = torch.tensor([length], dtype=torch.int32, device=dev)
     starts = torch.tensor([0, rows], dtype=torch.int32, device=dev)
-    return bench(lambda: K.mla_extend(q, kv, table, lens, starts, SM_SCALE, L, kv_scale=scale), rep=40)
+    return bench_both(lambda: K.mla_extend(q, kv, table, lens, starts, SM_SCALE, L, kv_scale=scale,
+                                           config=cfg), rep=40)
 
 
 def extend_records(dev, ceil) -> list[dict]:
+    """Defaults, plus fp8 KV without fp16 products (``fp8_fp16`` off) as the reference."""
     out = []
     gen = torch.Generator(device=dev).manual_seed(1)
     heads, rows = 128, 8192
+    runs = [("bf16", None), ("fp8", None), ("fp8", {"fp8_fp16": False})]
     for prefix in (0, 24576):
-        for kind in ("bf16", "fp8"):
-            ms = _extend_ms(dev, gen, kind, heads, rows, prefix)
+        for kind, cfg in runs:
+            times = _extend_ms(dev, gen, kind, heads, rows, prefix, cfg)
+            ms = times["ms"]
             visible = rows * prefix + rows * (rows + 1) // 2  # causal (query, key) pairs
             flops = 2 * heads * (D + L) * visible
             rec = {
                 "kernel": "mla_extend", "heads": heads, "batch": 1, "context": prefix + rows,
-                "chunk": rows, "prefix": prefix, "dtype": kind, "ms": round(ms, 3),
+                "chunk": rows, "prefix": prefix, "dtype": kind, "config": cfg or "default",
+                "ms": round(ms, 3), "ms_eager": round(times["ms_eager"], 3),
                 "TFLOPs": round(flops / ms / 1e9, 1),
                 "ceiling_matmul_TFLOPs": round(ceil["matmul_TFLOPs"], 1),
                 "pct_matmul": round(100 * flops / ms / 1e9 / ceil["matmul_TFLOPs"], 1),
@@ -341,8 +416,22 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true", help="launcher defaults only")
     parser.add_argument("--sweep-configs", action="store_true",
                         help="also try the tile configs in SWEEP (default: split counts only)")
+    parser.add_argument("--only-decode", action="store_true",
+                        help="mla_decode only (skip mla_extend and the copies)")
+    parser.add_argument("--shapes", default="",
+                        help="decode shapes HxNxT, comma-separated (default: all six)")
+    parser.add_argument("--kinds", default="bf16,fp8", help="KV kinds: bf16, fp8 (comma-separated)")
     parser.add_argument("--verify-one", help=argparse.SUPPRESS)  # internal: kind,heads,config
     args = parser.parse_args()
+    shapes = DECODE_SHAPES
+    if args.shapes:
+        shapes = [tuple(int(x) for x in item.split("x")) for item in args.shapes.split(",")]
+        unknown = [s for s in shapes if s not in PEER]
+        if unknown:
+            sys.exit(f"--shapes: {unknown} not among {DECODE_SHAPES}")
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    if not kinds or any(k not in ("bf16", "fp8") for k in kinds):
+        sys.exit(f"--kinds: {args.kinds!r}; expected bf16 and/or fp8")
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a GPU")
     if args.verify_one:  # one config in its own process: a faulting kernel cannot stop the run
@@ -363,7 +452,10 @@ def main() -> None:
         "notes": "decode FLOPs = 2*H*(D+L) per KV token per query; effective_GBps = KV bytes read "
                  "once (rows + fp8 scales) / time; peer = SGLang/vLLM Triton MLA decode, best split "
                  "(anchors/h200_measured.json); copies: (read + write) bytes / time; "
-                 "'auto' = launcher defaults, 'best' = best of the decode sweep",
+                 "'auto' = launcher defaults, 'best' = best of the decode sweep; decode/extend "
+                 "ms = CUDA-graph replay median (do_bench_cudagraph, what graph decode steps pay), "
+                 "ms_eager = eager do_bench median (includes the Python launcher); rates use ms; "
+                 "copies are eager",
         "records": [],
         "decode_sweep": [],
     }
@@ -375,9 +467,19 @@ def main() -> None:
     if not args.sweep_configs:  # split counts of the launcher's own config only
         for key in SWEEP:
             SWEEP[key] = [{}]
+    needed = {(k, "many" if h > 32 else "few") for k in kinds for h, _, _ in shapes}
+    for key in list(SWEEP):
+        if key not in needed:
+            del SWEEP[key]
+    result["shapes"] = [list(s) for s in shapes]
+    result["kinds"] = list(kinds)
     precheck(result)
-    decode_records(dev, ceil, not args.no_sweep, result["records"], result["decode_sweep"], save)
+    decode_records(dev, ceil, not args.no_sweep, result["records"], result["decode_sweep"], save,
+                   shapes, kinds)
     save()
+    if args.only_decode:
+        print("wrote", args.out)
+        return
     result["records"] += extend_records(dev, ceil)
     save()
     result["records"] += copy_records(dev, ceil)

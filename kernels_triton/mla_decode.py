@@ -16,8 +16,15 @@ Design:
   program writes the final output directly. Head groups of a (request, split) sit next to each
   other in the grid, so they run together and share tiles through L2.
 - L and R need not be powers of two: tiles are padded to ``BLOCK_L``/``BLOCK_R`` and masked.
-- fp8 KV: a row is fp8 × one fp32 scale. The tile is widened to the query dtype (exact), the
-  scale multiplies the scores' column and p's column, so no per-element scaling is needed.
+- fp8 KV: a row is fp8 × one fp32 scale. The tile is widened exactly (fp8 values are fp16 and
+  bf16 values), the scale multiplies the scores' column and p's column, so no per-element scaling
+  is needed. ``config["fp8_fp16"]`` (the CUDA default) runs both products on fp16 operands: q is
+  clamped to [-65504, 65504] and cast to fp16 once per program, the fp8 tiles widen to fp16 and
+  p is rounded to fp16; accumulators stay fp32 and the output keeps q's dtype. fp8 -> fp16 is a
+  native conversion on Hopper (fp8 -> bf16 is emulated: the bf16-product kernel read an fp8 cache
+  2.6x slower than a bf16 one). A query entry beyond fp16's range saturates at ±65504 rather than
+  overflowing to inf / NaN; the references dequantise the same fp8 values with the unclamped q.
+  Without it (CPU default) the tile is widened to q's dtype.
 - Few heads (``config["transposed"]``, the GPU default for H <= 32): a second kernel puts the
   tokens on the MMA's M side (scoresᵀ = kv·qᵀ, accᵀ += kv_nopeᵀ·pᵀ), so a 64-token tile fills a
   Hopper MMA with only 16 heads. Its tail tile clamps rows past the length to the last valid row
@@ -54,24 +61,33 @@ _GPU_DEFAULTS: dict[str, Any] = {
     # applied when H > 32: 64 heads x 512 fp32 accumulators need 8 warps
     "many_heads": {"transposed": False, "BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8,
                    "num_stages": 2, "programs_per_sm": 1, "split_overhead_tokens": 64},
-    # fp8 KV, few heads: the heads-on-M kernel is faster (0.26 vs 0.34 ms at 64x4K)
+    # fp8 KV, few heads: the heads-on-M kernel is faster (0.26 vs 0.34 ms at 64x4K);
+    # "fp8_fp16": fp16 products (native fp8 -> fp16 conversion) instead of q's dtype (bf16);
+    # 2 programs per SM: the wave model then picks the measured-best split at all six anchors
     "fp8": {"transposed": False, "BLOCK_N": 16, "num_warps": 4, "num_stages": 3,
-            "programs_per_sm": 4, "split_overhead_tokens": 64,
+            "programs_per_sm": 2, "split_overhead_tokens": 64, "fp8_fp16": True,
             "many_heads": {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "programs_per_sm": 1}},
 }
+# fp32 queries on a GPU (the GPU test suite's exact-token runs): tiles twice as wide in bytes,
+# so small tiles and one stage keep shared memory under the limit
+_GPU_FP32: dict[str, Any] = {"transposed": False, "BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4,
+                             "num_stages": 1}
 _CPU_DEFAULTS: dict[str, Any] = {
     "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "max_block_h": 16,
     "programs_per_sm": 1, "split_overhead_tokens": 16, "min_split_tokens": 32,
+    "fp8_fp16": False,  # the interpreter widens fp8 exactly to any q dtype; tests ask for it
 }
 
 
 def decode_config(
-    num_heads: int, device: torch.device, config: dict | None, fp8: bool = False
+    num_heads: int, device: torch.device, config: dict | None, fp8: bool = False,
+    fp32_q: bool = False,
 ) -> dict[str, Any]:
     """Launch parameters: device defaults, then ``config``. In each, a ``many_heads`` sub-dict
     applies when H > 32 and an ``fp8`` sub-dict (which may hold its own ``many_heads``) when the
     KV cache is fp8. Fills BLOCK_H (power of two >= 16, at most ``max_block_h``).
-    ``transposed`` picks the tokens-on-M kernel (heads on the MMA's N side)."""
+    ``transposed`` picks the tokens-on-M kernel (heads on the MMA's N side); ``fp8_fp16`` (fp8
+    KV only) runs the products on fp16 operands."""
     cfg: dict[str, Any] = {}
 
     def apply(layer: dict[str, Any], nested: bool) -> None:
@@ -85,9 +101,12 @@ def decode_config(
         base = dict(_GPU_DEFAULTS)
         if torch.version.hip is not None:
             base["transposed"] = False  # the tokens-on-M kernel is verified on CUDA only
+            base["fp8"] = {**base["fp8"], "fp8_fp16": False}  # measured on CUDA only
     else:
         base = _CPU_DEFAULTS
     apply(base, nested=True)
+    if fp32_q and device.type == "cuda":
+        cfg.update(_GPU_FP32)
     apply(config or {}, nested=True)
     if "BLOCK_H" not in cfg:
         cfg["BLOCK_H"] = min(int(cfg["max_block_h"]), V.next_pow2(num_heads, 16))
@@ -160,7 +179,8 @@ def mla_decode(
     if N == 0 or H == 0:
         return out, lse
 
-    cfg = decode_config(H, q.device, config, fp8=V.is_fp8(kv.dtype))
+    cfg = decode_config(H, q.device, config, fp8=V.is_fp8(kv.dtype),
+                        fp32_q=q.dtype == torch.float32)
     BLOCK_H, BLOCK_N = cfg["BLOCK_H"], cfg["BLOCK_N"]
     head_groups = triton.cdiv(H, BLOCK_H)
     if num_splits is None:
@@ -180,6 +200,8 @@ def mla_decode(
         lse_part = torch.empty((num_splits, N, H), dtype=torch.float32, device=q.device)
         stride_os, stride_ls = o_part.stride(0), lse_part.stride(0)
     scale = kv_scale if kv_scale is not None else lse  # never read unless fp8
+    is_fp8 = V.is_fp8(kv.dtype)
+    fp16_products = is_fp8 and bool(cfg.get("fp8_fp16", False))
     grid = (head_groups, num_splits, N)
     extra = {}
     kernel = _mla_decode_kernel
@@ -198,8 +220,9 @@ def mla_decode(
         stride_ls, *lse_part.stride()[-2:],
         L=L, R=R, PAGE_SIZE=PS, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
         BLOCK_L=V.next_pow2(L), BLOCK_R=V.next_pow2(R),
-        IS_FP8=V.is_fp8(kv.dtype),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        IS_FP8=is_fp8,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 and not fp16_products else None,
+        FP8_FP16=fp16_products,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra,
     )
     if num_splits > 1:

@@ -1,6 +1,19 @@
 """Triton kernels of ``mla_decode`` (the launcher, configuration and references live in
 ``mla_decode.py``): the head-group kernel and the tokens-on-M kernel for few heads, with their
-tile helpers. See ``mla_decode.py``'s docstring for the design."""
+tile helpers. See ``mla_decode.py``'s docstring for the design.
+
+fp8 KV with ``FP8_FP16`` (``config["fp8_fp16"]``, the CUDA default): both products run on fp16
+operands whatever q's dtype. ``_q_operand`` clamps the query tile to fp16's finite range
+[-65504, 65504] and casts it to fp16 once per program; the fp8 KV tiles widen to fp16 (exact: every
+e4m3 value is an fp16 value) and p is rounded to fp16 for the value product. Accumulators and the
+softmax statistics stay fp32 and the output keeps q's dtype. On Hopper fp8 -> fp16 is one native
+conversion per two values while fp8 -> bf16 is emulated, which made bf16 products with fp8 KV
+slower than a bf16 cache. Numerics: q entries beyond ±65504 saturate instead of becoming inf / NaN
+(no finite bf16 query of a real model comes near that); bf16 q values inside the range convert
+exactly unless below fp16's normal range (|x| < 2^-14, then rounded to fp16's subnormal steps of
+2^-24); p·scale keeps 11 significant bits down to 2^-14 (better than bf16's 8) and an absolute
+step of 2^-24 below. The references dequantise the same fp8 values and scales.
+"""
 
 from __future__ import annotations
 
@@ -25,6 +38,17 @@ def _load_tile(ptrs, mask_rows, mask_cols, MASK_ROWS: tl.constexpr, MASK_COLS: t
         else:
             x = tl.load(ptrs)
     return x
+
+
+@triton.jit
+def _q_operand(q, IS_FP8: tl.constexpr, FP8_FP16: tl.constexpr):
+    """The query tile as the products' operand: with fp8 KV and FP8_FP16, clamped to fp16's
+    finite range (a huge entry saturates instead of turning into inf) and cast to fp16; else
+    unchanged. Called once per program, after the load."""
+    if IS_FP8:
+        if FP8_FP16:
+            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    return q
 
 
 @triton.jit
@@ -97,8 +121,9 @@ def _attend_tile(
     (BLOCK_H, BLOCK_N), acc (BLOCK_H, BLOCK_L). CAUSAL (extend) also hides tokens after each
     row's position ``q_pos`` (BLOCK_H,).
 
-    fp8 KV: the tile is widened to the query dtype (exact); the row scales multiply the scores'
-    columns and p's columns.
+    fp8 KV: the tile is widened to q_nope's dtype (exact; fp16 when the caller cast q with
+    ``_q_operand`` under FP8_FP16, so both products run on fp16 operands); the row scales multiply
+    the scores' columns and p's columns, and p is rounded to that dtype for the value product.
     """
     kv_nope, kv_rope, mask_t, row_scale = _load_kv_tile(
         kv_ptr, scale_ptr, bt_row_ptr, t0, end,
@@ -106,7 +131,7 @@ def _attend_tile(
         L, R, PAGE_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, MASK_T, IS_FP8,
     )
     if IS_FP8:
-        kv_nope = kv_nope.to(q_nope.dtype)  # exact: fp8 values fit the query dtype
+        kv_nope = kv_nope.to(q_nope.dtype)  # exact: fp8 values fit fp16 / bf16 / fp32
         kv_rope = kv_rope.to(q_nope.dtype)
         col_scale = row_scale * qk_scale
     else:
@@ -160,6 +185,7 @@ def _mla_decode_kernel(
     BLOCK_R: tl.constexpr,
     IS_FP8: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8_FP16: tl.constexpr,
 ):
     pid_h = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -186,6 +212,8 @@ def _mla_decode_kernel(
         q_base + offs_h[:, None] * stride_qh + (L + offs_r)[None, :] * stride_qd,
         mask=mask_h[:, None] & mask_r[None, :], other=0.0,
     )  # (BLOCK_H, BLOCK_R)
+    q_nope = _q_operand(q_nope, IS_FP8, FP8_FP16)
+    q_rope = _q_operand(q_rope, IS_FP8, FP8_FP16)
     acc = tl.zeros((BLOCK_H, BLOCK_L), tl.float32)
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
@@ -276,7 +304,7 @@ def _attend_tile_tokens_m(
     )  # (BLOCK_N, BLOCK_R)
     if IS_FP8:
         row_scale = tl.load(scale_ptr + page * stride_sp + (offs_t % PAGE_SIZE) * stride_ss)
-        kv_nope = kv_nope.to(q_nope_t.dtype)  # exact: fp8 values fit the query dtype
+        kv_nope = kv_nope.to(q_nope_t.dtype)  # exact, in registers; fp16 under FP8_FP16
         kv_rope = kv_rope.to(q_nope_t.dtype)
     elif KV_IN_REGS:
         kv_nope = tl.inline_asm_elementwise(
@@ -331,6 +359,7 @@ def _mla_decode_tokens_m_kernel(
     DOT_PRECISION: tl.constexpr,
     PV_HEADS_M: tl.constexpr,
     KV_IN_REGS: tl.constexpr,
+    FP8_FP16: tl.constexpr,
 ):
     """``_mla_decode_kernel`` with the tokens on the MMA's M side (``config["transposed"]``):
     same grid, arguments and outputs."""
@@ -359,6 +388,8 @@ def _mla_decode_tokens_m_kernel(
         q_base + (L + offs_r)[:, None] * stride_qd + offs_h[None, :] * stride_qh,
         mask=mask_r[:, None] & mask_h[None, :], other=0.0,
     )  # (BLOCK_R, BLOCK_H)
+    q_nope_t = _q_operand(q_nope_t, IS_FP8, FP8_FP16)
+    q_rope_t = _q_operand(q_rope_t, IS_FP8, FP8_FP16)
     if PV_HEADS_M:
         acc_t = tl.zeros((BLOCK_H, BLOCK_L), tl.float32)
     else:

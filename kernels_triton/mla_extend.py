@@ -12,6 +12,12 @@ causal mask, through the same tile routine as ``mla_decode`` (``_attend_tile``):
 tensor-core dots of (BLOCK_M, L+R) rows against the (BLOCK_N, L+R) KV tile, and the value is the
 tile's first L dims. Programs of the same row block and different heads are neighbours in the
 grid, so they read each KV tile from L2. Row blocks run longest-first.
+
+fp8 KV: as in ``mla_decode``, ``config["fp8_fp16"]`` (the CUDA default) runs both products on
+fp16 operands: the query rows are clamped to [-65504, 65504] and cast to fp16 once per program
+(an entry beyond fp16's range saturates instead of becoming inf / NaN), the fp8 tiles widen to
+fp16 (natively on Hopper, where fp8 -> bf16 is emulated) and p is rounded to fp16; accumulators
+stay fp32, the output keeps q's dtype, and the reference dequantises the same fp8 values.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import triton.language as tl
 
 from splash.kernels_triton import _validate as V
 from splash.kernels_triton.mla_decode import paged_rows_ref
-from splash.kernels_triton.mla_decode_kernels import _LOG2E, _attend_tile
+from splash.kernels_triton.mla_decode_kernels import _LOG2E, _attend_tile, _q_operand
 
 
 @triton.jit
@@ -56,6 +62,7 @@ def _mla_extend_kernel(
     BLOCK_R: tl.constexpr,
     IS_FP8: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8_FP16: tl.constexpr,
 ):
     pid_h = tl.program_id(0)
     pid_m = num_m_blocks - 1 - tl.program_id(1)  # the longest (last) row blocks start first
@@ -82,6 +89,8 @@ def _mla_extend_kernel(
             q_rows + (L + offs_r)[None, :] * stride_qd,
             mask=mask_m[:, None] & mask_r[None, :], other=0.0,
         )  # (BLOCK_M, BLOCK_R)
+        q_nope = _q_operand(q_nope, IS_FP8, FP8_FP16)
+        q_rope = _q_operand(q_rope, IS_FP8, FP8_FP16)
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_L), tl.float32)
@@ -123,12 +132,25 @@ def _mla_extend_kernel(
 # ---------------------------------------------------------------------------------------------
 # launcher
 
-_GPU_DEFAULTS: dict[str, Any] = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
-_CPU_DEFAULTS: dict[str, Any] = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+# mirrors backends/cuda.py's TUNING["mla_extend"]; "fp8_fp16" applies to fp8 KV only
+_GPU_DEFAULTS: dict[str, Any] = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2,
+                                 "fp8_fp16": True}
+_CPU_DEFAULTS: dict[str, Any] = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1,
+                                 "fp8_fp16": False}
 
 
-def extend_config(device: torch.device, config: dict | None) -> dict[str, Any]:
+# fp32 queries on a GPU (the GPU test suite's exact-token runs): smaller tiles, one stage, so
+# the fp32 tiles fit shared memory
+_GPU_FP32: dict[str, Any] = {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+
+
+def extend_config(device: torch.device, config: dict | None,
+                  fp32_q: bool = False) -> dict[str, Any]:
     cfg = dict(_GPU_DEFAULTS if device.type == "cuda" else _CPU_DEFAULTS)
+    if device.type == "cuda" and torch.version.hip is not None:
+        cfg["fp8_fp16"] = False  # measured on CUDA only
+    if device.type == "cuda" and fp32_q:
+        cfg.update(_GPU_FP32)
     cfg.update(config or {})
     for key in ("BLOCK_M", "BLOCK_N"):
         value = cfg[key]
@@ -196,12 +218,14 @@ def mla_extend(
     if Nq == 0 or H == 0 or B == 0:
         return out, lse
 
-    cfg = extend_config(dev, config)
+    cfg = extend_config(dev, config, fp32_q=q.dtype == torch.float32)
     BLOCK_M = cfg["BLOCK_M"]
     num_m_blocks = triton.cdiv(Nq, BLOCK_M)  # bound for any one request: no host sync
     if B > 65535 or num_m_blocks > 65535:
         raise ValueError(f"mla_extend takes at most 65535 requests and row blocks; got B={B}")
     scale = kv_scale if kv_scale is not None else lse  # never read unless fp8
+    is_fp8 = V.is_fp8(kv.dtype)
+    fp16_products = is_fp8 and bool(cfg.get("fp8_fp16", False))
     _mla_extend_kernel[(H, num_m_blocks, B)](
         q, kv, scale, block_table, seq_lens, q_start_loc, out, lse,
         float(sm_scale) * _LOG2E, num_m_blocks,
@@ -211,8 +235,9 @@ def mla_extend(
         *out.stride(), *lse.stride(),
         L=L, R=R, PAGE_SIZE=PS, BLOCK_M=BLOCK_M, BLOCK_N=cfg["BLOCK_N"],
         BLOCK_L=V.next_pow2(L), BLOCK_R=V.next_pow2(R),
-        IS_FP8=V.is_fp8(kv.dtype),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        IS_FP8=is_fp8,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 and not fp16_products else None,
+        FP8_FP16=fp16_products,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out, lse

@@ -69,13 +69,15 @@ def test_decode_launch_variants(device, config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_kind", ["bf16", "fp8"])
+@pytest.mark.parametrize("kv_kind", ["bf16", "fp8", "fp8-bf16-products"])
 @pytest.mark.parametrize("heads", [16, 128])
 def test_decode_deepseek_shapes(gpu_device, heads, kv_kind):
-    """The production shapes (L=512, R=64, page 64) with the default GPU launch parameters."""
+    """The production shapes (L=512, R=64, page 64) with the default GPU launch parameters (fp8:
+    fp16 products), and fp8 KV with products in q's dtype (bf16; ``fp8_fp16`` off)."""
     gen = torch.Generator().manual_seed(3)
     L, R, PS = 512, 64, 64
-    kv_dtype = torch.float8_e4m3fn if kv_kind == "fp8" else torch.bfloat16
+    kv_dtype = torch.float8_e4m3fn if kv_kind.startswith("fp8") else torch.bfloat16
+    config = {"fp8_fp16": False} if kv_kind == "fp8-bf16-products" else None
     lens = [1, 700, 2500]
     num_pages = sum(-(-n // PS) for n in lens) + 2
     kv, scale = paged_cache(num_pages, PS, L + R, kv_dtype, gpu_device, gen)
@@ -83,7 +85,8 @@ def test_decode_deepseek_shapes(gpu_device, heads, kv_kind):
     q = torch.randn(len(lens), heads, L + R, generator=gen).to(torch.bfloat16).to(gpu_device)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=gpu_device)
     for splits in (1, None):
-        out, lse = mla_decode(q, kv, table, seq_lens, 0.1147, L, kv_scale=scale, num_splits=splits)
+        out, lse = mla_decode(q, kv, table, seq_lens, 0.1147, L, kv_scale=scale, num_splits=splits,
+                              config=config)
         ref_out, ref_lse = mla_decode_ref(q, kv, table, seq_lens, 0.1147, L, kv_scale=scale)
         assert_close(out, ref_out, 2e-2, 2e-2)
         assert_lse(lse, ref_lse, 2e-3)
@@ -266,3 +269,79 @@ def test_decode_transposed_production_tails(gpu_device, kv_kind, config):
             assert torch.isfinite(out.float()).all(), (heads, splits)
             assert_close(out, ref_out, 2e-2, 2e-2)
             assert_lse(lse, ref_lse, 2e-3)
+
+
+# ------------------------------------------------------------------ fp8 KV, fp16 products
+
+# config "fp8_fp16" (the CUDA default, off on the CPU unless asked): q clamped to fp16's range and
+# cast to fp16, fp8 tiles widened to fp16, p rounded to fp16; fp32 accumulators, out in q's dtype
+FP16_PRODUCT_KERNELS = {
+    "heads-m": {"transposed": False, "BLOCK_N": 16},
+    "tokens-m": {"transposed": True, "pv_heads_m": False, "BLOCK_N": 32},
+    "tokens-m-pvh": {"transposed": True, "pv_heads_m": True, "BLOCK_N": 16},
+}
+
+
+def _fp8_inputs(q_dtype, dev, lens, L=32, R=16, PS=16, H=20, seed=21):
+    """fp8 KV and a query of fp16-representable values (so an fp32 query loses nothing in the
+    fp16 cast and the fp64 reference is exact for it)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_pages = sum(-(-n // PS) for n in lens) + 3
+    kv, scale = paged_cache(num_pages, PS, L + R, torch.float8_e4m3fn, dev, gen)
+    table = block_table(lens, PS, num_pages, dev, gen, extra_cols=2)
+    q = torch.randn(len(lens), H, L + R, generator=gen).half().to(q_dtype).to(dev)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+    return q, kv, scale, table, seq_lens
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.float16], ids=["q32", "q16"])
+@pytest.mark.parametrize("kernel", list(FP16_PRODUCT_KERNELS))
+def test_decode_fp8_fp16_products(device, kernel, q_dtype):
+    """Both kernels with fp16 products on fp8 KV match the reference (which dequantises the same
+    fp8 values) to fp16 tolerances: tail tiles, a split past a length, an empty request, heads
+    not a multiple of BLOCK_H; out keeps q's dtype."""
+    L, lens = 32, [0, 1, 35, 77]
+    q, kv, scale, table, seq_lens = _fp8_inputs(q_dtype, device, lens)
+    cfg = {**FP16_PRODUCT_KERNELS[kernel], "BLOCK_H": 16, "fp8_fp16": True}
+    out, lse = mla_decode(q, kv, table, seq_lens, 0.2, L, kv_scale=scale, num_splits=3,
+                          config=cfg)
+    ref_out, ref_lse = mla_decode_ref(q, kv, table, seq_lens, 0.2, L, kv_scale=scale)
+    assert out.dtype == q_dtype
+    assert_close(out, ref_out, 5e-3, 5e-3)
+    assert_lse(lse, ref_lse, 1e-4)
+    assert torch.all(out.cpu()[0] == 0) and torch.all(torch.isneginf(lse.cpu()[0]))
+
+
+@pytest.mark.parametrize("kernel", ["heads-m", "tokens-m-pvh"])
+def test_decode_fp8_fp16_saturates_huge_q(device, kernel):
+    """A query entry of 1e6 (beyond fp16's 65504) saturates: the output is finite and equals the
+    reference for the clamped query (so the clamp happened: unclamped, lse would be ~15x larger)."""
+    L, lens = 32, [5, 40]
+    q, kv, scale, table, seq_lens = _fp8_inputs(torch.float32, device, lens, H=16, seed=22)
+    q[:, 3, 7] = 1e6
+    q[1, 5, 2] = -1e6
+    cfg = {**FP16_PRODUCT_KERNELS[kernel], "BLOCK_H": 16, "fp8_fp16": True}
+    out, lse = mla_decode(q, kv, table, seq_lens, 0.2, L, kv_scale=scale, num_splits=2,
+                          config=cfg)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    clamped = q.clamp(-65504.0, 65504.0)
+    ref_out, ref_lse = mla_decode_ref(clamped, kv, table, seq_lens, 0.2, L, kv_scale=scale)
+    assert_close(out, ref_out, 5e-3, 5e-3)
+    assert_lse(lse, ref_lse, 1e-4)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_fp8_fp16_is_the_cuda_default(heads, fp8):
+    """The launcher's GPU defaults and the CUDA backend's table agree: fp16 products for fp8 KV
+    (the key only matters for fp8), and the CPU defaults leave it off."""
+    from splash.backends.base import _REGISTRY
+
+    cuda = _REGISTRY["cuda"].TUNING["mla_decode"]["default"]
+    gpu = torch.device("cuda")
+    assert decode_module.decode_config(heads, gpu, None, fp8=fp8) == decode_module.decode_config(
+        heads, gpu, cuda, fp8=fp8
+    )
+    assert decode_module.decode_config(heads, gpu, None, fp8=True)["fp8_fp16"] is True
+    cpu_cfg = decode_module.decode_config(heads, torch.device("cpu"), None, fp8=True)
+    assert cpu_cfg["fp8_fp16"] is False

@@ -63,13 +63,34 @@ def test_extend_launch_variants(device, config):
     assert_lse(lse, ref_lse, setting.lse_tol)
 
 
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.float16], ids=["q32", "q16"])
+def test_extend_fp8_fp16_products(device, q_dtype):
+    """fp8 KV with fp16 products (config "fp8_fp16", the CUDA default): q (fp16-representable
+    values, so an fp32 q loses nothing in the cast) clamped and cast to fp16, fp8 tiles widened
+    to fp16, p rounded to fp16; matches the reference to fp16 tolerances, out in q's dtype."""
+    L, R, PS, H, rows, prefix = CASES["mixed-p16"]
+    setting = make_setting("fp16-fp8kv")
+    q, kv, scale, table, seq_lens, starts = _inputs(setting, L, R, PS, H, rows, prefix, 5)
+    q = q.to(q_dtype)
+    q[2, 1, 3] = 1e6  # beyond fp16's range: saturates at 65504
+    out, lse = mla_extend(q, kv, table, seq_lens, starts, 0.2, L, kv_scale=scale,
+                          config={"fp8_fp16": True})
+    assert out.dtype == q_dtype and torch.isfinite(out).all()
+    clamped = q.clamp(-65504.0, 65504.0)
+    ref_out, ref_lse = mla_extend_ref(clamped, kv, table, seq_lens, starts, 0.2, L, kv_scale=scale)
+    assert_close(out, ref_out, setting.atol, setting.rtol)
+    assert_lse(lse, ref_lse, setting.lse_tol)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_kind", ["bf16", "fp8"])
+@pytest.mark.parametrize("kv_kind", ["bf16", "fp8", "fp8-bf16-products"])
 def test_extend_deepseek_shapes(gpu_device, kv_kind):
-    """L=512, R=64, page 64, 16 heads, default GPU launch parameters."""
+    """L=512, R=64, page 64, 16 heads, default GPU launch parameters (fp8: fp16 products), and
+    fp8 KV with products in q's dtype (bf16; ``fp8_fp16`` off)."""
     gen = torch.Generator().manual_seed(4)
     L, R, PS, H = 512, 64, 64, 16
-    kv_dtype = torch.float8_e4m3fn if kv_kind == "fp8" else torch.bfloat16
+    kv_dtype = torch.float8_e4m3fn if kv_kind.startswith("fp8") else torch.bfloat16
+    config = {"fp8_fp16": False} if kv_kind == "fp8-bf16-products" else None
     rows, prefix = [200, 7], [300, 0]
     lens = [n + p for n, p in zip(rows, prefix)]
     num_pages = sum(-(-n // PS) for n in lens) + 2
@@ -78,7 +99,8 @@ def test_extend_deepseek_shapes(gpu_device, kv_kind):
     starts = torch.tensor([0, 200, 207], dtype=torch.int32, device=gpu_device)
     q = torch.randn(207, H, L + R, generator=gen).to(torch.bfloat16).to(gpu_device)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=gpu_device)
-    out, lse = mla_extend(q, kv, table, seq_lens, starts, 0.1147, L, kv_scale=scale)
+    out, lse = mla_extend(q, kv, table, seq_lens, starts, 0.1147, L, kv_scale=scale,
+                          config=config)
     ref_out, ref_lse = mla_extend_ref(q, kv, table, seq_lens, starts, 0.1147, L, kv_scale=scale)
     assert_close(out, ref_out, 2e-2, 2e-2)
     assert_lse(lse, ref_lse, 2e-3)
