@@ -16,26 +16,27 @@ class CUDABackend(BaseBackend):
         # mla_decode (measured on H200, benchmarks/results/h200/kernels.json): bf16 with H <= 32
         # uses the tokens-on-M kernel ("transposed", value product heads-on-M: "pv_heads_m")
         # with 32-token tiles, 3 stages, 2 programs per SM in the launcher's wave model; H > 32
-        # ("many_heads") uses 64-head groups on M with 8 warps; fp8 KV with H <= 32 keeps the
-        # heads-on-M kernel (the tokens-on-M one was slower there), with 2 programs per SM in
-        # the wave model (it then picks the measured-best split at all six anchor shapes).
+        # ("many_heads") uses 64-head groups on M with 8 warps and 64-token tiles; fp8 KV with
+        # H <= 32 keeps the heads-on-M kernel (the tokens-on-M one was slower there) with
+        # 32-token tiles, 2 stages, 2 programs per SM in the wave model (it then picks the
+        # measured-best split at all six anchor shapes).
         # fp8 KV: "fp8_fp16" runs the products on fp16 operands (native fp8 -> fp16
-        # conversion; q clamped to fp16's range).
+        # conversion; q clamped to fp16's range), off for many heads (measured slower there).
         "mla_decode": {
             "default": {
                 "transposed": True, "pv_heads_m": True, "BLOCK_N": 32, "BLOCK_H": 16,
                 "num_warps": 4, "num_stages": 3, "max_block_h": 64, "programs_per_sm": 2,
                 "split_overhead_tokens": 512, "min_split_tokens": 256,
-                "many_heads": {"transposed": False, "BLOCK_H": 64, "BLOCK_N": 32,
+                "many_heads": {"transposed": False, "BLOCK_H": 64, "BLOCK_N": 64,
                                "num_warps": 8, "num_stages": 2, "programs_per_sm": 1,
                                "split_overhead_tokens": 64},
-                "fp8": {"transposed": False, "BLOCK_N": 16, "num_warps": 4, "num_stages": 3,
+                "fp8": {"transposed": False, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2,
                         "programs_per_sm": 2, "split_overhead_tokens": 64, "fp8_fp16": True,
                         "many_heads": {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2,
-                                       "programs_per_sm": 1}},
+                                       "programs_per_sm": 1, "fp8_fp16": False}},
             },
         },
-        "mla_extend": {"default": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2,
+        "mla_extend": {"default": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2,
                                    "fp8_fp16": True}},
         "kv_write": {"default": {"BLOCK_M": 16, "num_warps": 4}},
         "kv_gather": {"default": {"BLOCK_M": 16, "num_warps": 4}},

@@ -331,13 +331,16 @@ def _extend_ms(dev, gen, kind, heads, rows, prefix, cfg=None) -> dict[str, Any]:
 
 
 def extend_records(dev, ceil) -> list[dict]:
-    """Defaults, plus fp8 KV without fp16 products (``fp8_fp16`` off) as the reference."""
+    """Defaults; at prefix 0 also the previous default tile (32-token KV tiles) and fp8 KV
+    without fp16 products (``fp8_fp16`` off) as references."""
     out = []
     gen = torch.Generator(device=dev).manual_seed(1)
     heads, rows = 128, 8192
-    runs = [("bf16", None), ("fp8", None), ("fp8", {"fp8_fp16": False})]
+    runs = {0: [("bf16", None), ("bf16", {"BLOCK_N": 32}), ("fp8", None),
+                ("fp8", {"fp8_fp16": False})],
+            24576: [("bf16", None), ("fp8", None)]}
     for prefix in (0, 24576):
-        for kind, cfg in runs:
+        for kind, cfg in runs[prefix]:
             times = _extend_ms(dev, gen, kind, heads, rows, prefix, cfg)
             ms = times["ms"]
             visible = rows * prefix + rows * (rows + 1) // 2  # causal (query, key) pairs

@@ -133,7 +133,7 @@ def _mla_extend_kernel(
 # launcher
 
 # mirrors backends/cuda.py's TUNING["mla_extend"]; "fp8_fp16" applies to fp8 KV only
-_GPU_DEFAULTS: dict[str, Any] = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2,
+_GPU_DEFAULTS: dict[str, Any] = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2,
                                  "fp8_fp16": True}
 _CPU_DEFAULTS: dict[str, Any] = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1,
                                  "fp8_fp16": False}

@@ -334,7 +334,8 @@ def test_decode_fp8_fp16_saturates_huge_q(device, kernel):
 @pytest.mark.parametrize("heads", [16, 128])
 def test_fp8_fp16_is_the_cuda_default(heads, fp8):
     """The launcher's GPU defaults and the CUDA backend's table agree: fp16 products for fp8 KV
-    (the key only matters for fp8), and the CPU defaults leave it off."""
+    with few heads (memory-bound; with many heads the bf16 products measured faster), and the
+    CPU defaults leave it off."""
     from splash.backends.base import _REGISTRY
 
     cuda = _REGISTRY["cuda"].TUNING["mla_decode"]["default"]
@@ -342,6 +343,6 @@ def test_fp8_fp16_is_the_cuda_default(heads, fp8):
     assert decode_module.decode_config(heads, gpu, None, fp8=fp8) == decode_module.decode_config(
         heads, gpu, cuda, fp8=fp8
     )
-    assert decode_module.decode_config(heads, gpu, None, fp8=True)["fp8_fp16"] is True
+    assert decode_module.decode_config(heads, gpu, None, fp8=True)["fp8_fp16"] is (heads <= 32)
     cpu_cfg = decode_module.decode_config(heads, torch.device("cpu"), None, fp8=True)
     assert cpu_cfg["fp8_fp16"] is False
