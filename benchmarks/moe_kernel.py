@@ -12,7 +12,9 @@ Measures, on the current GPU, in bf16:
 - the breakdown of the default config: alignment, gate_up GEMM, down GEMM, slot sum;
 - the torch loop over experts (``routed_experts_torch``, the CPU path of ``MoE``) for comparison.
 
-Timings are ``triton.testing.do_bench`` medians (L2 flushed between repetitions); value checks off.
+Timings are ``triton.testing.do_bench`` medians (L2 flushed between repetitions; eager, as a
+prefill step runs it) and, per config, ``do_bench_cudagraph`` (as a decode step's graph replays
+it: ``ms_graph``); value checks off. ``--no-sweep`` measures the default config only.
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ from typing import Any
 
 import torch
 import triton
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 import splash.kernels_triton as K
-from splash.kernels_triton.fused_moe import _gemm_configs, _launch_gemm, moe_align
+from splash.kernels_triton.fused_moe import _gemm_configs, _launch_gemm, moe_align, slot_sum
 from splash.model.mlp import routed_experts_torch
 
 E, HIDDEN, I, TOPK, N = 64, 2048, 1408, 6, 4096
@@ -91,7 +93,7 @@ def gemm_times(args, cfg: dict | None) -> dict[str, float]:
         "down_ms": bench(lambda: _launch_gemm(
             inter, w2, partial, sorted_ids, block_expert, flat_w, M, 1, HIDDEN, I, False,
             cfgs["down"])),
-        "sum_ms": bench(lambda: partial.view(N, TOPK, HIDDEN).sum(dim=1)),
+        "sum_ms": bench(lambda: slot_sum(partial, TOPK)),
     }
 
 
@@ -116,6 +118,10 @@ def measure(args, ref: torch.Tensor, cfg: dict, peak: float) -> dict[str, Any]:
     ms = bench(lambda: K.fused_moe(*args, config=cfg or None))
     tflops = FLOPS / ms / 1e9
     rec.update(ms=round(ms, 4), TFLOPs=round(tflops, 1), ratio_to_matmul=round(tflops / peak, 3))
+    # inside a CUDA graph (how decode steps run it): no launch gaps between the 7 kernels
+    g_ms = float(do_bench_cudagraph(lambda: K.fused_moe(*args, config=cfg or None), rep=100,
+                                    return_mode="median"))
+    rec.update(ms_graph=round(g_ms, 4), ratio_to_matmul_graph=round(FLOPS / g_ms / 1e9 / peak, 3))
     rec.update({k: round(v, 4) for k, v in gemm_times(args, cfg).items()})
     return rec
 
@@ -138,6 +144,7 @@ def composite(records: list[dict[str, Any]]) -> dict[str, Any] | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
+    parser.add_argument("--no-sweep", action="store_true", help="the default config only")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/moe_kernel.py needs a GPU")
@@ -172,12 +179,12 @@ def main() -> None:
                             "ratio_to_matmul": round(FLOPS / loop_ms / 1e9 / peak, 3)}
     print(json.dumps({"torch_loop": result["torch_loop"]}), flush=True)
     save()
-    for cfg in SWEEP:
+    for cfg in SWEEP[:1] if args.no_sweep else SWEEP:
         rec = measure(data, ref, cfg, peak)
         result["fused_moe"].append(rec)
         print(json.dumps(rec), flush=True)
         save()
-    best_cfg = composite(result["fused_moe"])
+    best_cfg = None if args.no_sweep else composite(result["fused_moe"])
     if best_cfg is not None:
         rec = measure(data, ref, best_cfg, peak)
         rec["composite"] = True

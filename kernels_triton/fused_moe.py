@@ -11,14 +11,15 @@ Steps (M = N·k token-expert pairs, pair p = t·k + j):
 
 1. ``moe_align``: sort the pairs by expert and pad each expert's run to a multiple of BLOCK_M
    (padding slots hold the sentinel M), so every BLOCK_M block of the sorted list belongs to one
-   expert (``block_expert``; -1 past the end). Pure torch, no host sync (CUDA-graph safe): the
-   list is sized for the worst case M + min(E, M)·(BLOCK_M - 1).
+   expert (``block_expert``; -1 past the end): three small Triton kernels (count with atomics,
+   one program for the padded runs, scatter with atomic cursors), no host sync (CUDA-graph
+   safe); the list is sized for the worst case M + min(E, M)·(BLOCK_M - 1).
 2. gate_up GEMM: block b multiplies the rows x[p // k] of its pairs by expert e's gate and up
    tiles (two accumulators) and stores silu(gate)·up, rounded to x's dtype, at row p of
    ``inter`` (M, I).
 3. down GEMM: the same blocks multiply inter[p] by w_down[e]ᵀ, scale row p by its routing weight
    and store at row p of ``partial`` (M, hidden).
-4. ``partial.view(N, k, hidden).sum(1)`` adds the k slots of each token (fp32 accumulation).
+4. ``slot_sum`` adds the k slots of each token (fp32 accumulation, one Triton kernel).
 
 Tiles are swizzled in groups of GROUP_M row blocks so consecutive programs share weight tiles in
 L2. Both GEMMs use the one BLOCK_M of the alignment; the other tile sizes may differ per GEMM.
@@ -174,6 +175,59 @@ def _gemm_configs(config: dict | None, device: torch.device,
     return out
 
 
+@triton.jit
+def _moe_count_kernel(ids_ptr, counts_ptr, M, BLOCK: tl.constexpr):
+    """counts[e] += number of pairs routed to expert e (one program per BLOCK pairs)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < M
+    e = tl.load(ids_ptr + offs, mask=ok, other=0)
+    tl.atomic_add(counts_ptr + e, tl.full((BLOCK,), 1, tl.int32), mask=ok)
+
+
+@triton.jit
+def _moe_runs_kernel(counts_ptr, cursor_ptr, block_expert_ptr, E, num_blocks,
+                     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+    """One program: each expert's run padded to BLOCK_M, its start (the scatter's cursor) and
+    the expert of every BLOCK_M block (-1 past the last run)."""
+    offs_e = tl.arange(0, BLOCK_E)
+    e_ok = offs_e < E
+    counts = tl.load(counts_ptr + offs_e, mask=e_ok, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    run_end = tl.cumsum(padded, 0)
+    tl.store(cursor_ptr + offs_e, run_end - padded, mask=e_ok)
+    for b0 in range(0, num_blocks, BLOCK_B):
+        offs_b = b0 + tl.arange(0, BLOCK_B)
+        start = offs_b * BLOCK_M
+        # runs ending at or before the block's start (empty runs included): its expert
+        before = (run_end[None, :] <= start[:, None]) & e_ok[None, :]
+        expert = tl.sum(before.to(tl.int32), axis=1)
+        expert = tl.where(expert < E, expert, -1)
+        tl.store(block_expert_ptr + offs_b, expert, mask=offs_b < num_blocks)
+
+
+@triton.jit
+def _moe_scatter_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, M, BLOCK: tl.constexpr):
+    """Each pair takes the next slot of its expert's run (the order inside a run is free: every
+    row of the grouped GEMMs is computed independently of the others)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < M
+    e = tl.load(ids_ptr + offs, mask=ok, other=0)
+    slot = tl.atomic_add(cursor_ptr + e, tl.full((BLOCK,), 1, tl.int32), mask=ok)
+    tl.store(sorted_ids_ptr + slot, offs, mask=ok)
+
+
+@triton.jit
+def _slot_sum_kernel(p_ptr, out_ptr, hidden, K_SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t] = sum_j partial[t·k + j] in fp32 (one program per token and BLOCK columns)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < hidden
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for j in range(K_SLOTS):
+        acc += tl.load(p_ptr + (t * K_SLOTS + j) * hidden + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * hidden + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
 def moe_align(
     topk_ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,25 +235,38 @@ def moe_align(
 
     Returns ``sorted_ids`` (num_blocks·block_m,) int32 (pair ids p = t·k + j, padding = N·k) and
     ``block_expert`` (num_blocks,) int32 (-1 for blocks past the last expert's run). Sized for
-    the worst case, so no value is read back to the host.
+    the worst case, so no value is read back to the host. Three small Triton kernels (count,
+    runs, scatter); the order of pairs inside an expert's run is unspecified.
     """
-    flat = topk_ids.reshape(-1).to(torch.int64)  # (M,)
+    flat = topk_ids.reshape(-1).to(torch.int32)  # (M,)
     M, device = flat.numel(), flat.device
     num_blocks = triton.cdiv(M + min(num_experts, M) * (block_m - 1), block_m)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # (E,); bincount would sync
-    padded = (counts + block_m - 1) // block_m * block_m
-    run_end = padded.cumsum(0)  # (E,) end of each expert's padded run
-    run_start = run_end - padded
-    order = torch.argsort(flat, stable=True)  # (M,) pair ids grouped by expert
-    expert_sorted = flat[order]
-    rank = torch.arange(M, device=device) - (counts.cumsum(0) - counts)[expert_sorted]
+    state = torch.zeros(2 * num_experts, dtype=torch.int32, device=device)  # counts, cursor
+    counts, cursor = state[:num_experts], state[num_experts:]
     sorted_ids = torch.full((num_blocks * block_m,), M, dtype=torch.int32, device=device)
-    sorted_ids[run_start[expert_sorted] + rank] = order.to(torch.int32)
-    block_start = torch.arange(num_blocks, device=device) * block_m
-    block_expert = torch.searchsorted(run_end, block_start, right=True)  # (num_blocks,)
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    if M == 0:
+        block_expert.fill_(-1)
+        return sorted_ids, block_expert
+    block = 1024 if device.type == "cuda" else 64
+    grid = (triton.cdiv(M, block),)
+    _moe_count_kernel[grid](flat, counts, M, BLOCK=block)
+    _moe_runs_kernel[(1,)](counts, cursor, block_expert, num_experts, num_blocks,
+                           BLOCK_M=block_m, BLOCK_E=V.next_pow2(num_experts),
+                           BLOCK_B=64 if device.type == "cuda" else 16)
+    _moe_scatter_kernel[grid](flat, cursor, sorted_ids, M, BLOCK=block)
     return sorted_ids, block_expert
+
+
+def slot_sum(partial: torch.Tensor, k: int) -> torch.Tensor:
+    """(N·k, hidden) -> (N, hidden): the k slots of each token added in fp32."""
+    N, hidden = partial.shape[0] // k, partial.shape[1]
+    out = torch.empty((N, hidden), dtype=partial.dtype, device=partial.device)
+    if N:
+        block = 1024 if partial.is_cuda else 64
+        _slot_sum_kernel[(N, triton.cdiv(hidden, block))](partial, out, hidden, K_SLOTS=k,
+                                                          BLOCK=block)
+    return out
 
 
 def _launch_gemm(a, w, c, sorted_ids, block_expert, topk_weights, num_pairs, a_row_div,
@@ -269,7 +336,7 @@ def fused_moe(
                  cfgs["gate_up"])
     _launch_gemm(inter, w_down, partial, sorted_ids, block_expert, weights, M, 1, hidden, I,
                  False, cfgs["down"])
-    return partial.view(N, k, hidden).sum(dim=1)  # (N, hidden)
+    return slot_sum(partial, k)  # (N, hidden)
 
 
 def fused_moe_ref(

@@ -13,7 +13,8 @@ tensor-core dots of (BLOCK_M, L+R) rows against the (BLOCK_N, L+R) KV tile, and 
 tile's first L dims. Programs of the same row block and different heads are neighbours in the
 grid, so they read each KV tile from L2. Row blocks run longest-first.
 
-fp8 KV: as in ``mla_decode``, ``config["fp8_fp16"]`` (the CUDA default) runs both products on
+fp8 KV: as in ``mla_decode``, ``config["fp8_fp16"]`` (off by default: extend is compute-bound
+and measured faster with products in q's dtype) runs both products on
 fp16 operands: the query rows are clamped to [-65504, 65504] and cast to fp16 once per program
 (an entry beyond fp16's range saturates instead of becoming inf / NaN), the fp8 tiles widen to
 fp16 (natively on Hopper, where fp8 -> bf16 is emulated) and p is rounded to fp16; accumulators
@@ -132,9 +133,10 @@ def _mla_extend_kernel(
 # ---------------------------------------------------------------------------------------------
 # launcher
 
-# mirrors backends/cuda.py's TUNING["mla_extend"]; "fp8_fp16" applies to fp8 KV only
+# mirrors backends/cuda.py's TUNING["mla_extend"] (H200: 64-token KV tiles 298 vs 199 TFLOP/s
+# with 32; extend is compute-bound, where fp16 products for fp8 KV measured slower, 145 vs 185)
 _GPU_DEFAULTS: dict[str, Any] = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2,
-                                 "fp8_fp16": True}
+                                 "fp8_fp16": False}
 _CPU_DEFAULTS: dict[str, Any] = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1,
                                  "fp8_fp16": False}
 

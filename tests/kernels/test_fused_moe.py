@@ -70,7 +70,7 @@ def test_align_groups_pairs_by_expert():
     for b, e in enumerate(block_expert.tolist()):
         if e >= 0:
             runs[e] += [p for p in sorted_ids[2 * b:2 * b + 2].tolist() if p < M]
-    assert runs == {0: [1, 4], 1: [], 2: [0, 2, 5], 3: [3]}
+    assert {e: sorted(r) for e, r in runs.items()} == {0: [1, 4], 1: [], 2: [0, 2, 5], 3: [3]}
     assert sorted(p for p in sorted_ids.tolist() if p < M) == list(range(M))
     assert block_expert.tolist()[:4] == [0, 2, 2, 3] and set(block_expert.tolist()[4:]) <= {-1}
 
@@ -140,3 +140,24 @@ def test_moe_layer_uses_kernel_on_cuda(gpu_device):
     weights, ids = moe.route(x)
     loop = routed_experts_torch(x, w13, w2, weights, ids)
     torch.testing.assert_close(moe(x).float(), loop.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("E, block_m, N, k", [(8, 16, 50, 3), (5, 4, 7, 2), (64, 128, 33, 6)])
+def test_align_matches_a_stable_sort(device, E, block_m, N, k):
+    """Against torch's stable sort: per expert, its block range holds exactly its pairs; runs are
+    padded to block_m in expert order; blocks past the last run are -1."""
+    gen = torch.Generator(device=device).manual_seed(N)
+    ids = torch.rand(N, E, generator=gen, device=device).argsort(-1)[:, :k]
+    sorted_ids, block_expert = moe_align(ids, E, block_m)
+    flat = ids.reshape(-1).cpu()
+    M = flat.numel()
+    blocks, got = block_expert.cpu().tolist(), sorted_ids.cpu().view(-1, block_m).tolist()
+    start = 0
+    for e in range(E):
+        mine = (flat == e).nonzero().flatten().tolist()  # torch: this expert's pairs, in order
+        n_blocks = -(-len(mine) // block_m)
+        assert blocks[start:start + n_blocks] == [e] * n_blocks
+        run = [p for row in got[start:start + n_blocks] for p in row]
+        assert sorted(p for p in run if p < M) == mine and run.count(M) == len(run) - len(mine)
+        start += n_blocks
+    assert set(blocks[start:]) <= {-1} and all(p == M for row in got[start:] for p in row)
