@@ -62,8 +62,8 @@ def test_zero_tokens(device):
     assert out.shape == (0, 64) and out.dtype == torch.float32
 
 
-def test_align_groups_pairs_by_expert():
-    ids = torch.tensor([[2, 0], [2, 3], [0, 2]])  # pairs 0..5; expert 1 empty
+def test_align_groups_pairs_by_expert(device):
+    ids = torch.tensor([[2, 0], [2, 3], [0, 2]], device=device)  # pairs 0..5; expert 1 empty
     sorted_ids, block_expert = moe_align(ids, 4, 2)
     M = 6
     runs = {e: [] for e in range(4)}
