@@ -6,11 +6,13 @@ raises WorkerDiedError within seconds; nothing waits forever.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import socket
 import time
 from dataclasses import replace
 
+import torch
 import zmq
 
 from splash import envs
@@ -27,10 +29,12 @@ class InprocExecutor:
     """T=1: the worker lives in the controller's process; plans still go through msgspec."""
 
     def __init__(self, cfg: WorkerConfig) -> None:
-        self.worker = Worker(cfg)
+        self.worker: Worker | None = Worker(cfg)
         self.pids: list[int] = []
 
     def execute(self, plans: list[StepPlan]) -> list[StepResult]:
+        if self.worker is None:
+            raise WorkerDiedError("the engine was shut down")
         result = self.worker.execute(plans[0])
         if result.error:
             raise WorkerDiedError(f"worker 0 failed: {result.error}")
@@ -40,7 +44,16 @@ class InprocExecutor:
         return True
 
     def shutdown(self) -> None:
+        """Release the worker and its device memory: the weights, KV pools and graphs live in
+        this process, and the next engine's memory budget counts what is still held here."""
+        if self.worker is None:
+            return
         self.worker.shutdown()
+        on_gpu = self.worker.device.type == "cuda"
+        self.worker = None
+        gc.collect()
+        if on_gpu:
+            torch.cuda.empty_cache()
 
 
 def _free_port() -> int:
