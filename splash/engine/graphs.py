@@ -7,7 +7,8 @@ captured graph of the whole model forward instead:
 - **Shapes are padded to buckets.** The batch is padded with *ghost* requests (no pages, KV
   length 0, never sampled: their KV writes are skipped and their attention output is 0) to the
   next batch bucket; for owner-held layouts (DP, DOP) every rank is padded to the same row
-  count. Block tables are padded to a power-of-two width. A graph is keyed by
+  count. Block tables are padded to a power-of-two width (from the longest context in the
+  plan: the same on every rank). A graph is keyed by
   ``(layout, padded batch, table width)``.
 - **Inputs live in static buffers.** Each layout builds its step tensors in ``inputs(meta)``
   (``splash/layouts``); a replay builds them for the new step and copies them into the buffers
@@ -155,7 +156,9 @@ class DecodeGraphs:
         padded = self.pad(plan, impl)
         if padded is None:
             return None
-        width = _next_pow2(max([len(tables.get(r, ())) for r in plan.request_ids] + [1]))
+        # from the plan, not this rank's tables, so every rank picks the same key (a rank that
+        # captured while another replayed would run its collectives a different number of times)
+        width = _next_pow2(max(-(-max(plan.context_lens) // self.page_size), 1))
         meta = StepMeta(padded, tables, self.rank, self.world, self.page_size, self.device,
                         table_width=width)
         if not self.capture:

@@ -140,13 +140,11 @@ class EngineSetup:
 
     @property
     def cuda_graphs(self) -> bool:
-        """Decode steps from CUDA graphs: CUDA only, and only with NCCL when T > 1 (gloo
-        collectives cannot be captured); off with enforce_eager."""
-        from splash import envs
-
-        dist = envs.get("SPLASH_DIST_BACKEND") or "nccl"
+        """Decode steps from CUDA graphs: CUDA at T=1, off with enforce_eager. T>1 stays eager
+        for now: on 2 x H200 (NCCL) a TP engine's first captured decode step hung (see
+        docs/internals.md §4a); gloo collectives cannot be captured at all."""
         return (self.backend_name == "cuda" and not self.cfg.enforce_eager
-                and (self.cfg.tp_size == 1 or dist == "nccl"))
+                and self.cfg.tp_size == 1)
 
     def start_executor(self):
         from splash.engine.executor import ExternalExecutor, InprocExecutor, MPExecutor
