@@ -45,20 +45,9 @@ CASES: dict[str, tuple[str, int, str]] = {
 
 
 def _paged(batch: int, context: int, fp8: bool, dev, gen):
-    import torch
+    from kernels import paged_pool  # benchmarks/kernels.py (this folder is on sys.path)
 
-    pages_per = -(-context // PAGE)
-    num_pages = batch * pages_per
-    table = torch.randperm(num_pages, device=dev, generator=gen).to(torch.int32)
-    table = table.reshape(batch, pages_per)
-    if fp8:
-        kv = torch.empty(num_pages, PAGE, D, device=dev, dtype=torch.float8_e4m3fn)
-        kv.view(torch.uint8).random_(0, 0x7E, generator=gen)  # finite e4m3fn bit patterns
-        scale = torch.rand(num_pages, PAGE, device=dev, generator=gen) * 0.01 + 0.005
-    else:
-        kv = torch.randn(num_pages, PAGE, D, device=dev, dtype=torch.bfloat16, generator=gen)
-        scale = None
-    return kv, scale, table
+    return paged_pool(batch, context, "fp8" if fp8 else "bf16", dev, gen)
 
 
 def build(case: str) -> Callable[[], Any]:
