@@ -87,7 +87,8 @@ def decode_config(
     num_heads: int, device: torch.device, config: dict | None, fp8: bool = False,
     fp32_q: bool = False,
 ) -> dict[str, Any]:
-    """Launch parameters: device defaults, then ``config``. In each, a ``many_heads`` sub-dict
+    """Launch parameters: device defaults, then ``config`` (the backend's table when the engine
+    calls), then the fp32 tiles for fp32 queries on a GPU. In each, a ``many_heads`` sub-dict
     applies when H > 32 and an ``fp8`` sub-dict (which may hold its own ``many_heads``) when the
     KV cache is fp8. Fills BLOCK_H (power of two >= 16, at most ``max_block_h``).
     ``transposed`` picks the tokens-on-M kernel (heads on the MMA's N side); ``fp8_fp16`` (fp8
@@ -109,9 +110,9 @@ def decode_config(
     else:
         base = _CPU_DEFAULTS
     apply(base, nested=True)
-    if fp32_q and device.type == "cuda":
-        cfg.update(_GPU_FP32)
     apply(config or {}, nested=True)
+    if fp32_q and device.type == "cuda":
+        cfg.update(_GPU_FP32)  # after any config: bf16-tuned tiles overflow shared memory
     if "BLOCK_H" not in cfg:
         cfg["BLOCK_H"] = min(int(cfg["max_block_h"]), V.next_pow2(num_heads, 16))
     for key in ("BLOCK_H", "BLOCK_N"):

@@ -151,9 +151,9 @@ def extend_config(device: torch.device, config: dict | None,
     cfg = dict(_GPU_DEFAULTS if device.type == "cuda" else _CPU_DEFAULTS)
     if device.type == "cuda" and torch.version.hip is not None:
         cfg["fp8_fp16"] = False  # measured on CUDA only
-    if device.type == "cuda" and fp32_q:
-        cfg.update(_GPU_FP32)
     cfg.update(config or {})
+    if device.type == "cuda" and fp32_q:
+        cfg.update(_GPU_FP32)  # after any config: bf16-tuned tiles overflow shared memory
     for key in ("BLOCK_M", "BLOCK_N"):
         value = cfg[key]
         if not isinstance(value, int) or value < 16 or value & (value - 1):

@@ -76,7 +76,8 @@ class Worker:
         if kv_dtype.itemsize == 1:
             scales = [torch.ones(shape[:2], dtype=torch.float32, device=self.device)
                       for _ in range(mcfg.num_hidden_layers)]
-        self.store = KVStore(caches, scales)
+        self.store = KVStore(caches, scales, {k: self.backend.kernel_config(k)
+                                              for k in ("mla_decode", "mla_extend")})
         self.layouts = make_layouts(self.comm, self.store, mcfg.kv_lora_rank)
         self.tables: dict[str, list[int]] = {}
         self.graphs: DecodeGraphs | None = None

@@ -122,10 +122,13 @@ class StepMeta:
 
 
 class KVStore:
-    """This rank's KV pools: one (P, PS, D) tensor per layer (+ fp8 scales (P, PS))."""
+    """This rank's KV pools: one (P, PS, D) tensor per layer (+ fp8 scales (P, PS)), and the
+    backend's launch parameters of the attention kernels (``backends/``' TUNING tables)."""
 
-    def __init__(self, caches: list[torch.Tensor], scales: list[torch.Tensor] | None) -> None:
+    def __init__(self, caches: list[torch.Tensor], scales: list[torch.Tensor] | None,
+                 configs: dict[str, dict] | None = None) -> None:
         self.caches, self.scales = caches, scales
+        self.configs = configs or {}
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.caches[i], (self.scales[i] if self.scales is not None else None)
@@ -143,9 +146,11 @@ def attend(
     cache, scale = store.layer(layer)
     if args["decode"]:
         return mla_decode(q, cache, args["block_table"], args["seq_lens"], sm_scale,
-                          kv_lora_rank, kv_scale=scale)
+                          kv_lora_rank, kv_scale=scale,
+                          config=store.configs.get("mla_decode") or None)
     return mla_extend(q, cache, args["block_table"], args["seq_lens"], args["q_start_loc"],
-                      sm_scale, kv_lora_rank, kv_scale=scale)
+                      sm_scale, kv_lora_rank, kv_scale=scale,
+                      config=store.configs.get("mla_extend") or None)
 
 
 class AttentionLayout(ABC):

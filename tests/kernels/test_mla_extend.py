@@ -156,3 +156,15 @@ def test_extend_rejects_bad_input(bad):
     mutate(args)
     with pytest.raises(ValueError, match=message):
         mla_extend(**args)
+
+
+def test_cuda_extend_table_is_the_launcher_default():
+    """The engine passes the backend's table; on CUDA it equals the launcher's own defaults."""
+    from splash.backends.base import _REGISTRY
+    from splash.kernels_triton.mla_extend import extend_config
+
+    gpu = torch.device("cuda")
+    table = _REGISTRY["cuda"].TUNING["mla_extend"]["default"]
+    assert extend_config(gpu, None) == extend_config(gpu, table)
+    # fp32 queries get the small tiles whatever the table says (shared memory)
+    assert extend_config(gpu, table, fp32_q=True)["BLOCK_N"] == 16
