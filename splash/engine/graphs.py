@@ -181,6 +181,7 @@ class DecodeGraphs:
             entry.ids.copy_(torch.tensor(padded.input_ids, dtype=torch.long), non_blocking=True)
         entry.graph.replay()
         self.replays += 1
+        logger.debug("rank %d: step %d replayed graph %s", self.rank, plan.step, key)
         return entry.hidden[: len(plan.request_ids)]
 
     def _capture(self, key: tuple, padded: StepPlan, meta: StepMeta,
