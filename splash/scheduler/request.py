@@ -15,7 +15,7 @@ class Status(str, Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler's membership tests stay O(1) per comparison
 class Request:
     request_id: str
     prompt_token_ids: list[int]
