@@ -92,7 +92,9 @@ def decode_config(
     applies when H > 32 and an ``fp8`` sub-dict (which may hold its own ``many_heads``) when the
     KV cache is fp8. Fills BLOCK_H (power of two >= 16, at most ``max_block_h``).
     ``transposed`` picks the tokens-on-M kernel (heads on the MMA's N side); ``fp8_fp16`` (fp8
-    KV only) runs the products on fp16 operands."""
+    KV only) runs the products on fp16 operands; ``warp_specialize`` asks Triton to split the
+    KV loop into producer (loads) and consumer (MMA) warps (Hopper autoWS; off by default:
+    not yet measured)."""
     cfg: dict[str, Any] = {}
 
     def apply(layer: dict[str, Any], nested: bool) -> None:
@@ -227,7 +229,7 @@ def mla_decode(
         BLOCK_L=V.next_pow2(L), BLOCK_R=V.next_pow2(R),
         IS_FP8=is_fp8,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 and not fp16_products else None,
-        FP8_FP16=fp16_products,
+        FP8_FP16=fp16_products, WARP_SPEC=bool(cfg.get("warp_specialize", False)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra,
     )
     if num_splits > 1:

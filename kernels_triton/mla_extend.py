@@ -64,6 +64,7 @@ def _mla_extend_kernel(
     IS_FP8: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP8_FP16: tl.constexpr,
+    WARP_SPEC: tl.constexpr,  # producer/consumer warps for the unmasked KV loop (autoWS)
 ):
     pid_h = tl.program_id(0)
     pid_m = num_m_blocks - 1 - tl.program_id(1)  # the longest (last) row blocks start first
@@ -99,7 +100,7 @@ def _mla_extend_kernel(
 
         # keys before the block's first position: visible to every row, no mask
         full_end = ((prefix + m0) // BLOCK_N) * BLOCK_N
-        for t0 in range(0, full_end, BLOCK_N):
+        for t0 in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPEC):
             m_i, l_i, acc = _attend_tile(
                 q_nope, q_rope, m_i, l_i, acc, q_pos, kv_ptr, scale_ptr, bt_row_ptr,
                 t0, seq_len, qk_scale,
@@ -239,7 +240,7 @@ def mla_extend(
         BLOCK_L=V.next_pow2(L), BLOCK_R=V.next_pow2(R),
         IS_FP8=is_fp8,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 and not fp16_products else None,
-        FP8_FP16=fp16_products,
+        FP8_FP16=fp16_products, WARP_SPEC=bool(cfg.get("warp_specialize", False)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out, lse

@@ -346,3 +346,20 @@ def test_fp8_fp16_is_the_cuda_default(heads, fp8):
     assert decode_module.decode_config(heads, gpu, None, fp8=True)["fp8_fp16"] is (heads <= 32)
     cpu_cfg = decode_module.decode_config(heads, torch.device("cpu"), None, fp8=True)
     assert cpu_cfg["fp8_fp16"] is False
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_warp_specialize_flag_keeps_results(device, transposed):
+    """``warp_specialize`` only changes how the KV loop is scheduled (a sweep option on Hopper):
+    the result is the reference's."""
+    gen = torch.Generator(device=device).manual_seed(11)
+    L_, R_, PS = 32, 16, 16
+    lens = torch.tensor([5, 40], dtype=torch.int32, device=device)
+    kv = torch.randn(8, PS, L_ + R_, generator=gen, device=device, dtype=torch.float32)
+    table = torch.arange(8, dtype=torch.int32, device=device).view(2, 4)
+    q = torch.randn(2, 16, L_ + R_, generator=gen, device=device, dtype=torch.float32)
+    cfg = {"warp_specialize": True, "transposed": transposed, "pv_heads_m": transposed}
+    out, lse = decode_module.mla_decode(q, kv, table, lens, 0.3, L_, num_splits=2, config=cfg)
+    ref_out, ref_lse = decode_module.mla_decode_ref(q, kv, table, lens, 0.3, L_)
+    torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
