@@ -1,0 +1,76 @@
+"""The padding a CUDA-graph decode step uses (splash/engine/graphs.py), on host data only:
+ghost rows get no KV slot and KV length 0, real rows keep theirs, and owner-held layouts pad
+every rank to the same row count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splash.engine.graphs import DecodeGraphs, batch_buckets
+from splash.engine.protocol import WORKER_PROTOCOL_VERSION, SeqSampling, StepPlan
+from splash.layouts.base import StepMeta
+from splash.layouts.ownership import LAYOUTS
+
+PS = 4
+
+
+class _Impl:  # what DecodeGraphs.pad reads of a layout implementation
+    def __init__(self, name: str) -> None:
+        self.layout = LAYOUTS[name]
+
+
+def _plan(owners: list[int], contexts: list[int]) -> StepPlan:
+    n = len(owners)
+    return StepPlan(
+        version=WORKER_PROTOCOL_VERSION, step=7, layout="tp",
+        request_ids=[f"r{i}" for i in range(n)], query_lens=[1] * n, context_lens=contexts,
+        owners=owners, input_ids=[5 + i for i in range(n)], positions=[c - 1 for c in contexts],
+        sample=[True] * n, sampling=[SeqSampling(0.0, 1.0, 0, None)] * n, output_index=[0] * n)
+
+
+def _graphs(world: int, rank: int = 0) -> DecodeGraphs:
+    return DecodeGraphs(lambda *a: None, rank, world, PS, torch.device("cpu"), max_batch=16,
+                        capture=False)
+
+
+def test_buckets_cover_every_batch_size():
+    buckets = batch_buckets(256)
+    assert buckets[:5] == [1, 2, 4, 8, 16] and buckets[-1] == 256
+    assert all(a < b for a, b in zip(buckets, buckets[1:]))
+    assert batch_buckets(5)[-1] == 5
+
+
+@pytest.mark.parametrize("layout", ["tp", "cp"])
+def test_ghosts_write_nothing_and_attend_nothing(layout):
+    world = 2
+    plan = _plan([0, 1, 0], [6, 9, 1])  # 3 requests -> padded to 4
+    padded = _graphs(world).pad(plan, _Impl(layout))
+    assert padded is not None and len(padded.request_ids) == 4
+    assert padded.sample == [True, True, True, False] and padded.context_lens[-1] == 0
+    tables = {"r0": [10, 11], "r1": [20, 21, 22], "r2": [30]}
+    for rank in range(world):
+        meta = StepMeta(padded, tables, rank, world, PS, torch.device("cpu"), table_width=4)
+        ref = StepMeta(plan, tables, rank, world, PS, torch.device("cpu"))
+        slots = meta.write_slots(LAYOUTS[layout], list(range(4))).tolist()
+        assert slots[:3] == ref.write_slots(LAYOUTS[layout], [0, 1, 2]).tolist()
+        assert slots[3] == -1  # a ghost never writes (it has no page on any rank)
+        args = meta.kernel_args(LAYOUTS[layout], list(range(4)))
+        assert args["seq_lens"].tolist()[3] == 0 and args["block_table"].shape[1] == 4
+
+
+def test_owner_layouts_pad_every_rank_to_the_same_rows():
+    plan = _plan([0, 0, 0, 1], [3, 3, 3, 3])  # rank 0 owns 3 rows, rank 1 owns 1
+    padded = _graphs(2).pad(plan, _Impl("dop"))
+    assert padded is not None
+    counts = [padded.owners.count(r) for r in range(2)]
+    assert counts == [4, 4]  # each rank padded to the bucket of the largest (3 -> 4)
+    assert padded.request_ids[:4] == plan.request_ids
+
+
+def test_not_padded_when_not_a_pure_decode_or_too_large():
+    g = _graphs(1)
+    prefill = StepPlan(WORKER_PROTOCOL_VERSION, 1, "tp", ["a"], [3], [3], [0], [1, 2, 3],
+                       [0, 1, 2], [True], [SeqSampling(0.0, 1.0, 0, None)], [0])
+    assert g.pad(prefill, _Impl("tp")) is None
+    assert g.pad(_plan([0] * 17, [2] * 17), _Impl("tp")) is None  # above max_batch 16
