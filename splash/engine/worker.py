@@ -151,6 +151,8 @@ class Worker:
         rows = torch.tensor([int(ends[b]) - 1 for b in picks], device=self.device)
         logits = self.model.compute_logits(hidden[rows])  # (n, V) fp32
         sp = [plan.sampling[b] for b in picks]
+        if all(s.temperature <= 0 for s in sp):  # all greedy: no parameter tensors, no sync
+            return logits.argmax(dim=-1).tolist()
         out = sample(
             logits,
             torch.tensor([s.temperature for s in sp]),
