@@ -103,13 +103,14 @@ def main() -> int:
     ap.add_argument("--max-output", type=int, default=32)
     ap.add_argument("--time-scale", type=float, default=0.0, help="arrival seconds x this")
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--ckpt", default=None, help="checkpoint dir (default: a tiny random V3)")
     ap.add_argument("--out", default="benchmarks/results/cpu/end_to_end_rollout.json")
     args = ap.parse_args()
     if args.backend == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from splash.model.presets import make_model
 
-    path = f"/tmp/splash-e2e-bench-{args.layers}"
+    path = args.ckpt or f"/tmp/splash-e2e-bench-{args.layers}"
     if not os.path.exists(os.path.join(path, "config.json")):
         make_model(path, "deepseek-v3", layers=args.layers, seed=0, scale="tiny")
     trace = scaled(get_trace(args.trace, seed=args.seed, n=args.n), args.max_prompt,

@@ -1,17 +1,53 @@
 #!/usr/bin/env bash
-# Every multi-GPU run of the multi-GPU issue, one command each, results under $OUT (device
-# tool) or benchmarks/results/multi-gpu. Usage: bash benchmarks/multi_gpu.sh [T]
+# The multi-GPU runs of the multi-GPU issue, results under $OUT (device tool) or
+# benchmarks/results/multi-gpu, one log per run beside its JSON.
+#
+#   bash benchmarks/multi_gpu.sh [T] [RUN ...]
+#
+# RUN: correctness capacity switch e2e sweep (default: all, in that order; a device call of
+# 10 minutes fits correctness + capacity, the others need a call each). A failing run does not
+# stop the next; RUN_TIMEOUT (seconds, default 560) bounds each one. CUDA graphs stay off at
+# T > 1 unless SPLASH_GRAPHS_MULTI_RANK=1 (docs/internals.md §4a).
 set -uo pipefail
 T=${1:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
+shift || true
+RUNS=${*:-correctness capacity switch e2e sweep}
 OUT=${OUT:-benchmarks/results/multi-gpu}
+RUN_TIMEOUT=${RUN_TIMEOUT:-560}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
-python3 benchmarks/multi_gpu.py correctness --tp "$T" --out-dir "$OUT"
-python3 benchmarks/multi_gpu.py capacity --tp "$T" --out-dir "$OUT"
-python3 benchmarks/switch_overhead.py --backend cuda --tp "$T" --batch 16 --prompt-len 32768 \
-    --rounds 3 --ckpt /tmp/splash-v3-shaped --out "$OUT/switch_overhead_tp$T.json"
-python3 benchmarks/end_to_end.py --backend cuda --tp "$T" --trace rollout --n 256 \
-    --max-prompt 8192 --max-output 8192 --out "$OUT/end_to_end_rollout_tp$T.json"
-python3 benchmarks/end_to_end.py --backend cuda --tp "$T" --trace stationary --n 128 \
-    --max-prompt 8192 --max-output 1024 --out "$OUT/end_to_end_stationary_tp$T.json"
-python3 benchmarks/multi_gpu.py sweep --tp "$T" --out-dir "$OUT"
+CKPT=/tmp/splash-v3-shaped
+
+ckpt() {  # the DeepSeek-V3-shaped checkpoint every GPU run uses (written once per machine)
+  python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import multi_gpu; \
+multi_gpu.build('$CKPT', 4, 32)" || exit 1
+}
+
+run() {  # name, command...
+  local name=$1
+  shift
+  echo "== $name (T=$T): $*"
+  timeout "$RUN_TIMEOUT" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 15 "$OUT/$name.log"
+  echo "== $name: exit $rc"
+}
+
+ckpt
+for r in $RUNS; do
+  case $r in
+    correctness|capacity|sweep)
+      run "$r" python3 benchmarks/multi_gpu.py "$r" --tp "$T" --out-dir "$OUT" ;;
+    switch)
+      run switch python3 benchmarks/switch_overhead.py --backend cuda --tp "$T" --batch 16 \
+        --prompt-len 32768 --rounds 3 --ckpt "$CKPT" --out "$OUT/switch_overhead_tp$T.json" ;;
+    e2e)
+      run e2e_rollout python3 benchmarks/end_to_end.py --backend cuda --tp "$T" --ckpt "$CKPT" \
+        --trace rollout --n 256 --max-prompt 8192 --max-output 8192 \
+        --out "$OUT/end_to_end_rollout_tp$T.json"
+      run e2e_stationary python3 benchmarks/end_to_end.py --backend cuda --tp "$T" \
+        --ckpt "$CKPT" --trace stationary --n 128 --max-prompt 8192 --max-output 1024 \
+        --out "$OUT/end_to_end_stationary_tp$T.json" ;;
+    *) echo "unknown run $r (correctness capacity switch e2e sweep)"; exit 2 ;;
+  esac
+done

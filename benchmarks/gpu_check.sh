@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One-GPU check after kernel or engine changes, results under $OUT (device tool) or
+# benchmarks/results/h200-check, one log per part beside its JSON.
+#
+#   bash benchmarks/gpu_check.sh [PART ...]
+#
+# PART: tests (GPU kernel + CUDA-graph tests, then the multi-rank tests with CUDA tensors over
+# gloo), engine (bf16 / fp8 KV vs fp32 transformers), kernels (benchmarks/kernels.py, no sweep),
+# moe (fused MoE, default config), offline (throughput vs transformers), profile (ncu).
+# Default: tests engine kernels moe offline (about 8 minutes on an H200).
+set -uo pipefail
+PARTS=${*:-tests engine kernels moe offline}
+OUT=${OUT:-benchmarks/results/h200-check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+
+part() {  # name, timeout, command...
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name: $*"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  grep -E "passed|failed|error|top1|\"batch\"|summary|Error" "$OUT/$name.log" | tail -n 12
+  echo "== $name: exit $rc"
+}
+
+for p in $PARTS; do
+  case $p in
+    tests)
+      part gpu_tests 200 env SPLASH_TEST_GPU=1 python3 -m pytest -q -m gpu -n 6 tests/kernels \
+        tests/reference/test_cuda_graphs.py
+      part dist_tests 150 env SPLASH_TEST_GPU=1 SPLASH_TEST_BACKEND=cuda SPLASH_DIST_BACKEND=gloo \
+        SPLASH_TEST_DTYPE=fp32 python3 -m pytest -q -n 8 tests/dist -k "not dead" ;;
+    engine) part engine 120 python3 benchmarks/gpu_engine_check.py --out "$OUT/engine_bf16.json" ;;
+    kernels) part kernels 300 python3 benchmarks/kernels.py --out "$OUT/kernels.json" --no-sweep ;;
+    moe) part moe 120 python3 benchmarks/moe_kernel.py --out "$OUT/moe_kernel.json" --no-sweep ;;
+    offline) part offline 240 python3 benchmarks/offline_throughput.py \
+      --out "$OUT/offline_throughput.json" ;;
+    profile) part profile 300 bash benchmarks/profile_kernels.sh "$OUT/profile" ;;
+    *) echo "unknown part $p (tests engine kernels moe offline profile)"; exit 2 ;;
+  esac
+done
