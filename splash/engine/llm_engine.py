@@ -58,6 +58,9 @@ class LLMEngine:
         params = params or SamplingParams()
         self._validate(prompt_token_ids, params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if not isinstance(rid, str) or not rid or not rid.isprintable():
+            # control characters are reserved (CUDA-graph padding rows use them)
+            raise InvalidRequestError(f"request id {rid!r} must be non-empty printable text")
         if rid in self.requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
         req = Request(rid, list(prompt_token_ids), params)

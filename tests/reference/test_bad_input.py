@@ -32,6 +32,14 @@ def test_bad_requests_raise_and_engine_keeps_serving(llm, prompt, params, match)
     assert llm.stats()["num_waiting"] == 0 and llm.stats()["kv_pages_used"] == [0]
 
 
+@pytest.mark.parametrize("rid", ["", "\x00ghost-0", "a\nb"])
+def test_request_ids_must_be_printable(llm, rid):
+    """Control characters are reserved for the engine's own padding rows (CUDA graphs)."""
+    with pytest.raises(InvalidRequestError, match="printable"):
+        llm.engine.add_request([1, 2], SamplingParams(max_tokens=1), request_id=rid)
+    assert llm.stats()["num_waiting"] == 0
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-1), "max_tokens"),
     (dict(temperature=-0.5), "temperature"), (dict(top_p=0.0), "top_p"),
