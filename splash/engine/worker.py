@@ -85,6 +85,8 @@ class Worker:
         if capture or envs.get("SPLASH_PAD_DECODE") == "1":
             self.graphs = DecodeGraphs(self._model_forward, cfg.rank, cfg.world, cfg.page_size,
                                        self.device, cfg.graph_max_batch, capture=capture)
+        for attn in self.model.attn_layers:  # graphs read the placed weights' addresses
+            attn.keep_placements = capture
 
     def _heads(self, layout: str) -> range:
         mcfg_heads = _num_heads(self.cfg.model)

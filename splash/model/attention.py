@@ -46,9 +46,12 @@ class MLAAttention:
         self.kv_a_layernorm = common["kv_a_layernorm"]  # (L,)
         if (self.q_a_proj is None) != (cfg.q_lora_rank is None):
             raise ConfigError("q_a_proj must be given exactly when q_lora_rank is set")
-        # one set of placed tensors per head range ever held, kept for the engine's life: a
-        # layout switch back to a range copies into the same memory, so CUDA graphs captured
-        # for the layouts of that placement stay valid (paper §G; docs/internals.md)
+        # keep_placements (set by a worker that replays CUDA graphs): one set of placed tensors
+        # per head range ever held, kept for the engine's life, so a layout switch back to a
+        # range copies into the same memory and the graphs captured for the layouts of that
+        # placement stay valid (paper §G; docs/internals.md §4a). Otherwise only the current
+        # range is held and a switch frees the previous one.
+        self.keep_placements = False
         self._buffers: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.set_placed(head_start, placed)
 
@@ -112,6 +115,8 @@ class MLAAttention:
         if not (0 <= head_start and h > 0 and head_start + h <= cfg.num_attention_heads):
             raise ConfigError(f"head range [{head_start}, {head_start + h}) outside "
                               f"[0, {cfg.num_attention_heads})")
+        if not self.keep_placements:
+            self._buffers = {k: v for k, v in self._buffers.items() if k == (head_start, h)}
         buf = self._buffers.get((head_start, h))
         if buf is None:
             buf = self._buffers[(head_start, h)] = {k: tensors[k] for k in PLACED_NAMES}

@@ -62,6 +62,7 @@ def test_returning_to_a_head_range_reuses_its_memory(tiny):
     cfg, weights = tiny
     H = cfg.num_attention_heads
     a = MLAAttention.from_weights(cfg, weights, 0, 0, H // 2)
+    a.keep_placements = True  # what a worker replaying CUDA graphs sets
     full = MLAAttention.from_weights(cfg, weights, 0, 0, H)
     first = {k: t.data_ptr() for k, t in a.placed_weights().items()}
     x, pos = torch.randn(3, cfg.hidden_size), torch.arange(3)
@@ -72,6 +73,16 @@ def test_returning_to_a_head_range_reuses_its_memory(tiny):
     a.set_placed(0, {k: t[: H // 2].clone() for k, t in back.items()})
     assert {k: t.data_ptr() for k, t in a.placed_weights().items()} == first
     torch.testing.assert_close(a.query(x, pos), want)
+
+
+@torch.no_grad()
+def test_without_graphs_a_switch_frees_the_previous_placement(tiny):
+    cfg, weights = tiny
+    H = cfg.num_attention_heads
+    a = MLAAttention.from_weights(cfg, weights, 0, 0, H // 2)
+    full = MLAAttention.from_weights(cfg, weights, 0, 0, H)
+    a.set_placed(0, full.placed_weights())
+    assert list(a._buffers) == [(0, H)]  # the H/2-head tensors are no longer held
 
 
 class _ThreadGroup:
