@@ -52,6 +52,27 @@ def _q_operand(q, IS_FP8: tl.constexpr, FP8_FP16: tl.constexpr):
 
 
 @triton.jit
+def _split_bounds(seq_len_ptr, pid_s, num_splits, BLOCK_N: tl.constexpr):
+    """[start, end) of split ``pid_s`` of a request (tile-aligned ranges) and ``full_end``, the
+    end of its full tiles (the rest is one masked tail tile)."""
+    seq_len = tl.load(seq_len_ptr).to(tl.int32)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = pid_s * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    full_end = start + (tl.maximum(end - start, 0) // BLOCK_N) * BLOCK_N
+    return start, end, full_end
+
+
+@triton.jit
+def _softmax_totals(m_i, l_i):
+    """The divisor (1 where no key was seen) and the natural-log lse (-inf there)."""
+    has_keys = l_i > 0.0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    return l_safe, lse
+
+
+@triton.jit
 def _load_kv_tile(
     kv_ptr, scale_ptr, bt_row_ptr, t0, end,
     stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss,
@@ -192,11 +213,8 @@ def _mla_decode_kernel(
     pid_s = tl.program_id(1)
     pid_n = tl.program_id(2)
 
-    seq_len = tl.load(seq_lens_ptr + pid_n * stride_sl).to(tl.int32)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N  # tile-aligned
-    start = pid_s * split_len
-    end = tl.minimum(start + split_len, seq_len)
-    full_end = start + (tl.maximum(end - start, 0) // BLOCK_N) * BLOCK_N
+    start, end, full_end = _split_bounds(seq_lens_ptr + pid_n * stride_sl, pid_s, num_splits,
+                                         BLOCK_N)
 
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
@@ -234,9 +252,7 @@ def _mla_decode_kernel(
             L, R, PAGE_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, True, IS_FP8, False, DOT_PRECISION,
         )
 
-    has_keys = l_i > 0.0
-    l_safe = tl.where(has_keys, l_i, 1.0)
-    lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    l_safe, lse = _softmax_totals(m_i, l_i)
     o_base = o_ptr + pid_s * stride_os + pid_n * stride_on
     out = acc / l_safe[:, None]  # (BLOCK_H, BLOCK_L)
     o_ptrs = o_base + offs_h[:, None] * stride_oh + offs_l[None, :] * stride_ol
@@ -369,11 +385,8 @@ def _mla_decode_tokens_m_kernel(
     pid_s = tl.program_id(1)
     pid_n = tl.program_id(2)
 
-    seq_len = tl.load(seq_lens_ptr + pid_n * stride_sl).to(tl.int32)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N  # tile-aligned
-    start = pid_s * split_len
-    end = tl.minimum(start + split_len, seq_len)
-    full_end = start + (tl.maximum(end - start, 0) // BLOCK_N) * BLOCK_N
+    start, end, full_end = _split_bounds(seq_lens_ptr + pid_n * stride_sl, pid_s, num_splits,
+                                         BLOCK_N)
 
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
@@ -415,9 +428,7 @@ def _mla_decode_tokens_m_kernel(
             PV_HEADS_M, KV_IN_REGS,
         )
 
-    has_keys = l_i > 0.0
-    l_safe = tl.where(has_keys, l_i, 1.0)
-    lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    l_safe, lse = _softmax_totals(m_i, l_i)
     if PV_HEADS_M:
         out = acc_t / l_safe[:, None]  # (BLOCK_H, BLOCK_L)
     else:
@@ -426,7 +437,3 @@ def _mla_decode_tokens_m_kernel(
     o_ptrs = o_base + offs_h[:, None] * stride_oh + offs_l[None, :] * stride_ol
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_l[None, :])
     tl.store(lse_ptr + pid_s * stride_ls + pid_n * stride_ln + offs_h * stride_lh, lse, mask=mask_h)
-
-
-# ---------------------------------------------------------------------------------------------
-# launcher

@@ -159,13 +159,16 @@ class DecodeGraphs:
         # from the plan, not this rank's tables, so every rank picks the same key (a rank that
         # captured while another replayed would run its collectives a different number of times)
         width = _next_pow2(max(-(-max(plan.context_lens) // self.page_size), 1))
-        meta = StepMeta(padded, tables, self.rank, self.world, self.page_size, self.device,
+        key = (impl.layout.name, len(padded.request_ids), width)
+        entry = self.graphs.get(key) if self.capture else None
+        # a replay builds the step's inputs on the host and copies them straight into the
+        # graph's buffers; eager runs and captures build them on the device
+        meta = StepMeta(padded, tables, self.rank, self.world, self.page_size,
+                        torch.device("cpu") if entry is not None else self.device,
                         table_width=width)
         if not self.capture:
             ids = torch.tensor(padded.input_ids, dtype=torch.long, device=self.device)
             return self.forward(ids, meta, impl)[: len(plan.request_ids)]
-        key = (impl.layout.name, len(padded.request_ids), width)
-        entry = self.graphs.get(key)
         if entry is None:
             entry = self._capture(key, padded, meta, impl)
             if entry is None:

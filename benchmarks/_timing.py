@@ -1,0 +1,45 @@
+"""Timing helpers and same-run ceilings shared by the GPU benchmarks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from triton.testing import do_bench, do_bench_cudagraph
+
+
+def bench(fn, rep: int = 60, warmup: int = 15) -> float:
+    """Eager median (ms), L2 flushed between repetitions."""
+    return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def bench_both(fn, rep: int = 30) -> dict[str, Any]:
+    """``{"ms": CUDA-graph median, "ms_eager": eager median}`` (ms). The eager run comes first and
+    doubles as the warm-up (compilation, allocator pools), so the capture only records launches;
+    a failed capture leaves ``ms`` = the eager time and ``graph_error``."""
+    eager = bench(fn, rep=rep)
+    out: dict[str, Any] = {"ms_eager": eager}
+    try:
+        fn()
+        torch.cuda.synchronize()
+        out["ms"] = float(do_bench_cudagraph(fn, rep=max(10, rep // 2), return_mode="median"))
+    except Exception as exc:  # noqa: BLE001 - report and keep the eager figure
+        torch.cuda.synchronize()
+        out["ms"] = eager
+        out["graph_error"] = repr(exc)[:300]
+    return out
+
+
+def matmul_peak(dev: torch.device, rep: int = 60) -> float:
+    """bf16 8192^3 torch matmul TFLOP/s."""
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    return 2 * 8192**3 / bench(lambda: a @ b, rep=rep) / 1e9
+
+
+def ceilings(dev: torch.device) -> dict[str, float]:
+    """Device copy bandwidth (read + write of a 2 GiB clone) and the bf16 matmul peak."""
+    x = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
+    copy_ms = bench(x.clone)
+    del x
+    return {"copy_GBps": 2 * (2 << 30) / copy_ms / 1e6, "matmul_TFLOPs": matmul_peak(dev)}
