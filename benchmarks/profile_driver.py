@@ -97,10 +97,11 @@ def kernel_info() -> list[dict[str, Any]]:
     the JIT cache layout differs across Triton versions)."""
     import splash.kernels_triton.fused_moe as moe
     import splash.kernels_triton.mla_decode_kernels as dk
+    import splash.kernels_triton.mla_decode_tokens_m as tk
     import splash.kernels_triton.mla_extend as ek
 
     out = []
-    fns = [dk._mla_decode_kernel, dk._mla_decode_tokens_m_kernel, ek._mla_extend_kernel,
+    fns = [dk._mla_decode_kernel, tk._mla_decode_tokens_m_kernel, ek._mla_extend_kernel,
            moe._moe_gemm_kernel]
     for fn in fns:
         caches = getattr(fn, "device_caches", None) or getattr(fn, "cache", None) or {}

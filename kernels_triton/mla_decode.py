@@ -43,12 +43,8 @@ import triton
 
 from splash.kernels_triton import _validate as V
 from splash.kernels_triton.lse_merge import _merge_into
-from splash.kernels_triton.mla_decode_kernels import (
-    _LOG2E,
-    _MAX_SPLITS,
-    _mla_decode_kernel,
-    _mla_decode_tokens_m_kernel,
-)
+from splash.kernels_triton.mla_decode_kernels import _LOG2E, _MAX_SPLITS, _mla_decode_kernel
+from splash.kernels_triton.mla_decode_tokens_m import _mla_decode_tokens_m_kernel
 
 _GPU_DEFAULTS: dict[str, Any] = {
     # mirrors backends/cuda.py's TUNING["mla_decode"] (measured on H200,
