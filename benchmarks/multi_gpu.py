@@ -49,27 +49,36 @@ def _prompts(batch: int, length: int, seed: int = 0) -> list[list[int]]:
 
 
 def correctness(args) -> dict:
+    """fp32 tokens of T ranks (each layout, then the 12-direction circuit) against T=1: bf16
+    near-ties on random weights make bf16 token identity meaningless."""
     from splash import LLM, SamplingParams
 
     prompts = _prompts(6, 300) + _prompts(2, 2000, seed=1)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    with LLM(args.model, tp_size=1) as llm:
+    kw = {"dtype": "fp32", "enforce_eager": args.enforce_eager}
+    with LLM(args.model, tp_size=1, **kw) as llm:
         ref = [o.token_ids for o in llm.generate(prompts, params)]
-    out = {"tp": args.tp, "layouts": {}, "switching": None}
+    out = {"tp": args.tp, "dtype": "fp32", "layouts": {}, "switching": None}
     for layout in ("tp", "dp", "cp", "dop"):
-        with LLM(args.model, tp_size=args.tp, layout=layout) as llm:
+        with LLM(args.model, tp_size=args.tp, layout=layout, **kw) as llm:
             got = [o.token_ids for o in llm.generate(prompts, params)]
+            st = llm.stats()
         out["layouts"][layout] = {"identical_requests": sum(a == b for a, b in zip(got, ref)),
-                                  "requests": len(ref)}
+                                  "requests": len(ref), "graph_steps": st["graph_steps"],
+                                  "steps": st["num_steps"]}
+        print(layout, out["layouts"][layout], flush=True)
     plan = [(2 + i, d) for i, d in enumerate(CIRCUIT[1:])]
-    with LLM(args.model, tp_size=args.tp, layout="tp") as llm:
+    with LLM(args.model, tp_size=args.tp, layout="tp", **kw) as llm:
         got = [o.token_ids for o in llm.generate(prompts, params, layout_plan=plan)]
-        switches = llm.stats()["switches"]
+        st = llm.stats()
+        switches = st["switches"]
     out["switching"] = {"identical_requests": sum(a == b for a, b in zip(got, ref)),
+                        "requests": len(ref), "graph_steps": st["graph_steps"],
                         "directions": [(s["from"], s["to"]) for s in switches],
                         "bytes_match_manifest": all(
                             s["kv_bytes_received_per_rank"] == s["predicted_kv_bytes_per_rank"]
                             for s in switches)}
+    print("circuit", out["switching"], flush=True)
     return out
 
 
@@ -117,12 +126,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("run", choices=["correctness", "sweep", "capacity"])
     ap.add_argument("--tp", type=int, default=torch.cuda.device_count())
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--out-dir", default=os.environ.get("OUT", "benchmarks/results/multi-gpu"))
     args = ap.parse_args()
-    args.model = args.model or build("/tmp/splash-v3-shaped", args.layers, args.experts)
+    args.model = args.model or build(f"/tmp/splash-v3-{args.layers}l", args.layers, args.experts)
     result = {"correctness": correctness, "sweep": sweep, "capacity": capacity}[args.run](args)
     result.update(run=args.run, date=datetime.date.today().isoformat(),
                   gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(),

@@ -4,23 +4,22 @@
 #
 #   bash benchmarks/multi_gpu.sh [T] [RUN ...]
 #
-# RUN: correctness capacity switch e2e sweep (default: all, in that order; a device call of
-# 10 minutes fits correctness + capacity, the others need a call each). A failing run does not
-# stop the next; RUN_TIMEOUT (seconds, default 560) bounds each one. CUDA graphs stay off at
-# T > 1 unless SPLASH_GRAPHS_MULTI_RANK=1 (docs/internals.md §4a).
+# RUN: correctness roofline capacity switch e2e sweep (default: all, in that order; a device
+# call of 10 minutes fits correctness + capacity, the others need a call each). A failing run
+# does not stop the next; RUN_TIMEOUT (seconds, default 560) bounds each one.
 set -uo pipefail
 T=${1:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
 shift || true
-RUNS=${*:-correctness capacity switch e2e sweep}
+RUNS=${*:-correctness roofline capacity switch e2e sweep}
 OUT=${OUT:-benchmarks/results/multi-gpu}
 RUN_TIMEOUT=${RUN_TIMEOUT:-560}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
-CKPT=/tmp/splash-v3-shaped
+CKPT=/tmp/splash-v3-8l
 
 ckpt() {  # the DeepSeek-V3-shaped checkpoint every GPU run uses (written once per machine)
   python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import multi_gpu; \
-multi_gpu.build('$CKPT', 4, 32)" || exit 1
+multi_gpu.build('$CKPT', 8, 32)" || exit 1
 }
 
 run() {  # name, command...
@@ -38,6 +37,9 @@ for r in $RUNS; do
   case $r in
     correctness|capacity|sweep)
       run "$r" python3 benchmarks/multi_gpu.py "$r" --tp "$T" --out-dir "$OUT" ;;
+    roofline)
+      run roofline python3 benchmarks/step_roofline.py --tp "$T" --model "$CKPT" \
+        --out "$OUT/step_roofline.json" ;;
     switch)
       run switch python3 benchmarks/switch_overhead.py --backend cuda --tp "$T" --batch 16 \
         --prompt-len 32768 --rounds 3 --ckpt "$CKPT" --out "$OUT/switch_overhead_tp$T.json" ;;
@@ -48,6 +50,6 @@ for r in $RUNS; do
       run e2e_stationary python3 benchmarks/end_to_end.py --backend cuda --tp "$T" \
         --ckpt "$CKPT" --trace stationary --n 128 --max-prompt 8192 --max-output 1024 \
         --out "$OUT/end_to_end_stationary_tp$T.json" ;;
-    *) echo "unknown run $r (correctness capacity switch e2e sweep)"; exit 2 ;;
+    *) echo "unknown run $r (correctness roofline capacity switch e2e sweep)"; exit 2 ;;
   esac
 done

@@ -17,9 +17,6 @@ _DEFAULTS: dict[str, str] = {
     # "1": pad decode steps with ghost rows as CUDA graphs do, but run them eagerly (tests the
     # padding on backends without graphs, e.g. the CPU suite)
     "SPLASH_PAD_DECODE": "",
-    # "1": CUDA graphs for decode steps also at T>1 over NCCL (off by default: the first try on
-    # 2 x H200 hung; docs/internals.md §4a says what to check)
-    "SPLASH_GRAPHS_MULTI_RANK": "",
     "SPLASH_TOKEN": "",  # shared secret of `splash serve` and its clients (required off loopback)
 }
 

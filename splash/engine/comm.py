@@ -1,12 +1,18 @@
 """Collectives a worker uses, over torch.distributed (nccl / rccl / gloo).
 
-Two process groups: ``group`` for the forward (all-reduce, all-gather, all-to-all) and
+Process groups: ``group`` for the eager forward (all-reduce, all-gather, all-to-all) and
 ``xfer_group`` for switch transfers, so a layer's transfer can run while another layer's
-forward collectives proceed (a separate NCCL communicator is a separate stream).
+forward collectives proceed (a separate NCCL communicator is a separate stream). A worker that
+replays CUDA graphs adds a third, used only while capturing (``graph_group()``, then
+``capturing()``): collectives baked into graphs then run on a communicator that eager code
+never touches, as the serving engines that capture NCCL do.
 With world == 1 every collective is the identity and torch.distributed is never touched.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -23,6 +29,31 @@ class Comm:
         if world > 1 and use_dist:
             self.group = dist.group.WORLD
             self.xfer_group = dist.new_group(list(range(world)))
+        self._graph_group = None
+
+    def make_graph_group(self) -> None:
+        """Create the capture-only group (collective: every rank calls it at the same point)."""
+        if self.group is not None and self._graph_group is None:
+            self._graph_group = dist.new_group(list(range(self.world)))
+
+    @contextmanager
+    def capturing(self) -> Iterator[None]:
+        """Forward collectives go to the capture-only group inside this block."""
+        saved = self.group
+        if self._graph_group is not None:
+            self.group = self._graph_group
+        try:
+            yield
+        finally:
+            self.group = saved
+
+    def all_agree(self, ok: bool, device: torch.device) -> bool:
+        """True on every rank iff ``ok`` is true on every rank (an eager MIN all-reduce)."""
+        if self.world == 1:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self.world > 1:

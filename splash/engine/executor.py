@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import gc
 import multiprocessing as mp
+import os
+import signal
 import socket
 import time
 from dataclasses import replace
@@ -110,9 +112,20 @@ class MPExecutor:
                 raise WorkerDiedError(f"worker(s) {dead} exited (codes {codes}) during {what}")
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.world)) - set(got))
+                self._dump_stacks(missing)
                 raise WorkerDiedError(f"worker(s) {missing} did not answer within "
                                       f"{timeout_s:.0f} s during {what}")
         return [got[r] for r in range(self.world)]
+
+    def _dump_stacks(self, ranks: list[int]) -> None:
+        """Ask silent workers to print every thread's Python stack to their stderr."""
+        if not hasattr(signal, "SIGUSR1"):
+            return
+        for r in ranks:
+            if r < len(self.procs) and self.procs[r].is_alive():
+                os.kill(self.procs[r].pid, signal.SIGUSR1)
+        logger.error("worker(s) %s silent: their stacks follow on stderr", ranks)
+        time.sleep(0.5)
 
     def execute(self, plans: list[StepPlan]) -> list[StepResult]:
         for rank, plan in enumerate(plans):

@@ -22,6 +22,13 @@ captured graph of the whole model forward instead:
 - Graphs are captured lazily, the first time a key is seen (logged with its capture time), into
   one shared memory pool (replays never overlap; each replay's output is consumed before the
   next), and the least recently used are dropped past ``max_graphs``.
+- **Several ranks** (NCCL): every rank derives the same key from the same plan, so all capture
+  and replay together. Collectives inside graphs use a communicator of their own (warmed up by
+  the eager warm-up forward before capture, since NCCL connects lazily); capture uses
+  ``thread_local`` error mode so other threads' CUDA calls (the NCCL watchdog, switch transfers)
+  cannot invalidate it; after capturing, the ranks agree (an eager all-reduce) that every one
+  succeeded, and otherwise all drop the graph, log why and run eagerly from then on. A rank
+  never replays a graph its peers do not.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from typing import Any
 import msgspec
 import torch
 
+from splash.engine.comm import Comm
 from splash.engine.protocol import StepPlan
 from splash.layouts.base import AttentionLayout, StepMeta
 from splash.layouts.ownership import KVPlacement
@@ -98,10 +106,13 @@ class _Graph:
 class DecodeGraphs:
     """Captures and replays decode-step graphs for one worker (see the module docstring)."""
 
-    def __init__(self, forward: Forward, rank: int, world: int, page_size: int,
+    def __init__(self, forward: Forward, comm: Comm, page_size: int,
                  device: torch.device, max_batch: int = 256, max_graphs: int = 96,
                  capture: bool = True) -> None:
-        self.forward, self.rank, self.world = forward, rank, world
+        self.forward, self.comm = forward, comm
+        self.rank, self.world = comm.rank, comm.world
+        if capture:
+            comm.make_graph_group()
         self.page_size, self.device = page_size, device
         self.buckets = batch_buckets(max_batch)
         self.max_graphs, self.capture = max_graphs, capture
@@ -194,21 +205,27 @@ class DecodeGraphs:
             self.pool = torch.cuda.graph_pool_handle()
         ids = torch.tensor(padded.input_ids, dtype=torch.long, device=self.device)
         inputs = meta.inputs(impl)  # the static buffers from now on
-        try:
+        graph, hidden, error = torch.cuda.CUDAGraph(), None, ""
+        with self.comm.capturing():
+            # warm-up on a side stream: compiles kernels, connects the capture group's peers,
+            # idempotent KV writes. A failure here is a failure of the step itself.
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):  # warm-up: compiles kernels, idempotent KV writes
+            with torch.cuda.stream(stream):
                 self.forward(ids, meta, impl)
             torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                hidden = self.forward(ids, meta, impl)
-        except Exception:
-            if self.world > 1:
-                raise  # ranks must not diverge (a collective would hang): report the step
-            logger.exception("CUDA graph capture failed for %s; decode steps run eagerly", key)
+            try:  # nothing executes while capturing, so a failed rank blocks no peer
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                    hidden = self.forward(ids, meta, impl)
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+        if not self.comm.all_agree(not error, self.device):
+            logger.warning("CUDA graph capture failed for %s (%s); decode steps run eagerly "
+                           "from now on", key, error or "on another rank")
             self.disabled = True
+            self.graphs.clear()
             return None
+        assert hidden is not None
         entry = _Graph(graph, ids, meta.positions, inputs, hidden)
         self.graphs[key] = entry
         while len(self.graphs) > self.max_graphs:

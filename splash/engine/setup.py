@@ -140,17 +140,13 @@ class EngineSetup:
 
     @property
     def cuda_graphs(self) -> bool:
-        """Decode steps from CUDA graphs: CUDA at T=1, off with enforce_eager. T>1 stays eager
-        unless SPLASH_GRAPHS_MULTI_RANK=1 (NCCL only): on 2 x H200 a TP engine's first captured
-        decode step hung (docs/internals.md §4a); gloo collectives cannot be captured at all."""
+        """Decode steps from CUDA graphs: on CUDA unless enforce_eager; at T>1 only over NCCL
+        (gloo collectives, used to run several ranks on one GPU, cannot be captured)."""
         from splash import envs
 
         if self.backend_name != "cuda" or self.cfg.enforce_eager:
             return False
-        if self.cfg.tp_size == 1:
-            return True
-        return (envs.get("SPLASH_GRAPHS_MULTI_RANK") == "1"
-                and (envs.get("SPLASH_DIST_BACKEND") or "nccl") == "nccl")
+        return self.cfg.tp_size == 1 or (envs.get("SPLASH_DIST_BACKEND") or "nccl") == "nccl"
 
     def start_executor(self):
         from splash.engine.executor import ExternalExecutor, InprocExecutor, MPExecutor

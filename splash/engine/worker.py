@@ -83,7 +83,7 @@ class Worker:
         self.graphs: DecodeGraphs | None = None
         capture = cfg.cuda_graphs and self.device.type == "cuda"
         if capture or envs.get("SPLASH_PAD_DECODE") == "1":
-            self.graphs = DecodeGraphs(self._model_forward, cfg.rank, cfg.world, cfg.page_size,
+            self.graphs = DecodeGraphs(self._model_forward, self.comm, cfg.page_size,
                                        self.device, cfg.graph_max_batch, capture=capture)
         for attn in self.model.attn_layers:  # graphs read the placed weights' addresses
             attn.keep_placements = capture

@@ -7,7 +7,9 @@ leaves the group unusable; the controller fails the in-flight requests).
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import traceback
 
 import zmq
@@ -58,6 +60,8 @@ def _serve(cfg, ctx, sock) -> None:
     from splash.engine.worker import Worker
 
     parent = os.getppid()
+    if hasattr(signal, "SIGUSR1"):  # the controller asks a silent worker for its stacks
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         worker = Worker(cfg)
     except Exception as e:  # report start-up failures instead of dying silently

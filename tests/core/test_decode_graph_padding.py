@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from splash.engine.comm import Comm
 from splash.engine.graphs import DecodeGraphs, batch_buckets
 from splash.engine.protocol import WORKER_PROTOCOL_VERSION, SeqSampling, StepPlan
 from splash.layouts.base import StepMeta
@@ -30,8 +31,8 @@ def _plan(owners: list[int], contexts: list[int]) -> StepPlan:
 
 
 def _graphs(world: int, rank: int = 0) -> DecodeGraphs:
-    return DecodeGraphs(lambda *a: None, rank, world, PS, torch.device("cpu"), max_batch=16,
-                        capture=False)
+    return DecodeGraphs(lambda *a: None, Comm(rank, world, use_dist=False), PS,
+                        torch.device("cpu"), max_batch=16, capture=False)
 
 
 def test_buckets_cover_every_batch_size():

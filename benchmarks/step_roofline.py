@@ -1,0 +1,212 @@
+"""Time per decode step against its bytes roofline, T=1 and T=T for every layout.
+
+    python benchmarks/step_roofline.py --tp 2 --out benchmarks/results/h200x2/step_roofline.json
+
+For each (tp, layout, batch, context) the engine serves ``batch`` requests whose prompts are
+``context`` tokens long; once every request decodes, ``--steps`` decode steps are timed (wall
+time of ``LLMEngine.step``: host work included) after ``--warmup`` steps (graph captures).
+``host_ms`` is the part of a step spent outside the workers (schedule, plans, update).
+
+``roofline_ms`` = bytes the busiest rank must read in that step / the same run's copy bandwidth:
+its weights (attention projections as the layout places them, its MoE shard counting only the
+experts the batch's routing is expected to hit, dense MLP shards, the LM head on rank 0, which
+samples), and the KV it reads (every token it attends, every layer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+from _results import save_json  # noqa: E402  (benchmarks/ is on sys.path)
+
+from splash import LLM, SamplingParams
+from splash.layouts.memory import MemoryModel
+from splash.layouts.ownership import LAYOUTS, KVPlacement
+from splash.model.config import ModelConfig
+
+
+def copy_gbps(device: str) -> float:
+    """Device-to-device copy, bytes read + written per second (GB/s)."""
+    if device != "cuda":
+        return 0.0
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    return 2 * a.numel() * 20 / (time.perf_counter() - t0) / 1e9
+
+
+def roofline_bytes(cfg: ModelConfig, layout: str, tp: int, batch: int, context: int,
+                   wdtype: str, kvdtype: str) -> int:
+    """Bytes the busiest rank reads in one decode step (see the module docstring)."""
+    lay = LAYOUTS[layout]
+    mm = MemoryModel(cfg, tp, wdtype, kvdtype)
+    wb = mm._wb
+    total = mm.projection_bytes_per_rank(lay)
+    c = cfg
+    per_layer_repl = c.hidden_size * (c.kv_lora_rank + c.qk_rope_head_dim)
+    if c.q_lora_rank:
+        per_layer_repl += c.hidden_size * c.q_lora_rank
+    total += per_layer_repl * c.num_hidden_layers * wb
+    # rows this rank computes MLP for: all rows (MLP is tensor-parallel beneath every layout)
+    for layer in range(c.num_hidden_layers):
+        if c.is_moe_layer(layer):
+            e, k = c.n_routed_experts, c.num_experts_per_tok
+            hit = e * (1 - (1 - k / e) ** batch)  # expected distinct experts the batch routes to
+            experts = hit + (c.n_shared_experts or 0)
+            total += int(experts * 3 * c.hidden_size * c.moe_intermediate_size * wb / tp)
+            total += c.n_routed_experts * c.hidden_size * wb  # router
+        else:
+            total += 3 * c.hidden_size * c.intermediate_size * wb // tp
+    total += c.vocab_size * c.hidden_size * wb  # LM head: rank 0 samples every row
+    tokens = batch * context
+    if lay.kv is KVPlacement.OWNED:
+        held = -(-batch // tp) * context
+    elif lay.kv is KVPlacement.POSITION_SHARDED:
+        held = -(-tokens // tp)
+    else:
+        held = tokens
+    total += held * mm.kv_bytes_per_token
+    return total
+
+
+def measure(llm: LLM, batch: int, context: int, steps: int, warmup: int,
+            vocab: int, seed: int) -> dict:
+    eng = llm.engine
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(10, min(vocab, 30000), (batch, context), generator=g).tolist()
+    params = SamplingParams(max_tokens=warmup + steps + 2, temperature=0.0, ignore_eos=True)
+    ids = [eng.add_request(p, params) for p in prompts]
+    executor, inner = eng.executor, eng.executor.execute
+    worker_s: list[float] = []
+
+    def timed(plans):
+        t0 = time.perf_counter()
+        out = inner(plans)
+        worker_s.append(time.perf_counter() - t0)
+        return out
+
+    executor.execute = timed
+    decode: list[tuple[float, float]] = []
+    graph_before = eng.stats()["graph_steps"]
+    try:
+        pending = set(ids)
+        while pending:
+            decoding = all(r.num_computed >= r.num_tokens - 1 for r in eng.scheduler.running) \
+                and len(eng.scheduler.running) == batch
+            worker_s.clear()
+            t0 = time.perf_counter()
+            for out in eng.step():
+                if out.finished:
+                    pending.discard(out.request_id)
+            dt = time.perf_counter() - t0
+            if decoding and len(pending) == batch:
+                decode.append((dt, dt - sum(worker_s)))
+    finally:
+        executor.execute = inner
+    timed_steps = decode[warmup:warmup + steps]
+    graphs = eng.stats()["graph_steps"] - graph_before
+    return {"step_ms": 1e3 * statistics.median(d for d, _ in timed_steps),
+            "host_ms": 1e3 * statistics.median(h for _, h in timed_steps),
+            "decode_steps_timed": len(timed_steps), "graph_steps": graphs}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--tp", type=int, default=max(torch.cuda.device_count(), 1))
+    ap.add_argument("--backend", default="cuda")
+    ap.add_argument("--model", default=None, help="checkpoint (default: V3-shaped, 8 layers)")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--contexts", default="1024,8192")
+    ap.add_argument("--max-tokens-per-point", type=int, default=600_000,
+                    help="skip points whose batch x context exceeds this (prefill time)")
+    ap.add_argument("--runs", default="", help="subset, e.g. '1:tp,2:dop' (default: all)")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
+                                                  "step_roofline.json"))
+    args = ap.parse_args()
+    if args.model is None:
+        sys.path.insert(0, os.path.dirname(__file__))
+        import multi_gpu
+
+        args.model = multi_gpu.build(f"/tmp/splash-v3-{args.layers}l", args.layers, args.experts)
+    cfg = ModelConfig.from_hf(args.model)
+    gbps = copy_gbps(args.backend)
+    runs = [(1, "tp")] + [(args.tp, lay) for lay in ("tp", "dp", "cp", "dop")] if args.tp > 1 \
+        else [(1, "tp")]
+    if args.runs:
+        runs = [(int(t), lay) for t, lay in (r.split(":") for r in args.runs.split(","))]
+    points = [(b, c) for c in map(int, args.contexts.split(","))
+              for b in map(int, args.batches.split(","))]
+    rows, skipped = [], []
+    for tp, layout in runs:
+        t0 = time.perf_counter()
+        with LLM(args.model, tp_size=tp, backend=args.backend, layout=layout,
+                 enforce_eager=args.enforce_eager) as llm:
+            eng = llm.engine
+            start_s = time.perf_counter() - t0
+            for i, (batch, context) in enumerate(points):
+                if batch * context > args.max_tokens_per_point:
+                    skipped.append({"tp": tp, "layout": layout, "batch": batch,
+                                    "context": context, "why": "prefill too long for one call"})
+                    continue
+                rec = {"tp": tp, "layout": layout, "batch": batch, "context": context,
+                       "graphs": bool(eng.setup.cuda_graphs)}
+                try:
+                    rec.update(measure(llm, batch, context, args.steps, args.warmup,
+                                       cfg.vocab_size, seed=i))
+                except Exception as e:  # a point that does not fit is a result
+                    rec["error"] = f"{type(e).__name__}: {e}"[:300]
+                    print(json.dumps(rec), flush=True)
+                    rows.append(rec)
+                    if not eng.is_healthy():
+                        break
+                    continue
+                wbytes = roofline_bytes(cfg, layout, tp, batch, context, eng.setup.dtype,
+                                        eng.setup.kv_dtype)
+                rec["bytes_busiest_rank"] = wbytes
+                if gbps:
+                    rec["roofline_ms"] = wbytes / (gbps * 1e9) * 1e3
+                    rec["pct_roofline"] = 100 * rec["roofline_ms"] / rec["step_ms"]
+                print(json.dumps(rec), flush=True)
+                rows.append(rec)
+            print(json.dumps({"tp": tp, "layout": layout, "start_s": start_s,
+                              "total_s": time.perf_counter() - t0}), flush=True)
+    best = {}
+    for r in rows:
+        if "step_ms" in r and r["tp"] > 1:
+            k = (r["batch"], r["context"])
+            best[k] = min(best.get(k, float("inf")), r["step_ms"])
+    t1 = {(r["batch"], r["context"]): r["step_ms"] for r in rows
+          if r["tp"] == 1 and "step_ms" in r}
+    ratio = [{"batch": b, "context": c, "best_tp_step_ms": v, "t1_step_ms": t1[(b, c)],
+              "ratio": v / t1[(b, c)]} for (b, c), v in sorted(best.items()) if (b, c) in t1]
+    result = {"rows": rows, "skipped": skipped, "best_layout_vs_t1": ratio,
+              "copy_GBps": gbps, "model": os.path.basename(args.model.rstrip("/")),
+              "layers": cfg.num_hidden_layers, "experts": cfg.n_routed_experts,
+              "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+              "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+              "gpus": torch.cuda.device_count()}
+    save_json(args.out, result)
+    print(json.dumps({"best_layout_vs_t1": ratio}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
