@@ -16,7 +16,7 @@ import torch
 import zmq
 
 from splash import envs
-from splash.engine.protocol import StepPlan, StepResult, WorkerReady, decode_result, encode
+from splash.core.protocol import StepPlan, StepResult, WorkerReady, decode_result, encode
 from splash.engine.worker import Worker, worker_main
 from splash.engine.worker_config import WorkerConfig
 from splash.errors import WorkerDiedError
@@ -145,7 +145,7 @@ class MPExecutor:
 
 
 def _shutdown_plan() -> StepPlan:
-    from splash.engine.protocol import WORKER_PROTOCOL_VERSION
+    from splash.core.protocol import WORKER_PROTOCOL_VERSION
 
     return StepPlan(WORKER_PROTOCOL_VERSION, -1, "tp", [], [], [], [], [], [], [], [], [],
                     shutdown=True)
@@ -161,7 +161,7 @@ class ExternalExecutor(MPExecutor):
 
         import msgspec
 
-        from splash.engine.protocol import WorkerHello
+        from splash.core.protocol import WorkerHello
 
         self.world = cfg.world
         self.timeout_s = envs.get_float("SPLASH_WORKER_TIMEOUT_S")

@@ -36,9 +36,9 @@ from typing import Any
 import msgspec
 import torch
 
-from splash.engine.protocol import StepPlan
+from splash.core.ownership import KVPlacement
+from splash.core.protocol import StepPlan
 from splash.layouts.base import AttentionLayout, StepMeta
-from splash.layouts.ownership import KVPlacement
 
 logger = logging.getLogger("splash.graphs")
 

@@ -10,6 +10,7 @@ import itertools
 import time
 from typing import Any
 
+from splash.core.request import Request, Status
 from splash.engine.config import EngineConfig
 from splash.engine.plans import build_plans
 from splash.engine.setup import EngineSetup
@@ -18,7 +19,6 @@ from splash.errors import InvalidRequestError, WorkerDiedError
 from splash.logging_utils import get_logger
 from splash.outputs import RequestOutput
 from splash.sampling_params import SamplingParams
-from splash.scheduler.request import Request, Status
 
 logger = get_logger("splash.engine")
 

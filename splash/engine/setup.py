@@ -9,15 +9,15 @@ import os
 import sys
 
 from splash.backends import get_backend
+from splash.core.allocator import RankAllocators
+from splash.core.memory import MemoryModel
+from splash.core.ownership import LAYOUTS, KVPlacement, Layout, fitting_layouts, get_layout
 from splash.engine.config import EngineConfig
+from splash.engine.scheduler import Scheduler, SchedulerConfig
 from splash.engine.worker_config import WorkerConfig
 from splash.errors import ConfigError, LayoutInfeasibleError
-from splash.kv.allocator import RankAllocators
-from splash.layouts.memory import MemoryModel
-from splash.layouts.ownership import LAYOUTS, KVPlacement, Layout, fitting_layouts, get_layout
 from splash.logging_utils import get_logger
 from splash.model.config import ModelConfig
-from splash.scheduler.scheduler import Scheduler, SchedulerConfig
 
 logger = get_logger("splash.engine")
 

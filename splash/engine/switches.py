@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from splash.layouts.ownership import get_layout
+from splash.core.ownership import get_layout
 from splash.logging_utils import get_logger
 from splash.switching.manifest import SwitchManifest, build_manifest
 

@@ -16,13 +16,13 @@ import torch.distributed as dist
 
 from splash import envs
 from splash.backends import get_backend
-from splash.engine.comm import Comm
+from splash.core.ownership import get_layout, heads_held
+from splash.core.protocol import WORKER_PROTOCOL_VERSION, StepPlan, StepResult
+from splash.dist.comm import Comm
 from splash.engine.graphs import DecodeGraphs
-from splash.engine.protocol import WORKER_PROTOCOL_VERSION, StepPlan, StepResult
 from splash.engine.worker_config import WorkerConfig
 from splash.kernels_triton import set_value_checks
 from splash.layouts.base import AttentionLayout, KVStore, StepMeta
-from splash.layouts.ownership import get_layout, heads_held
 from splash.layouts.registry import make_layouts
 from splash.model.mlp import MoE
 from splash.model.model import MLAModel

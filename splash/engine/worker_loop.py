@@ -12,7 +12,7 @@ import traceback
 
 import zmq
 
-from splash.engine.protocol import (
+from splash.core.protocol import (
     WORKER_PROTOCOL_VERSION,
     StepResult,
     WorkerReady,
@@ -37,7 +37,7 @@ def serve_external(controller_addr: str) -> None:
 
     import msgspec
 
-    from splash.engine.protocol import WorkerHello
+    from splash.core.protocol import WorkerHello
     from splash.engine.worker_config import WorkerConfig
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

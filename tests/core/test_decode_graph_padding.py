@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from splash.core.ownership import LAYOUTS
+from splash.core.protocol import WORKER_PROTOCOL_VERSION, SeqSampling, StepPlan
 from splash.engine.graphs import DecodeGraphs, batch_buckets
-from splash.engine.protocol import WORKER_PROTOCOL_VERSION, SeqSampling, StepPlan
 from splash.layouts.base import StepMeta
-from splash.layouts.ownership import LAYOUTS
 
 PS = 4
 

@@ -11,8 +11,8 @@ import pytest
 from splash.backends.profiles import PROFILES
 from splash.model.config import ModelConfig
 from splash.model.presets import preset_config
-from splash.scheduler.regimes import regime_map
-from splash.scheduler.simulator import SimConfig, compare, simulate, simulate_main, workloads_module
+from splash.planning.regimes import regime_map
+from splash.planning.simulator import SimConfig, compare, simulate, simulate_main, workloads_module
 
 W = workloads_module()
 

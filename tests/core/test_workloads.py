@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from splash.scheduler.simulator import workloads_module
+from splash.planning.simulator import workloads_module
 
 W = workloads_module()
 

@@ -12,10 +12,10 @@ import json
 from pathlib import Path
 
 from splash.backends.profiles import PROFILES, HardwareProfile, load_profile
+from splash.core.ownership import LAYOUT_NAMES, fitting_layouts, get_layout
 from splash.errors import ConfigError
-from splash.layouts.ownership import LAYOUT_NAMES, fitting_layouts, get_layout
-from splash.scheduler.cost_model import BatchShape
-from splash.scheduler.regimes import decode_tok_s, max_resident
+from splash.planning.cost_model import BatchShape
+from splash.planning.regimes import decode_tok_s, max_resident
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -57,7 +57,7 @@ def plan(cfg, hardware, tp: int, batch: int = 16, input_len: int = 4096,
          calibration: str | None = None, page_size: int = 64,
          max_num_batched_tokens: int = 8192, reserve_bytes: int | None = None) -> dict:
     """The plan as a JSON-serialisable dict (see module docstring)."""
-    from splash.scheduler.simulator import SimConfig, build_models
+    from splash.planning.simulator import SimConfig, build_models
 
     if tp < 1 or batch < 1 or input_len < 1:
         raise ConfigError("tp, batch and input_len must be >= 1")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from splash.layouts.ownership import LAYOUTS, KVPlacement, Layout, ProjPlacement
+from splash.core.ownership import LAYOUTS, KVPlacement, Layout, ProjPlacement
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
                "fp8": 1, "float8_e4m3fn": 1, "float8_e4m3fnuz": 1}

@@ -20,11 +20,11 @@ from typing import Any
 
 import numpy as np
 
+from splash.core.ownership import get_layout
 from splash.errors import LayoutInfeasibleError
-from splash.layouts.ownership import get_layout
-from splash.scheduler.cost_model import BatchShape, CostModel
-from splash.scheduler.feasibility import assign_owners, default_reserve_bytes
-from splash.scheduler.policy import LayoutPolicy
+from splash.planning.cost_model import BatchShape, CostModel
+from splash.planning.feasibility import assign_owners, default_reserve_bytes
+from splash.planning.policy import LayoutPolicy
 
 GIB = 1 << 30
 
@@ -284,16 +284,16 @@ def load_trace(name: str, seed: int = 0, n: int | None = None) -> list:
 
 
 def workloads_module():
-    """The trace generators (splash.workloads)."""
-    from splash import workloads
+    """The trace generators (splash.planning.workloads)."""
+    from splash.planning import workloads
 
     return workloads
 
 
 def simulate_main(args) -> int:
     """`splash simulate`: auto vs fixed layouts on a trace, plus the regime map."""
-    from splash.scheduler.planner import resolve_hardware, resolve_model
-    from splash.scheduler.regimes import regime_map
+    from splash.planning.planner import resolve_hardware, resolve_model
+    from splash.planning.regimes import regime_map
 
     cfg, model_name = resolve_model(args.model)
     profile = resolve_hardware(args.hardware, getattr(args, "calibration", None))
