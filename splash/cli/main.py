@@ -9,6 +9,8 @@ import argparse
 import importlib
 import sys
 
+from splash.errors import SplashError
+
 LAYOUT_CHOICES = ["tp", "dp", "cp", "dop", "auto"]
 PRESETS = ["deepseek-v3", "deepseek-v2-lite", "deepseek-v3.2", "kimi-k2", "glm-5"]
 
@@ -79,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--kv-dtype", default="fp8")
     sim.add_argument("--calibration", default=None, help="measured profile JSON")
     sim.add_argument("--json", action="store_true")
-    sim.set_defaults(handler="splash.planning.simulator:simulate_main")
+    sim.set_defaults(handler="splash.planning.reports:simulate_main")
 
     cal = sub.add_parser("calibrate", help="measure this machine's hardware profile")
     cal.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda", "rocm"])
@@ -102,8 +104,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     module_name, func_name = args.handler.split(":")
     handler = getattr(importlib.import_module(module_name), func_name)
-    from splash.errors import SplashError
-
     try:
         return int(handler(args) or 0)
     except SplashError as e:

@@ -8,11 +8,13 @@ import math
 import os
 import sys
 
+from splash import envs
 from splash.backends import get_backend
 from splash.core.allocator import RankAllocators
 from splash.core.memory import MemoryModel
 from splash.core.ownership import LAYOUTS, KVPlacement, Layout, fitting_layouts, get_layout
 from splash.engine.config import EngineConfig
+from splash.engine.executor import ExternalExecutor, InprocExecutor, MPExecutor
 from splash.engine.scheduler import Scheduler, SchedulerConfig
 from splash.engine.worker_config import WorkerConfig
 from splash.errors import ConfigError, LayoutInfeasibleError
@@ -143,8 +145,6 @@ class EngineSetup:
         """Decode steps from CUDA graphs: CUDA at T=1, off with enforce_eager. T>1 stays eager
         unless SPLASH_GRAPHS_MULTI_RANK=1 (NCCL only): on 2 x H200 a TP engine's first captured
         decode step hung (docs/internals.md §4a); gloo collectives cannot be captured at all."""
-        from splash import envs
-
         if self.backend_name != "cuda" or self.cfg.enforce_eager:
             return False
         if self.cfg.tp_size == 1:
@@ -153,8 +153,6 @@ class EngineSetup:
                 and (envs.get("SPLASH_DIST_BACKEND") or "nccl") == "nccl")
 
     def start_executor(self):
-        from splash.engine.executor import ExternalExecutor, InprocExecutor, MPExecutor
-
         wcfg = self.worker_config()
         if self.cfg.worker_addr:
             return ExternalExecutor(wcfg, self.cfg.worker_addr)
