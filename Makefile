@@ -25,11 +25,20 @@ test: $(STAMP)
 test-gpu:
 	SPLASH_TEST_GPU=1 python3 -m pytest -q -m "gpu" tests
 
-# All three run even when one fails, so one pass shows every finding; any failure fails lint.
+# The import-layer check reads a copy of the installed package layout (backends/ and
+# kernels_triton/ install as splash.backends and splash.kernels_triton).
+IMPORT_VIEW := build/import-view
+
+# Every check runs even when one fails, so one pass shows every finding; any failure fails lint.
 lint: $(STAMP)
 	rc=0; \
 	$(BIN)/ruff check splash backends kernels_triton tests benchmarks ci docker || rc=1; \
 	$(BIN)/mypy splash backends kernels_triton ci docker/requirements.py || rc=1; \
+	rm -rf $(IMPORT_VIEW) && mkdir -p $(IMPORT_VIEW) && cp -r splash $(IMPORT_VIEW)/ && \
+	cp -r backends $(IMPORT_VIEW)/splash/backends && \
+	cp -r kernels_triton $(IMPORT_VIEW)/splash/kernels_triton && \
+	(cd $(IMPORT_VIEW) && PYTHONPATH=. $(CURDIR)/$(BIN)/lint-imports \
+		$(CURDIR)/pyproject.toml --no-cache) || rc=1; \
 	$(BIN)/hadolint docker/Dockerfile.* || rc=1; \
 	exit $$rc
 

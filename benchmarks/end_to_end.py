@@ -21,7 +21,7 @@ from _results import save_json  # noqa: E402  (benchmarks/ is on sys.path)
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from splash.workloads import get_trace, scaled  # noqa: E402
+from splash.planning.workloads import get_trace, scaled  # noqa: E402
 
 LAYOUTS = ["auto", "tp", "dp", "cp", "dop"]
 

@@ -27,8 +27,8 @@ import torch
 from _results import save_json  # noqa: E402  (benchmarks/ is on sys.path)
 
 from splash import LLM, SamplingParams
-from splash.layouts.memory import MemoryModel
-from splash.layouts.ownership import LAYOUTS, KVPlacement
+from splash.core.memory import MemoryModel
+from splash.core.ownership import LAYOUTS, KVPlacement
 from splash.model.config import ModelConfig
 
 

@@ -10,21 +10,19 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from splash.backends import get_backend
+from splash.core.ownership import LAYOUTS
 from splash.logging_utils import get_logger
-from splash.scheduler.cost_model import BatchShape
-from splash.scheduler.policy import build_policy
+from splash.planning.cost_model import BatchShape
+from splash.planning.policy import build_policy
 
 logger = get_logger("splash.policy")
 
 
 class AutoLayout:
     def __init__(self, setup: Any, margin: float, min_dwell_steps: int = 4) -> None:
-        from splash.backends import get_backend
-
         profile = get_backend(setup.backend_name).profile
         mem = setup.memory
-        from splash.layouts.ownership import LAYOUTS
-
         # the budget that reproduces this engine's pool: static state + the physical pages
         budget = mem.static_bytes_per_rank(LAYOUTS["dop"]) + setup.num_pages * mem.page_bytes
         self.setup = setup

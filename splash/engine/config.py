@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from splash.core.ownership import LAYOUT_NAMES
 from splash.errors import ConfigError
-from splash.layouts.ownership import LAYOUT_NAMES
 
 
 @dataclass(frozen=True)

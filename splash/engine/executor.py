@@ -6,6 +6,7 @@ raises WorkerDiedError within seconds; nothing waits forever.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import multiprocessing as mp
 import os
@@ -14,13 +15,23 @@ import socket
 import time
 from dataclasses import replace
 
+import msgspec
 import torch
 import zmq
 
 from splash import envs
-from splash.engine.protocol import StepPlan, StepResult, WorkerReady, decode_result, encode
-from splash.engine.worker import Worker, worker_main
+from splash.core.protocol import (
+    WORKER_PROTOCOL_VERSION,
+    StepPlan,
+    StepResult,
+    WorkerHello,
+    WorkerReady,
+    decode_result,
+    encode,
+)
+from splash.engine.worker import Worker
 from splash.engine.worker_config import WorkerConfig
+from splash.engine.worker_loop import worker_main
 from splash.errors import WorkerDiedError
 from splash.logging_utils import get_logger
 
@@ -158,8 +169,6 @@ class MPExecutor:
 
 
 def _shutdown_plan() -> StepPlan:
-    from splash.engine.protocol import WORKER_PROTOCOL_VERSION
-
     return StepPlan(WORKER_PROTOCOL_VERSION, -1, "tp", [], [], [], [], [], [], [], [], [],
                     shutdown=True)
 
@@ -170,12 +179,6 @@ class ExternalExecutor(MPExecutor):
     timeouts (SPLASH_WORKER_TIMEOUT_S): there are no process handles here."""
 
     def __init__(self, cfg: WorkerConfig, bind_addr: str, start_timeout_s: float = 600.0) -> None:
-        import dataclasses
-
-        import msgspec
-
-        from splash.engine.protocol import WorkerHello
-
         self.world = cfg.world
         self.timeout_s = envs.get_float("SPLASH_WORKER_TIMEOUT_S")
         self.ctx = zmq.Context()
@@ -184,7 +187,7 @@ class ExternalExecutor(MPExecutor):
         self.sock.bind(bind_addr)
         self.procs = []
         logger.info("waiting for %d workers on %s (start them with torchrun: "
-                    "python -m splash.engine.worker --controller %s)", cfg.world, bind_addr,
+                    "python -m splash.engine.worker_loop --controller %s)", cfg.world, bind_addr,
                     bind_addr)
         hellos = self._gather(start_timeout_s, "hello")
         if any(not isinstance(h, WorkerHello) or h.world != cfg.world for h in hellos):

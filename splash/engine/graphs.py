@@ -43,10 +43,10 @@ from typing import Any
 import msgspec
 import torch
 
-from splash.engine.comm import Comm
-from splash.engine.protocol import StepPlan
+from splash.core.ownership import KVPlacement
+from splash.core.protocol import StepPlan
+from splash.dist.comm import Comm
 from splash.layouts.base import AttentionLayout, StepMeta
-from splash.layouts.ownership import KVPlacement
 
 logger = logging.getLogger("splash.graphs")
 

@@ -10,6 +10,8 @@ import itertools
 import time
 from typing import Any
 
+from splash.core.request import Request, Status
+from splash.engine.auto_layout import AutoLayout
 from splash.engine.config import EngineConfig
 from splash.engine.plans import build_plans
 from splash.engine.setup import EngineSetup
@@ -18,7 +20,6 @@ from splash.errors import InvalidRequestError, WorkerDiedError
 from splash.logging_utils import get_logger
 from splash.outputs import RequestOutput
 from splash.sampling_params import SamplingParams
-from splash.scheduler.request import Request, Status
 
 logger = get_logger("splash.engine")
 
@@ -32,8 +33,6 @@ class LLMEngine:
         self.scheduler, self.allocators = s.scheduler, s.allocators
         self.switches = SwitchController(self)
         if cfg.layout == "auto" and cfg.tp_size > 1:
-            from splash.engine.auto_layout import AutoLayout
-
             self.switches.policy = AutoLayout(s, cfg.policy_margin)
         self.executor = s.start_executor()
         self.tokenizer = s.load_tokenizer()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from splash.engine.protocol import (
+from splash.core.protocol import (
     WORKER_PROTOCOL_VERSION,
     SeqSampling,
     StepPlan,

@@ -8,16 +8,18 @@ import math
 import os
 import sys
 
+from splash import envs
 from splash.backends import get_backend
+from splash.core.allocator import RankAllocators
+from splash.core.memory import MemoryModel
+from splash.core.ownership import LAYOUTS, KVPlacement, Layout, fitting_layouts, get_layout
 from splash.engine.config import EngineConfig
+from splash.engine.executor import ExternalExecutor, InprocExecutor, MPExecutor
+from splash.engine.scheduler import Scheduler, SchedulerConfig
 from splash.engine.worker_config import WorkerConfig
 from splash.errors import ConfigError, LayoutInfeasibleError
-from splash.kv.allocator import RankAllocators
-from splash.layouts.memory import MemoryModel
-from splash.layouts.ownership import LAYOUTS, KVPlacement, Layout, fitting_layouts, get_layout
 from splash.logging_utils import get_logger
 from splash.model.config import ModelConfig
-from splash.scheduler.scheduler import Scheduler, SchedulerConfig
 
 logger = get_logger("splash.engine")
 
@@ -142,15 +144,11 @@ class EngineSetup:
     def cuda_graphs(self) -> bool:
         """Decode steps from CUDA graphs: on CUDA unless enforce_eager; at T>1 only over NCCL
         (gloo collectives, used to run several ranks on one GPU, cannot be captured)."""
-        from splash import envs
-
         if self.backend_name != "cuda" or self.cfg.enforce_eager:
             return False
         return self.cfg.tp_size == 1 or (envs.get("SPLASH_DIST_BACKEND") or "nccl") == "nccl"
 
     def start_executor(self):
-        from splash.engine.executor import ExternalExecutor, InprocExecutor, MPExecutor
-
         wcfg = self.worker_config()
         if self.cfg.worker_addr:
             return ExternalExecutor(wcfg, self.cfg.worker_addr)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from splash.layouts.ownership import get_layout
+from splash.core.ownership import get_layout
+from splash.errors import LayoutInfeasibleError
 from splash.logging_utils import get_logger
 from splash.switching.manifest import SwitchManifest, build_manifest
 
@@ -27,8 +28,6 @@ class SwitchController:
     def request(self, name: str) -> None:
         layout = get_layout(name)
         if layout.name not in self.engine.setup.fitting:
-            from splash.errors import LayoutInfeasibleError
-
             raise LayoutInfeasibleError(
                 f"layout {name!r} does not fit this model/group; layouts that fit: "
                 f"{self.engine.setup.fitting}")

@@ -1,13 +1,12 @@
 """A worker: one device's model shard, KV pools and layouts; executes step plans.
 
 Runs in-process (T=1) or as a spawned process talking to the controller over ZeroMQ
-(`worker_main`). Under torchrun (multi-node) the same `worker_main` starts from
-`python -m splash.engine.worker`, taking rank and rendezvous from torchrun's environment.
+(`worker_loop.worker_main`). Under torchrun (multi-node) the loop starts from
+`python -m splash.engine.worker_loop`, taking rank and rendezvous from torchrun's environment.
 """
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
@@ -16,14 +15,15 @@ import torch.distributed as dist
 
 from splash import envs
 from splash.backends import get_backend
-from splash.engine.comm import Comm
+from splash.core.ownership import get_layout, heads_held
+from splash.core.protocol import WORKER_PROTOCOL_VERSION, StepPlan, StepResult
+from splash.dist.comm import Comm
 from splash.engine.graphs import DecodeGraphs
-from splash.engine.protocol import WORKER_PROTOCOL_VERSION, StepPlan, StepResult
 from splash.engine.worker_config import WorkerConfig
 from splash.kernels_triton import set_value_checks
 from splash.layouts.base import AttentionLayout, KVStore, StepMeta
-from splash.layouts.ownership import get_layout, heads_held
 from splash.layouts.registry import make_layouts
+from splash.model.config import ModelConfig
 from splash.model.mlp import MoE
 from splash.model.model import MLAModel
 from splash.model.sampler import sample
@@ -171,31 +171,5 @@ class Worker:
 
 
 def _num_heads(model_dir: str) -> int:
-    from splash.model.config import ModelConfig
-
     return ModelConfig.from_hf(model_dir).num_attention_heads
 
-
-def worker_main(cfg: WorkerConfig, controller_addr: str) -> None:
-    """Process entry: connect to the controller, report ready, serve step plans until told
-    to stop or the controller goes away."""
-    from splash.engine.worker_loop import serve_plans
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    serve_plans(cfg, controller_addr)
-
-
-def main() -> None:
-    """`python -m splash.engine.worker --controller tcp://HOST:PORT` under torchrun."""
-    import argparse
-
-    from splash.engine.worker_loop import serve_external
-
-    ap = argparse.ArgumentParser(description=main.__doc__)
-    ap.add_argument("--controller", required=True, help="the controller's worker address")
-    serve_external(ap.parse_args().controller)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""The worker process's ZeroMQ loop: receive a plan, execute, send the result.
+"""The worker process's entry and ZeroMQ loop: receive a plan, execute, send the result.
 
 The worker's DEALER socket connects to the controller's ROUTER. A worker exits when told to,
 when the controller process disappears, or after reporting an exception (a failed collective
@@ -7,20 +7,27 @@ leaves the group unusable; the controller fails the in-flight requests).
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import faulthandler
 import os
 import signal
 import traceback
 
+import msgspec
+import torch
 import zmq
 
-from splash.engine.protocol import (
+from splash.core.protocol import (
     WORKER_PROTOCOL_VERSION,
     StepResult,
+    WorkerHello,
     WorkerReady,
     decode_plan,
     encode,
 )
+from splash.engine.worker import Worker
+from splash.engine.worker_config import WorkerConfig
 
 
 def _connect(rank: int, controller_addr: str):
@@ -35,13 +42,6 @@ def _connect(rank: int, controller_addr: str):
 def serve_external(controller_addr: str) -> None:
     """Entry under torchrun: rank and world from its environment, the rest from the
     controller (sent in reply to a hello), rendezvous through env://."""
-    import dataclasses
-
-    import msgspec
-
-    from splash.engine.protocol import WorkerHello
-    from splash.engine.worker_config import WorkerConfig
-
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     ctx, sock = _connect(rank, controller_addr)
     sock.send(encode(WorkerHello(rank, world)))
@@ -57,8 +57,6 @@ def serve_plans(cfg, controller_addr: str) -> None:
 
 
 def _serve(cfg, ctx, sock) -> None:
-    from splash.engine.worker import Worker
-
     parent = os.getppid()
     if hasattr(signal, "SIGUSR1"):  # the controller asks a silent worker for its stacks
         faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -92,3 +90,22 @@ def _serve(cfg, ctx, sock) -> None:
         worker.shutdown()
         sock.close()
         ctx.term()
+
+
+def worker_main(cfg: WorkerConfig, controller_addr: str) -> None:
+    """Process entry: connect to the controller, report ready, serve step plans until told
+    to stop or the controller goes away."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    serve_plans(cfg, controller_addr)
+
+
+def main() -> None:
+    """`python -m splash.engine.worker_loop --controller tcp://HOST:PORT` under torchrun."""
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--controller", required=True, help="the controller's worker address")
+    serve_external(ap.parse_args().controller)
+
+
+if __name__ == "__main__":
+    main()

@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from splash.engine.comm import Comm
-from splash.engine.protocol import StepPlan
+from splash.core.ownership import KVPlacement, Layout, local_kv_len
+from splash.core.protocol import StepPlan
+from splash.dist.comm import Comm
 from splash.kernels_triton import kv_write, mla_decode, mla_extend
-from splash.layouts.ownership import KVPlacement, Layout, local_kv_len
 
 
 class StepMeta:

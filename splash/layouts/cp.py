@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
+from splash.core.ownership import LAYOUTS, local_kv_len
 from splash.kernels_triton import kv_gather, lse_merge, mla_extend
 from splash.layouts.base import AttentionLayout, StepMeta, attend, write_kv
-from splash.layouts.ownership import LAYOUTS, local_kv_len
 
 
 class CPAttention(AttentionLayout):

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from splash.core.ownership import LAYOUTS
 from splash.kernels_triton import (
     gather_rows,
     merge_heads_from_ranks,
@@ -21,7 +22,6 @@ from splash.kernels_triton import (
     split_heads_to_ranks,
 )
 from splash.layouts.base import AttentionLayout, StepMeta, attend, write_kv
-from splash.layouts.ownership import LAYOUTS
 
 
 class DOPAttention(AttentionLayout):

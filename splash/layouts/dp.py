@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
+from splash.core.ownership import LAYOUTS
 from splash.layouts.base import AttentionLayout, StepMeta, attend, write_kv
-from splash.layouts.ownership import LAYOUTS
 
 
 class DPAttention(AttentionLayout):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from splash.engine.comm import Comm
+from splash.dist.comm import Comm
 from splash.layouts.base import AttentionLayout, KVStore
 from splash.layouts.cp import CPAttention
 from splash.layouts.dop import DOPAttention

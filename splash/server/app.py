@@ -22,8 +22,10 @@ import threading
 from typing import Any
 
 from splash import envs
+from splash.engine.llm_engine import LLMEngine
 from splash.errors import ConfigError
 from splash.logging_utils import get_logger
+from splash.server.http import OpenAIHTTPServer
 from splash.server.zmq_server import ServerConfig, ZmqServer
 
 logger = get_logger(__name__)
@@ -73,8 +75,6 @@ def serve_main(args: argparse.Namespace) -> int:
     the process with 3 after a fatal engine error."""
     token = resolve_token(args.token, args.token_file)
     check_bind(args.host, token)
-    from splash.engine.llm_engine import LLMEngine
-
     engine = LLMEngine.from_args(
         model=args.model, tp_size=args.tp_size, backend=args.backend, layout=args.layout,
         dtype=args.dtype, kv_dtype=args.kv_dtype, page_size=args.page_size,
@@ -105,8 +105,6 @@ def _start_http(args: argparse.Namespace, server: ZmqServer, engine: Any,
                 token: str | None) -> Any:
     if getattr(args, "http_port", None) is None:
         return None
-    from splash.server.http import OpenAIHTTPServer
-
     http = OpenAIHTTPServer(args.host.strip("[]"), args.http_port, server.inproc_endpoint,
                             server.context, token, getattr(engine, "tokenizer", None),
                             os.path.basename(os.path.normpath(args.model)))

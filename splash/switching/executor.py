@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from splash.engine.comm import Comm
-from splash.engine.protocol import SwitchPlan
+from splash.core.protocol import SwitchPlan
+from splash.dist.comm import Comm
 from splash.kernels_triton import gather_rows, scatter_rows
 from splash.layouts.base import KVStore
 

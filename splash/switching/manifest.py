@@ -10,16 +10,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from splash.engine.protocol import KVMove, WeightMove
-from splash.kv.allocator import RankAllocators
-from splash.layouts.ownership import (
+from splash.core.allocator import RankAllocators
+from splash.core.ownership import (
     KVPlacement,
     Layout,
     heads_held,
     local_page_index,
     page_holders,
 )
-from splash.scheduler.request import Request
+from splash.core.protocol import KVMove, WeightMove
+from splash.core.request import Request
 
 
 @dataclass

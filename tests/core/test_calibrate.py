@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from splash.backends.profiles import HardwareProfile, load_profile
-from splash.scheduler.calibrate import calibrate_main
+from splash.planning.calibrate import calibrate_main
 
 
 @pytest.mark.slow

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from splash.layouts.memory import MemoryModel
-from splash.layouts.ownership import LAYOUTS
+from splash.core.memory import MemoryModel
+from splash.core.ownership import LAYOUTS
 from splash.model.config import ModelConfig
 from splash.model.presets import preset_config
 

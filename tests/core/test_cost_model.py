@@ -9,8 +9,8 @@ import pytest
 from splash.backends.profiles import PROFILES
 from splash.model.config import ModelConfig
 from splash.model.presets import preset_config
-from splash.scheduler.cost_model import BatchShape, CostModel
-from splash.scheduler.feasibility import assign_owners
+from splash.planning.cost_model import BatchShape, CostModel
+from splash.planning.feasibility import assign_owners
 
 MIB = 1 << 20
 LAYOUTS = ("tp", "dp", "cp", "dop")

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splash.engine.comm import Comm
+from splash.core.ownership import LAYOUTS
+from splash.core.protocol import WORKER_PROTOCOL_VERSION, SeqSampling, StepPlan
+from splash.dist.comm import Comm
 from splash.engine.graphs import DecodeGraphs, batch_buckets
-from splash.engine.protocol import WORKER_PROTOCOL_VERSION, SeqSampling, StepPlan
 from splash.layouts.base import StepMeta
-from splash.layouts.ownership import LAYOUTS
 
 PS = 4
 

@@ -8,11 +8,11 @@ import itertools
 
 import pytest
 
-from splash.kv.allocator import RankAllocators
-from splash.layouts.ownership import LAYOUTS, num_local_pages
+from splash.core.allocator import RankAllocators
+from splash.core.ownership import LAYOUTS, num_local_pages
+from splash.core.request import Request
+from splash.engine.scheduler import Scheduler, SchedulerConfig
 from splash.sampling_params import SamplingParams
-from splash.scheduler.request import Request
-from splash.scheduler.scheduler import Scheduler, SchedulerConfig
 from splash.switching.manifest import build_manifest
 
 PS, HEADS = 4, 8

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from splash.errors import ConfigError
-from splash.scheduler.planner import plan, plan_main
+from splash.planning.planner import plan, plan_main
 
 MIB = 1 << 20
 

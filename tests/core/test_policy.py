@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from splash.backends.profiles import PROFILES
-from splash.layouts.ownership import get_layout
+from splash.core.ownership import get_layout
 from splash.model.config import ModelConfig
 from splash.model.presets import preset_config
-from splash.scheduler.cost_model import BatchShape, CostModel
-from splash.scheduler.feasibility import Feasibility
-from splash.scheduler.policy import LayoutPolicy, build_policy
+from splash.planning.cost_model import BatchShape, CostModel
+from splash.planning.feasibility import Feasibility
+from splash.planning.policy import LayoutPolicy, build_policy
 
 GIB = 1 << 30
 

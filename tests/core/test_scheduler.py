@@ -7,12 +7,12 @@ from types import SimpleNamespace
 
 import pytest
 
+from splash.core.allocator import RankAllocators
+from splash.core.ownership import LAYOUTS, num_local_pages
+from splash.core.request import Request
 from splash.engine.plans import build_plans
-from splash.kv.allocator import RankAllocators
-from splash.layouts.ownership import LAYOUTS, num_local_pages
+from splash.engine.scheduler import Scheduler, SchedulerConfig
 from splash.sampling_params import SamplingParams
-from splash.scheduler.request import Request
-from splash.scheduler.scheduler import Scheduler, SchedulerConfig
 
 PS = 4
 

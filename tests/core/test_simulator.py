@@ -11,10 +11,10 @@ import pytest
 from splash.backends.profiles import PROFILES
 from splash.model.config import ModelConfig
 from splash.model.presets import preset_config
-from splash.scheduler.regimes import regime_map
-from splash.scheduler.simulator import SimConfig, compare, simulate, simulate_main, workloads_module
-
-W = workloads_module()
+from splash.planning import workloads as W
+from splash.planning.regimes import regime_map
+from splash.planning.reports import simulate_main
+from splash.planning.simulator import SimConfig, compare, simulate
 
 
 @pytest.fixture(scope="module")

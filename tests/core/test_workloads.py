@@ -8,9 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from splash.scheduler.simulator import workloads_module
-
-W = workloads_module()
+from splash.planning import workloads as W
 
 
 def test_generators_are_seeded() -> None:

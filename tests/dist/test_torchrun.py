@@ -25,7 +25,7 @@ def test_torchrun_workers():
     path = checkpoint("v3")
     addr = f"tcp://127.0.0.1:{_port()}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(_port()), "-m", "splash.engine.worker", "--controller", addr]
+           "--master-port", str(_port()), "-m", "splash.engine.worker_loop", "--controller", addr]
     proc = subprocess.Popen(cmd, env=dict(os.environ), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     try:

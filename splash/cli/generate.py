@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from splash.errors import InvalidRequestError
+from splash.llm import LLM
 from splash.sampling_params import SamplingParams
 
 
@@ -34,8 +35,6 @@ def parse_prompt_ids(items: list[str]) -> list[list[int]]:
 
 
 def generate_main(args: Any) -> int:
-    from splash.llm import LLM
-
     prompts = parse_prompt_ids(args.prompt_ids) or [[1, 2, 3]]
     plan = parse_layout_plan(args.layout_plan)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)

@@ -14,6 +14,8 @@ import time
 from typing import Any
 
 from splash import envs
+from splash.llm import LLM
+from splash.model.presets import make_model
 from splash.sampling_params import SamplingParams
 
 LAYOUTS = ["tp", "dp", "cp", "dop"]
@@ -29,8 +31,6 @@ def rollout_trace(seed: int, n: int) -> tuple[list[list[int]], list[SamplingPara
 
 
 def _checkpoint() -> str:
-    from splash.model.presets import make_model
-
     path = os.path.join(envs.get("SPLASH_CACHE_DIR"), "demo-deepseek-v3-tiny")
     if not os.path.exists(os.path.join(path, "config.json")):
         print(f"building a tiny random DeepSeek-V3-architecture checkpoint in {path}")
@@ -47,8 +47,6 @@ def _bar(done: int, total: int, layout: str, step: int) -> None:
 
 
 def run_trace(path: str, layout: str, tp_size: int, prompts, params) -> dict[str, Any]:
-    from splash.llm import LLM
-
     with LLM(path, tp_size=tp_size, backend="cpu", layout=layout) as llm:
         eng = llm.engine
         print(f"{layout:>4}: workers ready; running {len(prompts)} requests", file=sys.stderr)

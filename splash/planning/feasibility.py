@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from splash.layouts.memory import MemoryModel
-from splash.layouts.ownership import LAYOUTS, KVPlacement, Layout, get_layout
+from splash.core.memory import MemoryModel
+from splash.core.ownership import LAYOUTS, KVPlacement, Layout, get_layout
 
 FIXED_RESERVE_BYTES = 1 << 30  # graphs + allocator slack at full scale (paper B.1: 1 GiB)
 ACT_BYTES = 2  # activations are bf16

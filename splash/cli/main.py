@@ -9,6 +9,8 @@ import argparse
 import importlib
 import sys
 
+from splash.errors import SplashError
+
 LAYOUT_CHOICES = ["tp", "dp", "cp", "dop", "auto"]
 PRESETS = ["deepseek-v3", "deepseek-v2-lite", "deepseek-v3.2", "kimi-k2", "glm-5"]
 
@@ -38,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--layout-plan", default=None, help="forced switches, e.g. 3:dop,6:tp")
     g.add_argument("--json", action="store_true", help="one JSON object per request, then stats")
-    g.set_defaults(handler="splash.offline_cli:generate_main")
+    g.set_defaults(handler="splash.cli.generate:generate_main")
 
     s = sub.add_parser("serve", help="the ZeroMQ front door (+ optional OpenAI-compatible HTTP)")
     _engine_args(s)
@@ -53,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--tp", type=int, default=2, dest="tp_size")
     d.add_argument("--requests", type=int, default=None)
     d.add_argument("--out", default=None, help="where to write the timeline PNG and JSON")
-    d.set_defaults(handler="splash.demo:demo_main")
+    d.set_defaults(handler="splash.cli.demo:demo_main")
 
     pl = sub.add_parser("plan", help="ownership + cost model for a preset or checkpoint")
     pl.add_argument("--model", required=True, help=f"checkpoint dir or preset {PRESETS}")
@@ -66,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--weight-dtype", default="bf16")
     pl.add_argument("--calibration", default=None, help="measured profile JSON")
     pl.add_argument("--json", action="store_true")
-    pl.set_defaults(handler="splash.scheduler.planner:plan_main")
+    pl.set_defaults(handler="splash.planning.planner:plan_main")
 
     sim = sub.add_parser("simulate", help="discrete-event simulation of auto vs fixed layouts")
     sim.add_argument("--model", default="glm-5")
@@ -79,14 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--kv-dtype", default="fp8")
     sim.add_argument("--calibration", default=None, help="measured profile JSON")
     sim.add_argument("--json", action="store_true")
-    sim.set_defaults(handler="splash.scheduler.simulator:simulate_main")
+    sim.set_defaults(handler="splash.planning.reports:simulate_main")
 
     cal = sub.add_parser("calibrate", help="measure this machine's hardware profile")
     cal.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda", "rocm"])
     cal.add_argument("--tp", type=int, default=1, dest="tp_size")
     cal.add_argument("--out", default=None, help="profile JSON path")
     cal.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)
-    cal.set_defaults(handler="splash.scheduler.calibrate:calibrate_main")
+    cal.set_defaults(handler="splash.planning.calibrate:calibrate_main")
 
     mm = sub.add_parser("make-model", help="write a random HF-format checkpoint")
     mm.add_argument("out_dir")
@@ -102,8 +104,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     module_name, func_name = args.handler.split(":")
     handler = getattr(importlib.import_module(module_name), func_name)
-    from splash.errors import SplashError
-
     try:
         return int(handler(args) or 0)
     except SplashError as e:

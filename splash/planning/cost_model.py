@@ -20,10 +20,11 @@ from typing import Any
 import numpy as np
 
 from splash.backends.profiles import HardwareProfile
-from splash.layouts.memory import MemoryModel, dtype_bytes
-from splash.layouts.ownership import KVPlacement, Layout, get_layout
-from splash.scheduler.feasibility import ACT_BYTES, assign_owners, held_tokens
-from splash.scheduler.shapes import BatchShape, SwitchCost
+from splash.core.dtypes import dtype_bytes
+from splash.core.memory import MemoryModel
+from splash.core.ownership import KVPlacement, Layout, get_layout
+from splash.core.shapes import BatchShape, SwitchCost
+from splash.planning.feasibility import ACT_BYTES, assign_owners, held_tokens
 
 __all__ = ["BatchShape", "CostModel", "SwitchCost"]
 LSE_BYTES = 4

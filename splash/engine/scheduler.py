@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from splash.kv.allocator import RankAllocators
-from splash.layouts.ownership import Layout, num_local_pages
+from splash.core.allocator import RankAllocators
+from splash.core.ownership import Layout, num_local_pages
+from splash.core.request import Request, Status
 from splash.logging_utils import get_logger
-from splash.scheduler.request import Request, Status
 
 logger = get_logger("splash.scheduler")
 

@@ -14,8 +14,9 @@ import math
 
 import numpy as np
 
-from splash.layouts.ownership import fitting_layouts, get_layout
-from splash.scheduler.cost_model import BatchShape, CostModel
+from splash.core.ownership import fitting_layouts, get_layout
+from splash.planning.cost_model import BatchShape, CostModel
+from splash.planning.simulator import SimConfig, build_models
 
 INPUTS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288)
 BATCHES = (1, 4, 16, 32, 64, 128, 256)
@@ -90,8 +91,6 @@ def regime_map(cfg, profile, tp: int, sim=None, inputs=INPUTS, batches=BATCHES,
                modes=("decode", "prefill")) -> dict:
     """{inputs, batches, best: {mode: [[layout per batch] per input]}, tok_s: {mode: {layout:
     grid}}, max_resident: {layout: [per input]}}."""
-    from splash.scheduler.simulator import SimConfig, build_models
-
     sim = sim or SimConfig()
     cm, policy = build_models(cfg, profile, tp, sim)
     names = [n for n in policy.layouts if n in fitting_layouts(cfg.num_attention_heads, tp)]

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from splash.layouts.memory import MemoryModel
-from splash.layouts.ownership import LAYOUT_NAMES, fitting_layouts, get_layout
-from splash.scheduler.cost_model import BatchShape, CostModel
-from splash.scheduler.feasibility import Feasibility
+from splash.core.memory import MemoryModel
+from splash.core.ownership import LAYOUT_NAMES, fitting_layouts, get_layout
+from splash.planning.cost_model import BatchShape, CostModel
+from splash.planning.feasibility import Feasibility
 
 CostFn = Callable[[str, BatchShape], float]
 # (src, dst, batch, live tokens per request, their owners or None) -> ms

@@ -12,10 +12,13 @@ import json
 from pathlib import Path
 
 from splash.backends.profiles import PROFILES, HardwareProfile, load_profile
+from splash.core.ownership import LAYOUT_NAMES, fitting_layouts, get_layout
 from splash.errors import ConfigError
-from splash.layouts.ownership import LAYOUT_NAMES, fitting_layouts, get_layout
-from splash.scheduler.cost_model import BatchShape
-from splash.scheduler.regimes import decode_tok_s, max_resident
+from splash.model.config import ModelConfig
+from splash.model.presets import preset_config
+from splash.planning.cost_model import BatchShape
+from splash.planning.regimes import decode_tok_s, max_resident
+from splash.planning.simulator import SimConfig, build_models
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -23,18 +26,11 @@ GIB = 1 << 30
 
 def resolve_model(model) -> tuple[object, str]:
     """(ModelConfig, name) from a preset name, a checkpoint dir / config.json, or a config."""
-    from splash.model.config import ModelConfig
-
     if not isinstance(model, (str, Path)):
         return model, getattr(model, "model_type", "model")
     path = Path(model)
     if path.is_dir() or path.suffix == ".json":
         return ModelConfig.from_hf(path), path.name
-    try:
-        from splash.model.presets import preset_config
-    except ImportError as e:
-        raise ConfigError(f"{model!r} is not a checkpoint directory and presets are "
-                          f"unavailable ({e})") from None
     try:
         return ModelConfig.from_hf(preset_config(str(model), scale="full")), str(model)
     except (KeyError, ValueError) as e:
@@ -57,8 +53,6 @@ def plan(cfg, hardware, tp: int, batch: int = 16, input_len: int = 4096,
          calibration: str | None = None, page_size: int = 64,
          max_num_batched_tokens: int = 8192, reserve_bytes: int | None = None) -> dict:
     """The plan as a JSON-serialisable dict (see module docstring)."""
-    from splash.scheduler.simulator import SimConfig, build_models
-
     if tp < 1 or batch < 1 or input_len < 1:
         raise ConfigError("tp, batch and input_len must be >= 1")
     cfg, name = resolve_model(cfg)

@@ -20,6 +20,9 @@ from typing import Any
 
 import torch
 
+from splash import envs
+from splash.backends import get_backend
+
 SIZES = {  # (matmul n, copy bytes, all-gather bytes per rank)
     "cuda": (8192, 1 << 30, (8 << 10, 4 << 20, 64 << 20)),
     "cpu": (1024, 256 << 20, (8 << 10, 1 << 20, 8 << 20)),
@@ -112,8 +115,6 @@ def measure_collectives(world: int, backend: str, quick: bool = False) -> dict[s
 
 def calibrate(backend_name: str = "auto", tp: int = 1, quick: bool = False) -> dict:
     """Measure and return a profile dict (HardwareProfile fields + ``measured``)."""
-    from splash.backends import get_backend
-
     backend = get_backend(backend_name)
     spec = backend.profile
     device = backend.device(0)
@@ -143,8 +144,6 @@ def calibrate(backend_name: str = "auto", tp: int = 1, quick: bool = False) -> d
 
 def calibrate_main(args) -> int:
     """`splash calibrate`: write the measured profile JSON and print it."""
-    from splash import envs
-
     quick = bool(getattr(args, "quick", False))
     result = calibrate(args.backend, args.tp_size, quick)
     out = args.out or str(Path(envs.get("SPLASH_CACHE_DIR")) / "calibration" /

@@ -12,19 +12,19 @@ take seconds.
 
 from __future__ import annotations
 
-import json
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from splash.core.ownership import get_layout
 from splash.errors import LayoutInfeasibleError
-from splash.layouts.ownership import get_layout
-from splash.scheduler.cost_model import BatchShape, CostModel
-from splash.scheduler.feasibility import assign_owners, default_reserve_bytes
-from splash.scheduler.policy import LayoutPolicy
+from splash.planning import workloads
+from splash.planning.cost_model import BatchShape, CostModel
+from splash.planning.feasibility import assign_owners, default_reserve_bytes
+from splash.planning.policy import LayoutPolicy
 
 GIB = 1 << 30
 
@@ -280,49 +280,5 @@ def compare(trace: Sequence, cfg, profile, tp: int, sim: SimConfig | None = None
 
 def load_trace(name: str, seed: int = 0, n: int | None = None) -> list:
     """A trace by generator name or .jsonl path."""
-    return workloads_module().get_trace(name, seed, n)
+    return workloads.get_trace(name, seed, n)
 
-
-def workloads_module():
-    """The trace generators (splash.workloads)."""
-    from splash import workloads
-
-    return workloads
-
-
-def simulate_main(args) -> int:
-    """`splash simulate`: auto vs fixed layouts on a trace, plus the regime map."""
-    from splash.scheduler.planner import resolve_hardware, resolve_model
-    from splash.scheduler.regimes import regime_map
-
-    cfg, model_name = resolve_model(args.model)
-    profile = resolve_hardware(args.hardware, getattr(args, "calibration", None))
-    sim = SimConfig(weight_dtype=getattr(args, "weight_dtype", None) or "fp8",
-                    kv_dtype=getattr(args, "kv_dtype", None) or "fp8")
-    trace = load_trace(args.trace, args.seed, getattr(args, "requests", None))
-    result = {"model": model_name, "hardware": profile.name, "tp": args.tp_size,
-              "trace": args.trace, "requests": len(trace), "sim": asdict(sim)}
-    result.update(compare(trace, cfg, profile, args.tp_size, sim))
-    result["regime_map"] = regime_map(cfg, profile, args.tp_size, sim)
-    if args.json:
-        print(json.dumps(result))
-        return 0
-    print(f"{model_name} on {args.tp_size}x {profile.name}, trace {args.trace} "
-          f"({len(trace)} requests)")
-    print(f"{'layout':8}{'out tok/s':>12}{'TTFT p50 s':>12}{'TPOT p50 ms':>13}{'switches':>10}")
-    for name, r in result["runs"].items():
-        if "error" in r:
-            print(f"{name:8}  {r['error']}")
-            continue
-        print(f"{name:8}{r['output_tok_s']:>12.0f}{r['ttft_s']['p50']:>12.2f}"
-              f"{r['tpot_ms']['p50']:>13.2f}{r['num_switches']:>10}")
-    print(f"auto / best fixed ({result['best_fixed']}): {result['auto_vs_best_fixed']:.3f}")
-    auto_tl = " -> ".join(f"{e['layout']}@{e['t_s']:.1f}s" for e in result["runs"]["auto"]
-                          ["timeline"])
-    print(f"auto timeline: {auto_tl}")
-    for mode, grid in result["regime_map"]["best"].items():
-        print(f"\nbest layout at {mode} (rows: input length, columns: batch "
-              f"{result['regime_map']['batches']})")
-        for length, row in zip(result["regime_map"]["inputs"], grid):
-            print(f"{length:>8} " + " ".join(f"{x:>4}" for x in row))
-    return 0

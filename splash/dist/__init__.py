@@ -1,0 +1,1 @@
+"""Process groups and the collectives every rank runs (Comm)."""

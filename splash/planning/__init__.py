@@ -1,0 +1,1 @@
+"""Offline planning: cost model, feasibility, layout policy, simulator, regimes, calibration."""
