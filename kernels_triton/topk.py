@@ -1,0 +1,199 @@
+"""Row-wise top-k of scores, with the indices (or KV slots) of the winners.
+
+``topk_rows(values (N, M) fp32, k)`` keeps the ``k`` largest entries of every row and returns
+``(values (N, k) fp32, index (N, k) int32)``: ``index`` is the column of each winner (or the
+``index`` tensor's entry there, when one is given), -1 with value ``-inf`` where a row has fewer
+than ``k`` finite entries. ``-inf`` marks an entry that must not be chosen (a token the row
+does not see). Winners are not sorted; equal values are taken in column order.
+
+Chunked selection: a program takes ``CHUNK`` (>= 2k) entries of a row and keeps their k largest,
+so a pass shrinks a row of M entries to ceil(M / CHUNK) · k candidates; passes repeat until one
+chunk remains (128K scores, k = 2048, CHUNK = 8192: 128K -> 32K -> 8K -> 2K). Inside a program
+the k-th largest value is found exactly by a bitwise search over the order-preserving int32
+image of the fp32 values (31 rounds of one compare-and-count over the chunk, in registers);
+the winners are then compacted with a prefix sum.
+
+``block_table`` (B, W) with ``row_req`` (N,) (request of each row; None: row n is request n)
+turns the final winners' columns, token positions in the row's paged history, into KV slots
+``page * PS + offset`` (``page_size`` PS): the input of ``mla_sparse``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from splash.kernels_triton import _validate as V
+
+_KEY_MIN = tl.constexpr(-2147483648)  # below every finite value's key (and -inf's): "never chosen"
+
+
+@triton.jit
+def _topk_chunk_kernel(
+    vals_ptr,  # (N, M) fp32
+    idx_ptr,  # (N, M) int32 (HAS_INDEX)
+    out_v_ptr,  # (N, num_chunks * K) fp32
+    out_i_ptr,  # (N, num_chunks * K) int32
+    bt_ptr,  # (B, W) int (TO_SLOTS)
+    row_req_ptr,  # (N,) int (TO_SLOTS and HAS_ROW_REQ)
+    M,
+    stride_vn, stride_vm,
+    stride_in, stride_im,
+    stride_ovn, stride_ovk,
+    stride_oin, stride_oik,
+    stride_btn, stride_btp,
+    stride_rr,
+    K: tl.constexpr,
+    CHUNK: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HAS_INDEX: tl.constexpr,
+    TO_SLOTS: tl.constexpr,
+    HAS_ROW_REQ: tl.constexpr,
+):
+    pid_c = tl.program_id(0)
+    pid_n = tl.program_id(1).to(tl.int64)
+    offs = pid_c * CHUNK + tl.arange(0, CHUNK)
+    in_row = offs < M
+    v = tl.load(vals_ptr + pid_n * stride_vn + offs * stride_vm, mask=in_row,
+                other=float("-inf"))
+    if HAS_INDEX:
+        idx = tl.load(idx_ptr + pid_n * stride_in + offs * stride_im, mask=in_row, other=-1)
+    else:
+        idx = offs
+    bits = v.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed order = float order
+    key = tl.where(v > float("-inf"), key, _KEY_MIN)
+    # the k-th largest key, bit by bit from the top: the largest thr with count(key >= thr) >= K
+    thr = tl.where(tl.sum((key >= 0).to(tl.int32)) >= K, 0, _KEY_MIN)
+    for i in tl.static_range(31):
+        cand = thr + (1 << (30 - i))
+        thr = tl.where(tl.sum((key >= cand).to(tl.int32)) >= K, cand, thr)
+    above = key > thr
+    ties = (key == thr).to(tl.int32)
+    take = above | ((ties > 0) & (tl.cumsum(ties, 0) <= K - tl.sum(above.to(tl.int32))))
+    dst = tl.cumsum(take.to(tl.int32), 0) - 1  # exactly K winners, in column order
+    chosen = key > _KEY_MIN
+    idx = tl.where(chosen, idx, -1)
+    if TO_SLOTS:
+        if HAS_ROW_REQ:
+            req = tl.load(row_req_ptr + pid_n * stride_rr).to(tl.int64)
+        else:
+            req = pid_n
+        has_pos = chosen & (idx >= 0)
+        pos = tl.where(has_pos, idx, 0)
+        page = tl.load(bt_ptr + req * stride_btn + (pos // PAGE_SIZE) * stride_btp,
+                       mask=take & has_pos, other=0)
+        idx = tl.where(has_pos, page * PAGE_SIZE + pos % PAGE_SIZE, -1)
+    out_col = pid_c * K + dst
+    tl.store(out_v_ptr + pid_n * stride_ovn + out_col * stride_ovk,
+             tl.where(chosen, v, float("-inf")), mask=take)
+    tl.store(out_i_ptr + pid_n * stride_oin + out_col * stride_oik, idx.to(tl.int32), mask=take)
+
+
+# ---------------------------------------------------------------------------------------------
+# launcher
+
+_GPU_DEFAULTS: dict[str, Any] = {"CHUNK": 8192, "num_warps": 16}
+_CPU_DEFAULTS: dict[str, Any] = {"CHUNK": 64, "num_warps": 4}
+
+
+def topk_config(device: torch.device, k: int, config: dict | None) -> dict[str, Any]:
+    cfg = dict(_GPU_DEFAULTS if device.type == "cuda" else _CPU_DEFAULTS)
+    cfg.update(config or {})
+    chunk = cfg["CHUNK"]
+    if not isinstance(chunk, int) or chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"config CHUNK={chunk!r} must be a power of two >= 16")
+    cfg["CHUNK"] = max(chunk, V.next_pow2(2 * k))  # each pass must at least halve a row
+    return cfg
+
+
+def topk_rows(
+    values: torch.Tensor,
+    k: int,
+    index: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    row_req: torch.Tensor | None = None,
+    page_size: int = 1,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest finite entries of each row of ``values`` (N, M) fp32 ->
+    ``(values (N, k) fp32, index (N, k) int32)``; see the module docstring for ``index``,
+    ``block_table``, ``row_req`` and ``page_size``."""
+    v = V.check_tensor("values", values, 2, (torch.float32,))
+    dev = v.device
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"k={k!r} must be an int >= 1")
+    N, M = v.shape
+    if index is not None:
+        V.check_tensor("index", index, 2, (torch.int32,), dev)
+        if tuple(index.shape) != (N, M):
+            raise ValueError(f"index has shape {tuple(index.shape)}; expected {(N, M)}")
+    to_slots = block_table is not None
+    if to_slots:
+        V.check_tensor("block_table", block_table, 2, V.INDEX_DTYPES, dev)
+        if not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size={page_size!r} must be an int >= 1")
+        if row_req is None:
+            V.check_dim("block_table", block_table, 0, N, "one row per row of values")
+        else:
+            V.check_tensor("row_req", row_req, 1, V.INDEX_DTYPES, dev)
+            V.check_dim("row_req", row_req, 0, N, "one request per row of values")
+            V.check_index_range("row_req", row_req, block_table.shape[0], allow_neg1=False)
+    elif row_req is not None:
+        raise ValueError("row_req needs a block_table")
+    cfg = topk_config(dev, k, config)
+    chunk = cfg["CHUNK"]
+    idx = index
+    while True:
+        num_chunks = max(triton.cdiv(M, chunk), 1)
+        last = num_chunks == 1
+        out_v = torch.empty((N, num_chunks * k), dtype=torch.float32, device=dev)
+        out_i = torch.empty((N, num_chunks * k), dtype=torch.int32, device=dev)
+        if N:
+            idx_arg = idx if idx is not None else out_i  # never read without HAS_INDEX
+            bt = block_table if to_slots and last else out_i
+            rr = row_req if to_slots and last and row_req is not None else out_i
+            _topk_chunk_kernel[(num_chunks, N)](
+                v, idx_arg, out_v, out_i, bt, rr, M,
+                *v.stride(), *idx_arg.stride(), *out_v.stride(), *out_i.stride(),
+                *bt.stride(), rr.stride(0),
+                K=k, CHUNK=chunk, PAGE_SIZE=page_size, HAS_INDEX=idx is not None,
+                TO_SLOTS=to_slots and last, HAS_ROW_REQ=row_req is not None,
+                num_warps=cfg["num_warps"],
+            )
+        if last:
+            return out_v, out_i
+        v, idx, M = out_v, out_i, num_chunks * k
+
+
+# ---------------------------------------------------------------------------------------------
+# reference
+
+
+def topk_rows_ref(
+    values: torch.Tensor,
+    k: int,
+    index: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    row_req: torch.Tensor | None = None,
+    page_size: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of ``topk_rows``, sorted by value (compare as sets): torch.topk over the
+    row, -1 / -inf where fewer than ``k`` entries are finite."""
+    N, M = values.shape
+    padded = torch.cat((values, values.new_full((N, max(k - M, 0)), float("-inf"))), dim=1)
+    top_v, top_c = padded.topk(k, dim=1)
+    chosen = torch.isfinite(top_v)
+    if index is not None:
+        idx = torch.gather(index.long(), 1, top_c.clamp(max=M - 1))
+    else:
+        idx = top_c.long()
+    if block_table is not None:
+        req = row_req.long() if row_req is not None else torch.arange(N, device=values.device)
+        page = block_table.long()[req[:, None], (idx.clamp(min=0) // page_size)]
+        idx = page * page_size + idx % page_size
+    idx = torch.where(chosen, idx, -1)
+    return top_v.masked_fill(~chosen, float("-inf")), idx.to(torch.int32)
