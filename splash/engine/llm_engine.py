@@ -79,13 +79,9 @@ class LLMEngine:
                 f"token id {bad[0]!r} is not an int in [0, {self.vocab_size}) (vocab size)")
         limit = self.setup.max_model_len
         if len(prompt) + params.max_tokens > limit:
-            why = ""
-            if limit == self.model_cfg.max_dense_context:
-                why = (" (a DSA model runs dense attention, exact only up to index_topk "
-                       f"= {limit} tokens; the indexer's top-k is not implemented yet)")
             raise InvalidRequestError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"max_model_len {limit}{why}")
+                f"max_model_len {limit}")
         if len(prompt) + params.max_tokens > self.setup.max_request_tokens:
             raise InvalidRequestError(
                 f"prompt + max_tokens = {len(prompt) + params.max_tokens} tokens does not fit "

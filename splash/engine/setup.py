@@ -63,11 +63,6 @@ class EngineSetup:
                     f"layout {self.initial_layout} replicates projections, which leaves no KV "
                     f"pages; layouts that fit: {self.fitting}")
         self.max_model_len = cfg.max_model_len or self.model_cfg.max_position_embeddings
-        limit = self.model_cfg.max_dense_context
-        if limit is not None and self.max_model_len > limit:
-            logger.warning("DSA model: dense attention is exact only up to index_topk=%d "
-                           "tokens; max_model_len capped there", limit)
-            self.max_model_len = limit
         per_rank_tokens = (self.num_pages - self.replica_pages) * self.page_size
         self.max_request_tokens = per_rank_tokens  # an owned history must fit one rank
         self.allocators = RankAllocators(world, self.num_pages)
