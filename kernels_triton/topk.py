@@ -6,9 +6,9 @@
 than ``k`` finite entries. ``-inf`` marks an entry that must not be chosen (a token the row
 does not see). Winners are not sorted; equal values are taken in column order.
 
-Chunked selection: a program takes ``CHUNK`` (>= 2k) entries of a row and keeps their k largest,
-so a pass shrinks a row of M entries to ceil(M / CHUNK) · k candidates; passes repeat until one
-chunk remains (128K scores, k = 2048, CHUNK = 8192: 128K -> 32K -> 8K -> 2K). Inside a program
+Chunked selection: a program takes ``CHUNK`` (>= 2k) entries of ``ROWS`` rows (one on a GPU)
+and keeps each row's k largest, so a pass shrinks a row of M entries to ceil(M / CHUNK) · k
+candidates; passes repeat until one chunk remains (128K scores, k = 2048, CHUNK = 8192: 128K -> 32K -> 8K -> 2K). Inside a program
 the k-th largest value is found exactly by a bitwise search over the order-preserving int32
 image of the fp32 values (31 rounds of one compare-and-count over the chunk, in registers);
 the winners are then compacted with a prefix sum.
@@ -39,6 +39,7 @@ def _topk_chunk_kernel(
     out_i_ptr,  # (N, num_chunks * K) int32
     bt_ptr,  # (B, W) int (TO_SLOTS)
     row_req_ptr,  # (N,) int (TO_SLOTS and HAS_ROW_REQ)
+    N,
     M,
     stride_vn, stride_vm,
     stride_in, stride_im,
@@ -48,64 +49,75 @@ def _topk_chunk_kernel(
     stride_rr,
     K: tl.constexpr,
     CHUNK: tl.constexpr,
+    ROWS: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     HAS_INDEX: tl.constexpr,
     TO_SLOTS: tl.constexpr,
     HAS_ROW_REQ: tl.constexpr,
 ):
     pid_c = tl.program_id(0)
-    pid_n = tl.program_id(1).to(tl.int64)
-    offs = pid_c * CHUNK + tl.arange(0, CHUNK)
-    in_row = offs < M
-    v = tl.load(vals_ptr + pid_n * stride_vn + offs * stride_vm, mask=in_row,
+    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
+    mask_r = rows < N
+    rows = rows.to(tl.int64)
+    cols = pid_c * CHUNK + tl.arange(0, CHUNK)  # (CHUNK,)
+    inside = mask_r[:, None] & (cols < M)[None, :]  # (ROWS, CHUNK)
+    v = tl.load(vals_ptr + rows[:, None] * stride_vn + cols[None, :] * stride_vm, mask=inside,
                 other=float("-inf"))
     if HAS_INDEX:
-        idx = tl.load(idx_ptr + pid_n * stride_in + offs * stride_im, mask=in_row, other=-1)
+        idx = tl.load(idx_ptr + rows[:, None] * stride_in + cols[None, :] * stride_im,
+                      mask=inside, other=-1)
     else:
-        idx = offs
+        idx = tl.zeros((ROWS, CHUNK), tl.int32) + cols[None, :]
     bits = v.to(tl.int32, bitcast=True)
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed order = float order
     key = tl.where(v > float("-inf"), key, _KEY_MIN)
-    # the k-th largest key, bit by bit from the top: the largest thr with count(key >= thr) >= K
-    thr = tl.where(tl.sum((key >= 0).to(tl.int32)) >= K, 0, _KEY_MIN)
+    # each row's k-th largest key, bit by bit from the top: the largest thr with
+    # count(key >= thr) >= K
+    thr = tl.where(tl.sum((key >= 0).to(tl.int32), 1) >= K, 0, _KEY_MIN)  # (ROWS,)
     for i in tl.static_range(31):
         cand = thr + (1 << (30 - i))
-        thr = tl.where(tl.sum((key >= cand).to(tl.int32)) >= K, cand, thr)
-    above = key > thr
-    ties = (key == thr).to(tl.int32)
-    take = above | ((ties > 0) & (tl.cumsum(ties, 0) <= K - tl.sum(above.to(tl.int32))))
-    dst = tl.cumsum(take.to(tl.int32), 0) - 1  # exactly K winners, in column order
+        thr = tl.where(tl.sum((key >= cand[:, None]).to(tl.int32), 1) >= K, cand, thr)
+    above = key > thr[:, None]
+    ties = (key == thr[:, None]).to(tl.int32)
+    room = K - tl.sum(above.to(tl.int32), 1)  # ties to take, in column order
+    take = above | ((ties > 0) & (tl.cumsum(ties, 1) <= room[:, None]))
+    dst = tl.cumsum(take.to(tl.int32), 1) - 1  # exactly K winners per row, in column order
     chosen = key > _KEY_MIN
     idx = tl.where(chosen, idx, -1)
     if TO_SLOTS:
         if HAS_ROW_REQ:
-            req = tl.load(row_req_ptr + pid_n * stride_rr).to(tl.int64)
+            req = tl.load(row_req_ptr + rows * stride_rr, mask=mask_r, other=0).to(tl.int64)
         else:
-            req = pid_n
+            req = rows
         has_pos = chosen & (idx >= 0)
         pos = tl.where(has_pos, idx, 0)
-        page = tl.load(bt_ptr + req * stride_btn + (pos // PAGE_SIZE) * stride_btp,
-                       mask=take & has_pos, other=0)
+        page = tl.load(bt_ptr + req[:, None] * stride_btn + (pos // PAGE_SIZE) * stride_btp,
+                       mask=take & has_pos & mask_r[:, None], other=0)
         idx = tl.where(has_pos, page * PAGE_SIZE + pos % PAGE_SIZE, -1)
     out_col = pid_c * K + dst
-    tl.store(out_v_ptr + pid_n * stride_ovn + out_col * stride_ovk,
-             tl.where(chosen, v, float("-inf")), mask=take)
-    tl.store(out_i_ptr + pid_n * stride_oin + out_col * stride_oik, idx.to(tl.int32), mask=take)
+    store = take & mask_r[:, None]
+    tl.store(out_v_ptr + rows[:, None] * stride_ovn + out_col * stride_ovk,
+             tl.where(chosen, v, float("-inf")), mask=store)
+    tl.store(out_i_ptr + rows[:, None] * stride_oin + out_col * stride_oik, idx.to(tl.int32),
+             mask=store)
 
 
 # ---------------------------------------------------------------------------------------------
 # launcher
 
-_GPU_DEFAULTS: dict[str, Any] = {"CHUNK": 8192, "num_warps": 16}
-_CPU_DEFAULTS: dict[str, Any] = {"CHUNK": 64, "num_warps": 4}
+# ROWS: rows per program (the interpreter pays per program, a GPU per register)
+_GPU_DEFAULTS: dict[str, Any] = {"CHUNK": 8192, "ROWS": 1, "num_warps": 16}
+_CPU_DEFAULTS: dict[str, Any] = {"CHUNK": 256, "ROWS": 32, "num_warps": 4}
 
 
 def topk_config(device: torch.device, k: int, config: dict | None) -> dict[str, Any]:
     cfg = dict(_GPU_DEFAULTS if device.type == "cuda" else _CPU_DEFAULTS)
     cfg.update(config or {})
+    for key, low in (("CHUNK", 16), ("ROWS", 1)):
+        value = cfg[key]
+        if not isinstance(value, int) or value < low or value & (value - 1):
+            raise ValueError(f"config {key}={value!r} must be a power of two >= {low}")
     chunk = cfg["CHUNK"]
-    if not isinstance(chunk, int) or chunk < 16 or chunk & (chunk - 1):
-        raise ValueError(f"config CHUNK={chunk!r} must be a power of two >= 16")
     cfg["CHUNK"] = max(chunk, V.next_pow2(2 * k))  # each pass must at least halve a row
     return cfg
 
@@ -131,8 +143,7 @@ def topk_rows(
         V.check_tensor("index", index, 2, (torch.int32,), dev)
         if tuple(index.shape) != (N, M):
             raise ValueError(f"index has shape {tuple(index.shape)}; expected {(N, M)}")
-    to_slots = block_table is not None
-    if to_slots:
+    if block_table is not None:
         V.check_tensor("block_table", block_table, 2, V.INDEX_DTYPES, dev)
         if not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size={page_size!r} must be an int >= 1")
@@ -154,14 +165,16 @@ def topk_rows(
         out_i = torch.empty((N, num_chunks * k), dtype=torch.int32, device=dev)
         if N:
             idx_arg = idx if idx is not None else out_i  # never read without HAS_INDEX
-            bt = block_table if to_slots and last else out_i
-            rr = row_req if to_slots and last and row_req is not None else out_i
-            _topk_chunk_kernel[(num_chunks, N)](
-                v, idx_arg, out_v, out_i, bt, rr, M,
+            to_slots = block_table is not None and last
+            bt = block_table if block_table is not None and last else out_i
+            rr = row_req if to_slots and row_req is not None else out_i
+            rows = min(cfg["ROWS"], V.next_pow2(N, 1))
+            _topk_chunk_kernel[(num_chunks, triton.cdiv(N, rows))](
+                v, idx_arg, out_v, out_i, bt, rr, N, M,
                 *v.stride(), *idx_arg.stride(), *out_v.stride(), *out_i.stride(),
                 *bt.stride(), rr.stride(0),
-                K=k, CHUNK=chunk, PAGE_SIZE=page_size, HAS_INDEX=idx is not None,
-                TO_SLOTS=to_slots and last, HAS_ROW_REQ=row_req is not None,
+                K=k, CHUNK=chunk, ROWS=rows, PAGE_SIZE=page_size, HAS_INDEX=idx is not None,
+                TO_SLOTS=to_slots, HAS_ROW_REQ=row_req is not None,
                 num_warps=cfg["num_warps"],
             )
         if last:

@@ -43,13 +43,21 @@ class EngineSetup:
             os.environ["TRITON_INTERPRET"] = "1"
         self.dtype = cfg.dtype or ("fp32" if on_cpu else "bf16")
         self.kv_dtype = cfg.kv_dtype or self.dtype
+        fp8_keys = backend.fp8_dtype is not None and _short(self.dtype) != "fp32"
+        self.index_dtype = cfg.index_dtype or ("fp8" if fp8_keys else _short(self.dtype))
         self.page_size = cfg.page_size or (16 if on_cpu else 64)
         world = cfg.tp_size
         fits = fitting_layouts(self.model_cfg.num_attention_heads, world)
         self.fitting = fits
         self.initial_layout = self._initial_layout(fits)
         self.memory = MemoryModel(self.model_cfg, world, _short(self.dtype), _short(self.kv_dtype),
-                                  self.page_size)
+                                  self.page_size, self.index_dtype)
+        if self.model_cfg.is_dsa:
+            logger.info("DSA: index_topk %d; indexer keys in %d of %d layers stored as %s "
+                        "(%d B per token per layer, beside the latent row)",
+                        self.model_cfg.index_topk, self.model_cfg.num_indexer_layers,
+                        self.model_cfg.num_hidden_layers, self.index_dtype,
+                        self.memory.index_bytes_per_token_per_layer)
         self.num_pages = cfg.kv_pages_per_rank or self._pages_from_memory(backend, on_cpu)
         extra = self.memory.projection_bytes_per_rank(LAYOUTS["dp"]) - \
             self.memory.projection_bytes_per_rank(LAYOUTS["tp"])
@@ -131,6 +139,7 @@ class EngineSetup:
     def worker_config(self) -> WorkerConfig:
         return WorkerConfig(model=self.cfg.model, rank=0, world=self.cfg.tp_size,
                             backend=self.backend_name, dtype=self.dtype, kv_dtype=self.kv_dtype,
+                            index_dtype=self.index_dtype,
                             page_size=self.page_size, num_pages=self.num_pages,
                             layout=self.initial_layout, cuda_graphs=self.cuda_graphs,
                             graph_max_batch=min(self.cfg.max_num_seqs, 512))

@@ -102,8 +102,9 @@ class SwitchController:
         mcfg = eng.model_cfg
         mem = eng.setup.memory
         head_bytes = mem.projection_bytes_per_layer // mcfg.num_attention_heads
-        predicted = manifest.predicted_bytes(mem.kv_bytes_per_token_per_layer, head_bytes,
-                                             mcfg.num_hidden_layers)
+        predicted = manifest.predicted_bytes(
+            mem.kv_bytes_per_token_per_layer, head_bytes, mcfg.num_hidden_layers,
+            mem.index_bytes_per_token_per_layer * mcfg.num_indexer_layers)
         entry = {
             "step": step, "from": manifest.src.name, "to": manifest.dst.name,
             "kv_op": manifest.kv_op, "weight_op": manifest.weight_op,

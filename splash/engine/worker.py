@@ -76,8 +76,10 @@ class Worker:
         if kv_dtype.itemsize == 1:
             scales = [torch.ones(shape[:2], dtype=torch.float32, device=self.device)
                       for _ in range(mcfg.num_hidden_layers)]
-        self.store = KVStore(caches, scales, {k: self.backend.kernel_config(k)
-                                              for k in ("mla_decode", "mla_extend")})
+        index_caches, index_scales = self._index_pools(mcfg)
+        configs = {k: self.backend.kernel_config(k)
+                   for k in ("mla_decode", "mla_extend", "index_scores", "topk")}
+        self.store = KVStore(caches, scales, configs, index_caches, index_scales)
         self.layouts = make_layouts(self.comm, self.store, mcfg.kv_lora_rank)
         self.tables: dict[str, list[int]] = {}
         self.graphs: DecodeGraphs | None = None
@@ -87,6 +89,20 @@ class Worker:
                                        self.device, cfg.graph_max_batch, capture=capture)
         for attn in self.model.attn_layers:  # graphs read the placed weights' addresses
             attn.keep_placements = capture
+
+    def _index_pools(self, mcfg: ModelConfig) -> tuple[list, list]:
+        """DSA: per indexer layer, the indexer keys (P, PS, I) in the same pages as the latent
+        rows (+ one fp32 scale per key when fp8); None in the other layers."""
+        layers = range(mcfg.num_hidden_layers)
+        if not mcfg.is_dsa:
+            return [None for _ in layers], [None for _ in layers]
+        dtype = torch_dtype(self.cfg.index_dtype, self.backend)
+        shape = (self.cfg.num_pages, self.cfg.page_size, int(mcfg.index_head_dim or 0))
+        keys = [torch.zeros(shape, dtype=dtype, device=self.device)
+                if mcfg.has_indexer(i) else None for i in layers]
+        scales = [torch.ones(shape[:2], dtype=torch.float32, device=self.device)
+                  if k is not None and dtype.itemsize == 1 else None for k in keys]
+        return keys, scales
 
     def _heads(self, layout: str) -> range:
         mcfg_heads = _num_heads(self.cfg.model)

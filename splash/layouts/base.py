@@ -20,7 +20,7 @@ import torch
 from splash.core.ownership import KVPlacement, Layout, local_kv_len
 from splash.core.protocol import StepPlan
 from splash.dist.comm import Comm
-from splash.kernels_triton import kv_write, mla_decode, mla_extend
+from splash.kernels_triton import kv_write, mla_decode, mla_extend, mla_sparse
 
 
 class StepMeta:
@@ -47,6 +47,7 @@ class StepMeta:
         self.row_start = starts
         self.positions = torch.tensor(plan.positions, dtype=torch.long, device=device)
         self.all_decode = all(n == 1 for n in plan.query_lens)
+        self.selection: dict[str, torch.Tensor] = {}  # DSA: the last indexer layer's picks
         self._cache: dict[Any, Any] = {}
 
     def cached(self, key: Any, build: Callable[[], Any]) -> Any:
@@ -57,6 +58,18 @@ class StepMeta:
     def inputs(self, impl: AttentionLayout) -> dict[str, Any]:
         """``impl.inputs(self)``, built once per step (graph replays preset it)."""
         return self.cached(("inputs", impl.layout.name), lambda: impl.inputs(self))
+
+    def within_topk(self, topk: int) -> bool:
+        """Whether every context of the step is at most ``topk`` tokens (DSA then attends whole
+        histories). Under CUDA graphs it follows the padded table width, part of the graph's
+        key, so a captured choice holds for every step the graph replays."""
+        if self.table_width:
+            return self.table_width * self.page_size <= topk
+        return max(self.plan.context_lens, default=0) <= topk
+
+    def host_lens(self, reqs: list[int]) -> tuple[list[int], list[int]]:
+        """(rows, history length) per request of ``reqs``, on the host."""
+        return ([self.plan.query_lens[b] for b in reqs], [self.plan.context_lens[b] for b in reqs])
 
     def owned_rows(self) -> list[int]:
         """Rows owned by each rank (host list)."""
@@ -112,38 +125,72 @@ class StepMeta:
         table = np.zeros((len(reqs), width), dtype=np.int32)
         for j, b in enumerate(reqs):
             table[j, : len(self.tables[b])] = self.tables[b]
-        q_start = np.concatenate([[0], np.cumsum([self.plan.query_lens[b] for b in reqs])])
-        return {
+        q_lens = [self.plan.query_lens[b] for b in reqs]
+        q_start = np.concatenate([[0], np.cumsum(q_lens)])
+        args = {
             "block_table": torch.from_numpy(table).to(self.device),
             "seq_lens": torch.tensor(lens, dtype=torch.int32, device=self.device),
             "q_start_loc": torch.from_numpy(q_start.astype(np.int32)).to(self.device),
-            "decode": all(self.plan.query_lens[b] == 1 for b in reqs),
+            "decode": all(n == 1 for n in q_lens),
         }
+        if not args["decode"]:  # the request of each row (DSA's top-k turns positions to slots)
+            row_req = np.repeat(np.arange(len(reqs), dtype=np.int32), q_lens)
+            args["row_req"] = torch.from_numpy(row_req).to(self.device)
+        return args
 
 
 class KVStore:
-    """This rank's KV pools: one (P, PS, D) tensor per layer (+ fp8 scales (P, PS)), and the
-    backend's launch parameters of the attention kernels (``backends/``' TUNING tables)."""
+    """This rank's KV pools: one (P, PS, D) tensor per layer (+ fp8 scales (P, PS)); for DSA
+    models, per indexer layer, the indexer keys (P, PS, I) (+ fp8 scales) in the same pages and
+    slots as the latent rows (None in other layers); and the backend's launch parameters of the
+    attention kernels (``backends/``' TUNING tables)."""
 
     def __init__(self, caches: list[torch.Tensor], scales: list[torch.Tensor] | None,
-                 configs: dict[str, dict] | None = None) -> None:
+                 configs: dict[str, dict] | None = None,
+                 index_caches: list[torch.Tensor | None] | None = None,
+                 index_scales: list[torch.Tensor | None] | None = None) -> None:
         self.caches, self.scales = caches, scales
         self.configs = configs or {}
+        self.index_caches = index_caches or [None] * len(caches)
+        self.index_scales = index_scales or [None] * len(caches)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.caches[i], (self.scales[i] if self.scales is not None else None)
 
+    def index_layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cache = self.index_caches[i]
+        if cache is None:
+            raise ValueError(f"layer {i} stores no indexer keys")
+        return cache, self.index_scales[i]
 
-def write_kv(store: KVStore, layer: int, rows: torch.Tensor, slots: torch.Tensor) -> None:
+    def slot_pools(self, i: int) -> list[torch.Tensor]:
+        """Every pool of layer i indexed by slot (P, PS, ...): what a switch moves per row."""
+        pools = [self.caches[i], self.scales[i] if self.scales is not None else None,
+                 self.index_caches[i], self.index_scales[i]]
+        return [p for p in pools if p is not None]
+
+
+def store_rows(store: KVStore, layer: int, attn: Any, x: torch.Tensor, positions: torch.Tensor,
+               slots: torch.Tensor) -> None:
+    """Write the latent KV rows of rows ``x`` (n, hidden) at ``slots`` (-1 skips), and in a DSA
+    indexer layer their indexer keys in the same slots."""
     cache, scale = store.layer(layer)
-    kv_write(cache, rows, slots, kv_scale=scale)
+    kv_write(cache, attn.latent(x, positions), slots, kv_scale=scale)
+    if attn.indexer is not None:
+        keys, key_scale = store.index_layer(layer)
+        kv_write(keys, attn.indexer.key(x, positions), slots, kv_scale=key_scale)
 
 
 def attend(
-    q: torch.Tensor, store: KVStore, layer: int, args: dict, sm_scale: float, kv_lora_rank: int
+    q: torch.Tensor, store: KVStore, layer: int, args: dict, sm_scale: float, kv_lora_rank: int,
+    slots: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Paged absorbed attention of rows ``q`` (n, h, D) → (o (n, h, L), lse (n, h))."""
+    """Paged absorbed attention of rows ``q`` (n, h, D) → (o (n, h, L), lse (n, h)): over each
+    row's causal history, or only over ``slots`` (n, K) (DSA's selection) when given."""
     cache, scale = store.layer(layer)
+    if slots is not None:
+        return mla_sparse(q, cache, slots, sm_scale, kv_lora_rank, kv_scale=scale,
+                          config=store.configs.get("mla_decode") or None)
     if args["decode"]:
         return mla_decode(q, cache, args["block_table"], args["seq_lens"], sm_scale,
                           kv_lora_rank, kv_scale=scale,

@@ -6,10 +6,11 @@ group (its own NCCL communicator and stream on GPU; gloo's background thread on 
 transfer is issued before the compute it overlaps), then layer l waits for its own transfer
 only. Blocking mode issues and waits for every layer first: the baseline for measurement.
 
-Per layer, one uneven all-to-all carries KV rows (as raw bytes: latent, rope keys and fp8
-scales move exactly, no requantisation) and one carries projection heads (the four placed
-tensors of a head flattened into one row). Rows are packed and unpacked with the Triton
-exchange kernels.
+Per layer, one uneven all-to-all carries KV rows and one carries projection heads (the four
+placed tensors of a head flattened into one row). A KV row is every per-slot pool of the layer
+side by side as raw bytes — the latent row, its fp8 scale, and in DSA models the indexer key
+and its scale (same slot, same page) — so everything moves exactly, with no requantisation.
+Rows are packed and unpacked with the Triton exchange kernels.
 """
 
 from __future__ import annotations
@@ -34,10 +35,9 @@ def _byte_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 class LayerTransfer:
-    def __init__(self, kv_recv, kv_work, w_recv, w_work, scale_recv, scale_work) -> None:
+    def __init__(self, kv_recv, kv_work, w_recv, w_work) -> None:
         self.kv_recv, self.kv_work = kv_recv, kv_work
         self.w_recv, self.w_work = w_recv, w_work
-        self.scale_recv, self.scale_work = scale_recv, scale_work
 
 
 class SwitchExecutor:
@@ -66,39 +66,32 @@ class SwitchExecutor:
     # -- per layer ------------------------------------------------------------------------
     def _issue(self, layer: int) -> None:
         group = self.comm.xfer_group
-        cache, scale = self.store.layer(layer)
-        kv_send = gather_rows(_byte_rows(cache), self.send_slots)  # (M, row bytes)
+        pools = [_byte_rows(p) for p in self.store.slot_pools(layer)]
+        kv_send = torch.cat([gather_rows(p, self.send_slots) for p in pools], dim=1)  # (M, bytes)
         kv_recv, kv_work = self.comm.all_to_all_rows(
             kv_send, self.send_counts, self.recv_counts, group=group, async_op=True)
-        scale_recv = scale_work = None
-        if scale is not None:
-            s_send = gather_rows(_byte_rows(scale), self.send_slots)
-            scale_recv, scale_work = self.comm.all_to_all_rows(
-                s_send, self.send_counts, self.recv_counts, group=group, async_op=True)
         attn = self.attns[layer]
         flat = self._flat_heads(attn)  # (h_old, E)
         w_idx = self._index([h - attn.head_start for s in self.plan.weights.send_to for h in s])
         w_send = gather_rows(flat, w_idx)
         w_recv, w_work = self.comm.all_to_all_rows(
             w_send, self.w_send_counts, self.w_recv_counts, group=group, async_op=True)
-        self.pending[layer] = LayerTransfer(kv_recv, kv_work, w_recv, w_work,
-                                            scale_recv, scale_work)
+        self.pending[layer] = LayerTransfer(kv_recv, kv_work, w_recv, w_work)
 
     def _complete(self, layer: int) -> None:
         t0 = time.perf_counter()
         xfer = self.pending.pop(layer)
-        for work in (xfer.kv_work, xfer.scale_work, xfer.w_work):
+        for work in (xfer.kv_work, xfer.w_work):
             if work is not None:
                 work.wait()
         self.wait_ms += (time.perf_counter() - t0) * 1e3
-        cache, scale = self.store.layer(layer)
         if self.recv_slots.numel():
-            scatter_rows(_byte_rows(cache), self.recv_slots, xfer.kv_recv)
-            if scale is not None:
-                scatter_rows(_byte_rows(scale), self.recv_slots, xfer.scale_recv)
+            col = 0
+            for pool in self.store.slot_pools(layer):
+                rows = _byte_rows(pool)
+                scatter_rows(rows, self.recv_slots, xfer.kv_recv[:, col: col + rows.shape[1]])
+                col += rows.shape[1]
         self.kv_bytes += xfer.kv_recv.numel() * xfer.kv_recv.element_size()
-        if xfer.scale_recv is not None:
-            self.kv_bytes += xfer.scale_recv.numel() * xfer.scale_recv.element_size()
         self.weight_bytes += xfer.w_recv.numel() * xfer.w_recv.element_size()
         self._install_heads(self.attns[layer], xfer.w_recv)
 

@@ -59,9 +59,12 @@ class SwitchManifest:
             return "all-gather"
         return "discard" if any(s.heads_discarded for s in self.summary) else "keep"
 
-    def predicted_bytes(self, kv_row_bytes: int, head_bytes: int, num_layers: int) -> dict:
-        """Bytes each rank receives over the whole switch (all layers)."""
-        kv = [s.kv_rows_received * kv_row_bytes * num_layers for s in self.summary]
+    def predicted_bytes(self, kv_row_bytes: int, head_bytes: int, num_layers: int,
+                        index_bytes_per_row: int = 0) -> dict:
+        """Bytes each rank receives over the whole switch (all layers); a KV row also carries
+        ``index_bytes_per_row`` (DSA indexer keys of every indexer layer, same slot)."""
+        kv = [s.kv_rows_received * (kv_row_bytes * num_layers + index_bytes_per_row)
+              for s in self.summary]
         w = [s.heads_received * head_bytes * num_layers for s in self.summary]
         return {"kv_bytes_received": kv, "weight_bytes_received": w}
 
