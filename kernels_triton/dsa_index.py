@@ -9,7 +9,8 @@ same slot of a pool ``(P, PS, I)`` (fp8 with a per-token fp32 scale, or a float 
 by ``kv_write``). ``w`` (fp32) are the per-row head weights, ``weights_proj(x) * HI^-0.5`` as the
 model computes them. The rows are laid out like ``mla_extend``'s: request b owns rows
 [q_start_loc[b], q_start_loc[b+1]) and row j of it sits at position ``seq_lens[b] - n_b + j``;
-it sees tokens [0, pos] (a decode row: its whole history). Unseen tokens score ``-inf``, so
+it sees tokens [0, pos] (a decode row: its whole history; a row of a shard shorter than its
+rows, as a CP rank's share of a history can be, sees nothing). Unseen tokens score ``-inf``, so
 the output ``(Nq, T)`` (T = ``max_len``) feeds ``topk_rows`` directly.
 
 A program owns ``BLOCK_M`` rows of one request and ``TILES`` key tiles of ``BLOCK_T`` tokens:
@@ -119,7 +120,7 @@ def _index_scores_kernel(
 
 _GPU_DEFAULTS: dict[str, Any] = {"BLOCK_T": 64, "TILES": 8, "BLOCK_M_EXTEND": 4, "num_warps": 4,
                                  "num_stages": 2, "fp8_fp16": True}
-_CPU_DEFAULTS: dict[str, Any] = {"BLOCK_T": 16, "TILES": 2, "BLOCK_M_EXTEND": 4, "num_warps": 4,
+_CPU_DEFAULTS: dict[str, Any] = {"BLOCK_T": 128, "TILES": 1, "BLOCK_M_EXTEND": 16, "num_warps": 4,
                                  "num_stages": 1, "fp8_fp16": False}
 
 
@@ -177,9 +178,8 @@ def index_scores(
         n_rows = q_start_loc[1:].long() - q_start_loc[:-1].long()
         if int(q_start_loc[0]) != 0 or int(q_start_loc[-1]) != Nq or bool((n_rows < 0).any()):
             raise ValueError(f"q_start_loc must rise from 0 to Nq={Nq}")
-        if bool((seq_lens.long() < n_rows).any()) or int(seq_lens.max()) > max_len:
-            raise ValueError(f"seq_lens must include each request's rows and be <= max_len="
-                             f"{max_len}")
+        if bool((seq_lens < 0).any()) or int(seq_lens.max()) > max_len:
+            raise ValueError(f"seq_lens must lie in [0, max_len={max_len}]")
         V.check_paged_lengths(block_table, seq_lens, PS, P)
     out = torch.empty((Nq, max_len), dtype=torch.float32, device=dev)
     if Nq == 0 or max_len == 0 or B == 0:

@@ -56,10 +56,12 @@ def test_unknown_layout_is_a_clear_error(llm):
         llm.switch_layout("zigzag")
 
 
-def test_dsa_model_beyond_index_topk_is_a_clear_error():
-    """GLM-5 architecture: dense attention equals DSA only up to index_topk tokens."""
-    with LLM(checkpoint("glm", index_topk=32), backend="cpu", layout="tp", page_size=4) as glm:
-        with pytest.raises(InvalidRequestError, match="index_topk"):
-            glm.generate([list(range(2, 30))], SamplingParams(max_tokens=8))
-        ok = glm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))
+def test_dsa_model_serves_to_max_position_embeddings():
+    """GLM-5 architecture with index_topk 8: contexts run to max_position_embeddings (256)."""
+    with LLM(checkpoint("glm-dsa", index_topk=8), backend="cpu", layout="tp",
+             page_size=4) as glm:
+        assert glm.engine.setup.max_model_len == 256
+        with pytest.raises(InvalidRequestError, match="max_model_len 256"):
+            glm.generate([list(range(2, 252))], SamplingParams(max_tokens=8))
+        ok = glm.generate([list(range(2, 14))], SamplingParams(max_tokens=2, ignore_eos=True))
         assert len(ok[0].token_ids) == 2

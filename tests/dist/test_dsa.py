@@ -1,0 +1,59 @@
+"""DeepSeek Sparse Attention across ranks (gloo): tiny GLM-5 and DeepSeek-V3.2 architectures
+whose index_topk (8) is below the contexts (up to 30 tokens), so every layer attends a true
+top-k selection. Every layout gives transformers' greedy tokens (CP's position-sharded pick
+merges the ranks' candidates), and so does a run along all 12 switch directions, in which the
+indexer keys move with their pages."""
+
+from __future__ import annotations
+
+import pytest
+
+from splash import LLM, SamplingParams
+from tiny_models import DEV, checkpoint, hf_greedy, mixed_prompts
+
+PROMPTS = mixed_prompts(seed=1, lengths=(3, 11, 26))
+MAX_NEW = 4
+TOPK = 8
+PARAMS = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+_REF: dict = {}
+
+
+def reference(arch):
+    if arch not in _REF:
+        _REF[arch] = hf_greedy(checkpoint(arch, index_topk=TOPK), PROMPTS, MAX_NEW)
+    return _REF[arch]
+
+
+@pytest.mark.parametrize("arch,world,layout", [
+    *(("glm-dsa", 2, layout) for layout in ("tp", "dp", "cp", "dop")),
+    ("v32", 2, "dop"), ("v32", 4, "cp"),
+])
+def test_dsa_layout_matches_transformers(arch, world, layout):
+    with LLM(checkpoint(arch, index_topk=TOPK), tp_size=world, **DEV, layout=layout, page_size=4,
+             max_num_batched_tokens=16) as llm:
+        outs = llm.generate(PROMPTS, PARAMS)
+        assert llm.stats()["kv_pages_used"] == [0] * world
+    assert [o.token_ids for o in outs] == reference(arch)
+
+
+CIRCUIT = ["tp", "dp", "tp", "cp", "tp", "dop", "dp", "cp", "dp", "dop", "cp", "dop", "tp"]
+
+
+def test_dsa_twelve_directions_token_identical():
+    path = checkpoint("glm-dsa", index_topk=TOPK)
+    # the 10-token request decodes past index_topk while the 30-token prompt is prefilled in
+    # chunks: each switch step carries sparse decodes and a chunked prefill
+    prompts = mixed_prompts(seed=12, lengths=(10, 3, 30))
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (14, 14, 3)]
+    plan = [(1 + i, dst) for i, dst in enumerate(CIRCUIT[1:])]
+    with LLM(path, tp_size=2, layout=CIRCUIT[0], **DEV, page_size=4,
+             max_num_batched_tokens=8) as llm:
+        switched = llm.generate(prompts, params, layout_plan=plan)
+        stats = llm.stats()
+    # the run without switches gives transformers' tokens (test_dsa_layout_matches_transformers)
+    want = hf_greedy(path, prompts, 14)
+    assert [o.token_ids for o in switched] == [w[:n] for w, n in zip(want, (14, 14, 3))]
+    assert [(s["from"], s["to"]) for s in stats["switches"]] == list(zip(CIRCUIT, CIRCUIT[1:]))
+    for s in stats["switches"]:  # KV rows carry their indexer keys: the prediction counts them
+        assert s["kv_bytes_received_per_rank"] == s["predicted_kv_bytes_per_rank"], s
+    assert any(s["kv_bytes_received"] for s in stats["switches"])
