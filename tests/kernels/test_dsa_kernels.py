@@ -17,6 +17,7 @@ from splash.kernels_triton import (
     topk_rows,
     topk_rows_ref,
 )
+from splash.layouts.sparse import topk_indexed
 
 # (index heads, key width, page size, rows per request, prefix per request): decode rows only,
 # prefill chunks with prefixes crossing pages and an empty chunk, widths not powers of two
@@ -224,3 +225,20 @@ def test_dsa_deepseek_shapes(gpu_device, kind):
     ref_o, ref_lse = mla_sparse_ref(qs, kv, slots, 0.1147, 512, kv_scale=scale)
     assert_close(o, ref_o, setting.atol, setting.rtol)
     assert_lse(lse, ref_lse, setting.lse_tol)
+
+
+def test_long_prefill_picks_in_pieces_the_same(device):
+    """The layouts score a long prefill in row pieces (bounded score memory), cutting requests
+    where needed; the picks equal one whole-batch pick."""
+    setting = make_setting("fp32")
+    rows, prefix = [6, 1, 9], [0, 21, 17]
+    q, w, keys, _, table, lens, starts, _ = _index_inputs(setting, 5, 24, 4, rows, prefix, 7)
+    row_req = torch.repeat_interleave(torch.arange(3), torch.tensor(rows)).to(torch.int32)
+    args = {"block_table": table, "seq_lens": lens, "q_start_loc": starts,
+            "row_req": row_req.to(device)}
+    host = (rows, [n + p for n, p in zip(rows, prefix)])
+    whole = topk_indexed(q, w, keys, None, args, 0.2, 6, {}, host)
+    width = table.shape[1] * 4
+    pieces = topk_indexed(q, w, keys, None, args, 0.2, 6, {}, host, budget=4 * width)
+    _same_sets(pieces[1], whole[1])
+    torch.testing.assert_close(pieces[0].sort(dim=1).values, whole[0].sort(dim=1).values)
