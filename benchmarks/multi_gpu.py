@@ -59,7 +59,7 @@ def correctness(args) -> dict:
     with LLM(args.model, tp_size=1, **kw) as llm:
         ref = [o.token_ids for o in llm.generate(prompts, params)]
     out = {"tp": args.tp, "dtype": "fp32", "layouts": {}, "switching": None}
-    for layout in ("tp", "dp", "cp", "dop"):
+    for layout in ("tp", "dp", "cp", "dop") if "layouts" in args.parts else ():
         with LLM(args.model, tp_size=args.tp, layout=layout, **kw) as llm:
             got = [o.token_ids for o in llm.generate(prompts, params)]
             st = llm.stats()
@@ -130,6 +130,7 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--model", default=None)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--parts", default="layouts,circuit", help="correctness: what to compare")
     ap.add_argument("--out-dir", default=os.environ.get("OUT", "benchmarks/results/multi-gpu"))
     args = ap.parse_args()
     args.model = args.model or build(f"/tmp/splash-v3-{args.layers}l", args.layers, args.experts)
