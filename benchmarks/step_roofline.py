@@ -173,7 +173,7 @@ def main() -> int:
         sys.path.insert(0, os.path.dirname(__file__))
         import multi_gpu
 
-        args.model = multi_gpu.build(f"/tmp/splash-v3-{args.layers}l", args.layers, args.experts)
+        args.model = multi_gpu.build(f"/tmp/splash-v3-{args.layers}l-o1", args.layers, args.experts)
     cfg = ModelConfig.from_hf(args.model)
     gbps = copy_gbps(args.backend)
     runs = [(1, "tp")] + [(args.tp, lay) for lay in ("tp", "dp", "cp", "dop")] if args.tp > 1 \
