@@ -32,9 +32,10 @@ class FakeEngine:
     step; pages = ceil(tokens / page_size) on each of 2 ranks."""
 
     def __init__(self, vocab_size: int = 1000, max_model_len: int = 512, page_size: int = 4,
-                 step_delay_s: float = 0.0) -> None:
+                 step_delay_s: float = 0.0, script: list[int] | None = None) -> None:
         self.vocab_size, self.max_model_len, self.page_size = vocab_size, max_model_len, page_size
         self.step_delay_s = step_delay_s
+        self.script = script  # when set: output token i is script[i] for every prompt
         self.tokenizer = None
         self._reqs: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
         self._aborted: list[str] = []
@@ -77,7 +78,8 @@ class FakeEngine:
                 for r in self._aborted]
         self._aborted = []
         for rid, (prompt, params, toks) in list(self._reqs.items()):
-            tok = fake_tokens(prompt, len(toks) + 1, self.vocab_size)[-1]
+            tok = (self.script[len(toks) % len(self.script)] if self.script else
+                   fake_tokens(prompt, len(toks) + 1, self.vocab_size)[-1])
             toks.append(tok)
             stop = tok in (params.stop_token_ids or [])
             done = stop or len(toks) >= params.max_tokens
