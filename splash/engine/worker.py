@@ -8,6 +8,7 @@ Runs in-process (T=1) or as a spawned process talking to the controller over Zer
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import numpy as np
@@ -181,6 +182,7 @@ def worker_main(cfg: WorkerConfig, controller_addr: str) -> None:
     to stop or the controller goes away."""
     from splash.engine.worker_loop import serve_plans
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     serve_plans(cfg, controller_addr)

@@ -38,7 +38,7 @@ _PARAM_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_toke
 # neutral value gets a 400 instead of being silently ignored
 _UNSUPPORTED = ("stop", "logprobs", "top_logprobs", "echo", "best_of", "logit_bias",
                 "presence_penalty", "frequency_penalty", "suffix")
-_NEUTRAL = (None, False, 0, "", [], {})
+_NEUTRAL: tuple[Any, ...] = (None, False, 0, "", [], {})
 
 
 class OpenAIHTTPServer(ThreadingHTTPServer):

@@ -136,7 +136,8 @@ def thread_server(engine: object, **config: object) -> Iterator[ZmqServer]:
 
 
 class ServeProcess:
-    """`splash serve` in a subprocess; stderr goes to a log file the tests can read."""
+    """`splash serve` in a subprocess (its own process group, as in a terminal); stderr goes to
+    a log file the tests can read."""
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None,
                  start_timeout_s: float = 180.0) -> None:
@@ -144,7 +145,8 @@ class ServeProcess:
         self._log = open(log_path, "w")
         cmd = [sys.executable, "-m", "splash.cli", "serve", *args]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=self._log,
-                                     text=True, env={**os.environ, **(env or {})})
+                                     text=True, env={**os.environ, **(env or {})},
+                                     start_new_session=True)
         self.zmq_addr, self.http_url = "", ""
         deadline = time.monotonic() + start_timeout_s
         want_http = "--http-port" in args
