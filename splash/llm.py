@@ -59,6 +59,8 @@ class LLM:
         return list(prompt)
 
     def switch_layout(self, name: str) -> None:
+        """Switch live at the next step. Under layout="auto" the layout stays pinned until
+        ``switch_layout("auto")`` hands the choice back to the policy."""
         self.engine.switch_layout(name)
 
     def stats(self) -> dict[str, Any]:
