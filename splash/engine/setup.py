@@ -165,7 +165,12 @@ class EngineSetup:
             return None
         try:
             from transformers import AutoTokenizer
-
+        except ImportError:
+            logger.warning("the checkpoint has a tokenizer, but transformers is not installed: "
+                           "token-id prompts only (pip install 'splash-serve[tokenizer]' for "
+                           "text prompts and chat)")
+            return None
+        try:
             return AutoTokenizer.from_pretrained(self.cfg.model)
         except Exception as e:  # a checkpoint without a usable tokenizer: token ids only
             logger.warning("tokenizer files present but not loadable (%s); token ids only", e)

@@ -22,7 +22,7 @@ from typing import Any
 
 from splash.client import Client
 from splash.detokenize import IncrementalDetokenizer
-from splash.errors import InvalidRequestError, SplashError
+from splash.errors import NO_TOKENIZER, InvalidRequestError, SplashError
 from splash.logging_utils import get_logger
 from splash.sampling_params import SamplingParams
 from splash.server import protocol as P
@@ -186,16 +186,17 @@ class _Handler(BaseHTTPRequestHandler):
         if isinstance(prompt, str):
             tok = self.server.tokenizer
             if tok is None:
-                raise InvalidRequestError("this model has no tokenizer: send `prompt` as a list "
-                                          "of token ids")
+                raise InvalidRequestError(f"{NO_TOKENIZER}: send `prompt` as a list of token ids")
             return list(tok.encode(prompt))
         raise InvalidRequestError("`prompt` must be one string or one non-empty list of token ids")
 
     def _chat_prompt(self, body: dict[str, Any]) -> list[int]:
         tok = self.server.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
-            raise InvalidRequestError("chat completions need a tokenizer with a chat template; "
-                                      "this model has none: use /v1/completions with token ids")
+            raise InvalidRequestError(
+                "chat completions need a tokenizer with a chat template" +
+                (f"; {NO_TOKENIZER}" if tok is None else "; this tokenizer has none") +
+                ": use /v1/completions with token ids")
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("`messages` must be a non-empty list")

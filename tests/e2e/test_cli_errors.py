@@ -110,6 +110,11 @@ def test_simulate_when_nothing_fits(capsys) -> None:
     assert rc == 2 and "fit" in line, line
 
 
+def test_simulate_missing_trace_file(capsys) -> None:
+    rc, line = _run(["simulate", "--trace", "/nonexistent/trace.jsonl"], capsys)
+    assert rc == 2 and "trace.jsonl" in line, line
+
+
 @pytest.mark.parametrize("cmd", [["plan", "--model", "deepseek-v3"],
                                  ["plan", "--model", "deepseek-v3", "--json"],
                                  ["simulate", "--requests", "8"]])

@@ -171,7 +171,7 @@ def test_http_endpoints() -> None:
             assert err.value.code == 400 and b"chat template" in err.value.read()
             with pytest.raises(urllib.error.HTTPError) as err:
                 _post(url + "/v1/completions", {"prompt": "text needs a tokenizer"})
-            assert err.value.code == 400
+            assert err.value.code == 400 and b"splash-serve[tokenizer]" in err.value.read()
             assert json.loads(urllib.request.urlopen(url + "/health", timeout=5).read()) == \
                 {"status": "ok"}
             text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
