@@ -38,7 +38,7 @@ logger = get_logger("splash.executor")
 
 
 class InprocExecutor:
-    """T=1: the worker lives in the controller's process; plans still go through msgspec."""
+    """T=1 on a GPU: the worker lives in the controller's process; plans still go through msgspec."""
 
     def __init__(self, cfg: WorkerConfig) -> None:
         self.worker: Worker | None = Worker(cfg)

@@ -1,6 +1,6 @@
 """A worker: one device's model shard, KV pools and layouts; executes step plans.
 
-Runs in-process (T=1) or as a spawned process talking to the controller over ZeroMQ
+Runs in-process (T=1 on a GPU) or as a spawned process talking to the controller over ZeroMQ
 (`worker_main`). Under torchrun (multi-node) the same `worker_main` starts from
 `python -m splash.engine.worker`, taking rank and rendezvous from torchrun's environment.
 """
