@@ -126,7 +126,6 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _complete(self, chat: bool) -> None:
         body = self._read_json()
-        prompt_ids = self._chat_prompt(body) if chat else self._text_prompt(body.get("prompt"))
         if body.get("n", 1) != 1:
             raise InvalidRequestError("only n=1 is supported")
         unsupported = [k for k in _UNSUPPORTED
@@ -136,6 +135,7 @@ class _Handler(BaseHTTPRequestHandler):
             raise InvalidRequestError(
                 f"{', '.join(unsupported)} {'is' if len(unsupported) == 1 else 'are'} not "
                 f"supported yet{hint}")
+        prompt_ids = self._chat_prompt(body) if chat else self._text_prompt(body.get("prompt"))
         params = {k: body[k] for k in _PARAM_KEYS if body.get(k) is not None}
         sampling = P.parse_params(params)
         created, kind = int(time.time()), "chat.completion" if chat else "text_completion"
