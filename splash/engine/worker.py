@@ -124,7 +124,7 @@ class Worker:
         return StepResult(
             version=WORKER_PROTOCOL_VERSION, step=plan.step, rank=self.cfg.rank, tokens=tokens,
             elapsed_ms=(time.perf_counter() - t0) * 1e3,
-            switch_ms=switch.wait_ms if switch else 0.0, graph_replay=self.graph_step,
+            switch_ms=switch.busy_ms if switch else 0.0, graph_replay=self.graph_step,
             kv_bytes_received=switch.kv_bytes if switch else 0,
             weight_bytes_received=switch.weight_bytes if switch else 0)
 
