@@ -4,10 +4,10 @@ and 128K context, index_topk 2048, DeepSeek-V3.2 dims (64 index heads of 128, fp
 per-token scale: 132 B per token; L=512, R=64; page 64, random page order).
 
 Each stage and the whole pipeline (``dsa``: scores + top-k + sparse MLA, what one decode layer
-runs) are timed like ``kernels.py``'s decode records (CUDA-graph median ``ms``, eager
+runs) are timed like ``kernel_bench.py``'s decode records (CUDA-graph median ``ms``, eager
 ``ms_eager``). The bytes roofline counts what the pipeline must read: every history token's
 indexer key (+ scale) and the selected latent rows (+ fp8 scales); ``pct_copy`` is that over
-the same run's copy bandwidth. Run through ``kernels.py --only-dsa`` (merges the records into
+the same run's copy bandwidth. Run through ``kernel_bench.py --only-dsa`` (merges the records into
 its JSON) or on its own: ``python benchmarks/dsa_kernels.py --out dsa.json``.
 """
 

@@ -116,7 +116,7 @@ class LLMEngine:
         except WorkerDiedError as e:
             return outputs + self._fail_all(str(e))
         step_ms = (time.perf_counter() - t0) * 1e3
-        self.switches.finish(manifest, results, step_ms, self.step_count)
+        self.switches.finish(manifest, results, step_ms, self.step_count, batch)
         self._step_ms_ema = step_ms if self._step_ms_ema is None else (
             0.9 * self._step_ms_ema + 0.1 * step_ms)
         self.step_count += 1
@@ -190,6 +190,7 @@ class LLMEngine:
         elapsed = max(time.monotonic() - self._started, 1e-9)
         return {
             "layout": self.layout,
+            "layout_pinned": self.switches.pinned,  # under auto: held by a manual switch
             "switches": self.switches.history,
             "deferred_switches": self.switches.deferred,
             "policy_decisions": self.switches.decisions[-50:],
