@@ -8,10 +8,10 @@ does not see). Winners are not sorted; equal values are taken in column order.
 
 Chunked selection: a program takes ``CHUNK`` (>= 2k) entries of ``ROWS`` rows (one on a GPU)
 and keeps each row's k largest, so a pass shrinks a row of M entries to ceil(M / CHUNK) · k
-candidates; passes repeat until one chunk remains (128K scores, k = 2048, CHUNK = 8192: 128K -> 32K -> 8K -> 2K). Inside a program
-the k-th largest value is found exactly by a bitwise search over the order-preserving int32
-image of the fp32 values (31 rounds of one compare-and-count over the chunk, in registers);
-the winners are then compacted with a prefix sum.
+candidates; passes repeat until one chunk remains (128K scores, k = 2048, CHUNK = 8192:
+128K -> 32K -> 8K -> 2K). Inside a program the k-th largest value is found exactly by a radix
+select over the order-preserving integer image of the fp32 values (four rounds of a 256-bin
+histogram); the winners are then compacted with a prefix sum.
 
 ``block_table`` (B, W) with ``row_req`` (N,) (request of each row; None: row n is request n)
 turns the final winners' columns, token positions in the row's paged history, into KV slots
@@ -29,6 +29,33 @@ import triton.language as tl
 from splash.kernels_triton import _validate as V
 
 _KEY_MIN = tl.constexpr(-2147483648)  # below every finite value's key (and -inf's): "never chosen"
+
+
+@triton.jit
+def _kth_largest(key, K: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr):
+    """Each row's K-th largest of ``key`` (ROWS, CHUNK) int32, exactly: a radix select over the
+    keys' unsigned images, 8 bits a round (a 256-bin histogram of the keys that share the
+    digits chosen so far, then the digit where the count from the top reaches what is left)."""
+    ukey = (key ^ _KEY_MIN).to(tl.uint32, bitcast=True)  # unsigned order = signed order
+    digits = tl.arange(0, 256)
+    row_bins = tl.arange(0, ROWS)[:, None] * 256
+    prefix = tl.zeros((ROWS,), tl.uint32)
+    need = tl.full((ROWS,), K, tl.int32)  # winners still to place at or below the prefix
+    for r in tl.static_range(4):
+        shift: tl.constexpr = 24 - 8 * r
+        digit = ((ukey >> shift) & 255).to(tl.int32)
+        if r == 0:
+            match = digit >= 0
+        else:
+            match = (ukey >> (shift + 8)) == (prefix >> (shift + 8))[:, None]
+        hist = tl.histogram(tl.reshape(row_bins + digit, (ROWS * CHUNK,)), ROWS * 256,
+                            mask=tl.reshape(match, (ROWS * CHUNK,)))
+        hist = tl.reshape(hist, (ROWS, 256))
+        at_least = tl.sum(hist, 1)[:, None] - tl.cumsum(hist, 1) + hist  # count >= digit
+        d = tl.max(tl.where(at_least >= need[:, None], digits[None, :], -1), 1)
+        need -= tl.sum(tl.where(digits[None, :] == d[:, None], at_least - hist, 0), 1)
+        prefix = prefix | (d.to(tl.uint32) << shift)
+    return prefix.to(tl.int32, bitcast=True) ^ _KEY_MIN
 
 
 @triton.jit
@@ -71,12 +98,7 @@ def _topk_chunk_kernel(
     bits = v.to(tl.int32, bitcast=True)
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed order = float order
     key = tl.where(v > float("-inf"), key, _KEY_MIN)
-    # each row's k-th largest key, bit by bit from the top: the largest thr with
-    # count(key >= thr) >= K
-    thr = tl.where(tl.sum((key >= 0).to(tl.int32), 1) >= K, 0, _KEY_MIN)  # (ROWS,)
-    for i in tl.static_range(31):
-        cand = thr + (1 << (30 - i))
-        thr = tl.where(tl.sum((key >= cand[:, None]).to(tl.int32), 1) >= K, cand, thr)
+    thr = _kth_largest(key, K, ROWS, CHUNK)  # (ROWS,)
     above = key > thr[:, None]
     ties = (key == thr[:, None]).to(tl.int32)
     room = K - tl.sum(above.to(tl.int32), 1)  # ties to take, in column order
