@@ -24,16 +24,18 @@ def reference(arch):
     return _REF[arch]
 
 
-@pytest.mark.parametrize("arch,world,layout", [
-    *(("glm-dsa", 2, layout) for layout in ("tp", "dp", "cp", "dop")),
-    ("v32", 2, "dop"), ("v32", 4, "cp"),
-])
-def test_dsa_layout_matches_transformers(arch, world, layout):
-    with LLM(checkpoint(arch, index_topk=TOPK), tp_size=world, **DEV, layout=layout, page_size=4,
-             max_num_batched_tokens=16) as llm:
-        outs = llm.generate(PROMPTS, PARAMS)
+@pytest.mark.parametrize("arch,world,layouts", [("glm-dsa", 2, ("tp", "dp", "cp", "dop")),
+                                                ("v32", 4, ("cp", "dop"))])
+def test_dsa_layouts_match_transformers(arch, world, layouts):
+    """One engine, one whole generate per layout (switched to while idle)."""
+    with LLM(checkpoint(arch, index_topk=TOPK), tp_size=world, **DEV, layout=layouts[0],
+             page_size=4, max_num_batched_tokens=16) as llm:
+        for layout in layouts:
+            llm.switch_layout(layout)
+            outs = llm.generate(PROMPTS, PARAMS)
+            assert llm.stats()["layout"] == layout
+            assert [o.token_ids for o in outs] == reference(arch), layout
         assert llm.stats()["kv_pages_used"] == [0] * world
-    assert [o.token_ids for o in outs] == reference(arch)
 
 
 CIRCUIT = ["tp", "dp", "tp", "cp", "tp", "dop", "dp", "cp", "dp", "dop", "cp", "dop", "tp"]

@@ -6,6 +6,7 @@ import pytest
 from tiny_models import checkpoint, hf_greedy
 
 from splash import LLM, SamplingParams
+from splash.engine.worker import Worker
 from splash.errors import InvalidRequestError, SplashError
 
 
@@ -63,7 +64,7 @@ def test_dsa_model_serves_to_max_position_embeddings():
              page_size=4) as glm:
         setup = glm.engine.setup
         assert setup.max_model_len == 256
-        store = glm.engine.executor.worker.store
+        store = Worker(setup.worker_config()).store  # what each worker allocates
         pools = [t for i in range(2) for t in store.slot_pools(i)]
         assert sum(t.nbytes for t in pools) == setup.memory.page_bytes * setup.num_pages
         assert store.index_caches[1] is None  # layer 1 reuses layer 0's selection
