@@ -151,8 +151,9 @@ class _Transfer:
             g.kv, work = self.comm.all_to_all_rows(send, m.send_counts, m.recv_counts,
                                                    group=group, async_op=True)
             g.works.append(work)
-            if pools[0][1] is not None:
-                send = torch.cat([gather_rows(_byte_rows(s), m.send_slots) for _, s in pools],
+            scales = [s for _, s in pools if s is not None]
+            if scales:
+                send = torch.cat([gather_rows(_byte_rows(s), m.send_slots) for s in scales],
                                  dim=1)
                 g.scale, work = self.comm.all_to_all_rows(send, m.send_counts, m.recv_counts,
                                                           group=group, async_op=True)

@@ -147,9 +147,9 @@ def build_manifest(
                     plans.append((req, i, d, None, req.tables[d][local_page_index(src, i, world)]))
                     continue
                 s = src_h[0]
-                source = (s, req.tables[s][local_page_index(src, i, world)])
                 page = staged.get((req.request_id, i, d), -1)
-                plans.append((req, i, d, source, page))
+                plans.append((req, i, d, (s, req.tables[s][local_page_index(src, i, world)]),
+                              page))
                 need[d] += page < 0
     if not allocators.can_allocate(need):
         return None
