@@ -117,7 +117,7 @@ def worker(rank: int, args, port: int, q) -> None:
         plan = SwitchPlan(src, dst, w, m.kv[rank], mode="precopy")
         got = {}
 
-        def switch():
+        def switch(plan=plan, attns=attns):
             pc = PreCopy(plan, comm, store, attns, device)
             pc.complete()
             got["kv"], got["w"] = pc.xfer.kv_bytes, pc.xfer.weight_bytes
@@ -135,7 +135,7 @@ def worker(rank: int, args, port: int, q) -> None:
         sbuf = torch.empty(sum(send_counts), dtype=torch.uint8, device=device)
         rbuf = torch.empty(sum(recv_counts), dtype=torch.uint8, device=device)
 
-        def plain():
+        def plain(rbuf=rbuf, sbuf=sbuf, recv_counts=recv_counts, send_counts=send_counts):
             dist.all_to_all_single(rbuf, sbuf, recv_counts, send_counts)
 
         t_plain = _time(plain, device, args.reps)
@@ -144,7 +144,6 @@ def worker(rank: int, args, port: int, q) -> None:
                      "switch_ms": 1e3 * t_switch, "plain_ms": 1e3 * t_plain,
                      "switch_GBps": recv / t_switch / 1e9 if recv else 0.0,
                      "plain_GBps": sum(recv_counts) / t_plain / 1e9 if recv else 0.0})
-        del sbuf, rbuf, attns
     q.put(rows)
     dist.destroy_process_group()
 
