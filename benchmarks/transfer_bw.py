@@ -117,7 +117,7 @@ def worker(rank: int, args, port: int, q) -> None:
         plan = SwitchPlan(src, dst, w, m.kv[rank], mode="precopy")
         got = {}
 
-        def switch(plan=plan, attns=attns):
+        def switch(plan=plan, attns=attns, got=got):
             pc = PreCopy(plan, comm, store, attns, device)
             pc.complete()
             got["kv"], got["w"] = pc.xfer.kv_bytes, pc.xfer.weight_bytes
