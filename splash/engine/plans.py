@@ -13,7 +13,7 @@ from splash.core.protocol import (
 )
 
 
-def build_plans(engine: Any, batch: Any, manifest: Any) -> list[StepPlan]:
+def build_plans(engine: Any, batch: Any, action: Any) -> list[StepPlan]:
     sched = engine.scheduler
     ids: list[str] = []
     query_lens: list[int] = []
@@ -41,9 +41,10 @@ def build_plans(engine: Any, batch: Any, manifest: Any) -> list[StepPlan]:
     for rank in range(engine.world):
         updates = [TableUpdate(rid, s, pages) for rid, s, pages in sched.take_table_updates(rank)]
         switch = None
-        if manifest is not None:
-            switch = SwitchPlan(manifest.src.name, manifest.dst.name, manifest.weights[rank],
-                                manifest.kv[rank], blocking=engine.cfg.switch_mode == "blocking")
+        if action is not None:
+            m = action.manifest
+            switch = SwitchPlan(m.src.name, m.dst.name, m.weights[rank], m.kv[rank],
+                                mode=action.mode)
         plans.append(StepPlan(
             version=WORKER_PROTOCOL_VERSION, step=engine.step_count, layout=engine.layout,
             request_ids=ids, query_lens=query_lens, context_lens=context_lens, owners=owners,

@@ -33,6 +33,7 @@ class EngineSetup:
         self.model_cfg = ModelConfig.from_hf(cfg.model)
         backend = get_backend(cfg.backend)
         self.backend_name = backend.name
+        self.link_gbps = backend.profile.link_gbps  # predicts switch transfer times
         on_cpu = backend.name == "cpu"
         # refused here, before any worker starts: a dtype the backend computes wrongly, a KV
         # dtype the kernels cannot read beside the activations

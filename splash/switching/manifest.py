@@ -46,6 +46,7 @@ class SwitchManifest:
     allocated: list[list[int]]  # per rank: pages taken for received rows
     discard: list[list[int]]  # per rank: pages freed once the switch step is done
     summary: list[RankSummary] = field(default_factory=list)
+    placed: dict[tuple[str, int, int], int] = field(default_factory=dict)  # moved-into pages
 
     @property
     def kv_op(self) -> str:
@@ -98,6 +99,9 @@ def _weight_moves(src: Layout, dst: Layout, world: int, num_heads: int) -> list[
     return moves
 
 
+PageKey = tuple[str, int, int]  # (request id, logical page, destination rank)
+
+
 def build_manifest(
     src: Layout,
     dst: Layout,
@@ -106,16 +110,35 @@ def build_manifest(
     world: int,
     page_size: int,
     num_heads: int,
+    owners: dict[str, int] | None = None,
+    rows_from: dict[str, int] | None = None,
+    staged: dict[PageKey, int] | None = None,
 ) -> SwitchManifest | None:
     """The manifest for switching ``requests`` (with their current tables) from ``src`` to
     ``dst``, allocating destination pages; None (nothing allocated) when the pages needed do
-    not fit — the caller defers the switch."""
-    owners = {r.request_id: r.owner for r in requests}
-    if dst.uses_owners and not src.uses_owners:
-        owners = _balanced_owners(requests, world)
+    not fit — the caller defers the switch.
+
+    A background switch calls it twice. The pre-copy moves each request's rows [0, n) as they
+    are when it starts; the handoff moves only the rows written since (``rows_from``: rows
+    already moved per request, absent = 0) into the pages the pre-copy placed (``staged``),
+    with the pre-copy's ``owners``. A page a destination rank already holds under ``src`` is
+    kept and never moves."""
+    if owners is None:
+        owners = {r.request_id: r.owner for r in requests}
+        if dst.uses_owners and not src.uses_owners:
+            owners = _balanced_owners(requests, world)
+    else:
+        fresh_reqs = [r for r in requests if r.request_id not in owners]
+        if fresh_reqs:  # admitted during a pre-copy: placed by the destination's rules
+            owners = dict(owners)
+            extra = _balanced_owners(fresh_reqs, world) if dst.uses_owners and \
+                not src.uses_owners else {r.request_id: r.owner for r in fresh_reqs}
+            owners.update(extra)
+    rows_from = rows_from or {}
+    staged = staged or {}
     summary = [RankSummary() for _ in range(world)]
     need = [0] * world
-    # (req, logical page, dst rank, source (rank, page) or None, kept page)
+    # (req, logical page, dst rank, source (rank, page) or None, kept or staged page)
     plans: list[tuple[Request, int, int, tuple[int, int] | None, int]] = []
     for req in requests:
         n_pages = -(-req.num_computed // page_size)
@@ -125,10 +148,12 @@ def build_manifest(
             for d in dst_h:
                 if d in src_h:
                     plans.append((req, i, d, None, req.tables[d][local_page_index(src, i, world)]))
-                else:
-                    s = src_h[0]
-                    plans.append((req, i, d, (s, req.tables[s][local_page_index(src, i, world)]), -1))
-                    need[d] += 1
+                    continue
+                s = src_h[0]
+                page = staged.get((req.request_id, i, d), -1)
+                plans.append((req, i, d, (s, req.tables[s][local_page_index(src, i, world)]),
+                              page))
+                need[d] += page < 0
     if not allocators.can_allocate(need):
         return None
     fresh = allocators.allocate(need)
@@ -136,9 +161,9 @@ def build_manifest(
     send: list[list[list[int]]] = [[[] for _ in range(world)] for _ in range(world)]
     recv: list[list[list[int]]] = [[[] for _ in range(world)] for _ in range(world)]
     new_tables: dict[str, list[list[int]]] = {}
+    placed: dict[PageKey, int] = {}
     kept: list[set[int]] = [set() for _ in range(world)]
     for req, i, d, source, page in plans:
-        rows = min(page_size, req.num_computed - i * page_size)
         table = new_tables.setdefault(req.request_id, [[] for _ in range(world)])
         if source is None:
             kept[d].add(page)
@@ -147,12 +172,17 @@ def build_manifest(
                 summary[d].pages_repacked += 1
         else:
             s, src_page = source
-            page = fresh[d].pop(0)
-            send[s][d].extend(src_page * page_size + k for k in range(rows))
-            recv[d][s].extend(page * page_size + k for k in range(rows))
-            summary[d].pages_received += 1
-            summary[d].kv_rows_received += rows
-            summary[s].kv_rows_sent += rows
+            if page < 0:
+                page = fresh[d].pop(0)
+                summary[d].pages_received += 1
+            placed[(req.request_id, i, d)] = page
+            lo = max(rows_from.get(req.request_id, 0) - i * page_size, 0)
+            hi = min(page_size, req.num_computed - i * page_size)
+            if hi > lo:
+                send[s][d] += [src_page * page_size + lo, hi - lo]
+                recv[d][s] += [page * page_size + lo, hi - lo]
+                summary[d].kv_rows_received += hi - lo
+                summary[s].kv_rows_sent += hi - lo
         table[d].append(page)  # logical pages visited in order, so local order holds
     discard: list[list[int]] = [[] for _ in range(world)]
     for req in requests:
@@ -168,4 +198,5 @@ def build_manifest(
         summary[rank].heads_kept = len(set(old) & set(new))
         summary[rank].heads_discarded = len(set(old) - set(new))
     kv = [KVMove(send[r], recv[r]) for r in range(world)]
-    return SwitchManifest(src, dst, weights, kv, new_tables, owners, allocated, discard, summary)
+    return SwitchManifest(src, dst, weights, kv, new_tables, owners, allocated, discard, summary,
+                          placed)
