@@ -66,9 +66,11 @@ class SwitchPlan(msgspec.Struct, frozen=True):
     mode: str = "live"
 
     @property
-    def in_step(self) -> bool:
-        """The step itself computes in ``dst`` (and runs eagerly)."""
-        return self.mode in ("live", "blocking", "handoff")
+    def hooks_forward(self) -> bool:
+        """The transfer interleaves with the step's layers (``live``): that step runs eagerly.
+        Every other mode completes its part before or beside the forward, which may then
+        replay a CUDA graph."""
+        return self.mode == "live"
 
 
 class StepPlan(msgspec.Struct, frozen=True):
