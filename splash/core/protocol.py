@@ -64,6 +64,11 @@ class SwitchPlan(msgspec.Struct, frozen=True):
     weights: WeightMove
     kv: KVMove
     mode: str = "live"
+    # the same on every rank, so that all ranks enter the same collectives: whether any rank
+    # moves KV rows / projection heads, and how many layers share one collective
+    kv_moves: bool = True
+    heads_move: bool = True
+    layers_per_group: int = 1
 
     @property
     def hooks_forward(self) -> bool:
