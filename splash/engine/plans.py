@@ -10,6 +10,7 @@ from splash.core.protocol import (
     StepPlan,
     SwitchPlan,
     TableUpdate,
+    run_rows,
 )
 
 
@@ -37,6 +38,7 @@ def build_plans(engine: Any, batch: Any, action: Any) -> list[StepPlan]:
         sampling.append(SeqSampling(p.temperature, p.top_p, p.top_k, p.seed))
         output_index.append(len(req.output_token_ids))
     released, sched.released = sched.released, []
+    shape = _collectives(engine, action.manifest) if action is not None else {}
     plans = []
     for rank in range(engine.world):
         updates = [TableUpdate(rid, s, pages) for rid, s, pages in sched.take_table_updates(rank)]
@@ -44,10 +46,33 @@ def build_plans(engine: Any, batch: Any, action: Any) -> list[StepPlan]:
         if action is not None:
             m = action.manifest
             switch = SwitchPlan(m.src.name, m.dst.name, m.weights[rank], m.kv[rank],
-                                mode=action.mode)
+                                mode=action.mode, **shape)
         plans.append(StepPlan(
             version=WORKER_PROTOCOL_VERSION, step=engine.step_count, layout=engine.layout,
             request_ids=ids, query_lens=query_lens, context_lens=context_lens, owners=owners,
             input_ids=input_ids, positions=positions, sample=sample, sampling=sampling,
             output_index=output_index, table_updates=updates, released=released, switch=switch))
     return plans
+
+
+GROUP_BYTES = 1 << 30  # about this much per collective: large enough to reach the link
+
+
+def collective_shape(m: Any, kv_row_bytes: int, head_bytes: int) -> dict[str, Any]:
+    """Which collectives a switch has and how many layers share one — identical on every rank
+    (a rank that skipped a collective its peers entered would hang them). ``kv_row_bytes``:
+    one token's KV in one layer; ``head_bytes``: one head's projections in one layer."""
+    kv_rows = max(max(sum(run_rows(r) for r in mv.send_runs),
+                      sum(run_rows(r) for r in mv.recv_runs)) for mv in m.kv)
+    heads = max(max(sum(len(h) for h in w.send_to), sum(len(h) for h in w.recv_from))
+                for w in m.weights)
+    per_layer = kv_rows * kv_row_bytes + heads * head_bytes
+    return {"kv_moves": kv_rows > 0, "heads_move": heads > 0,
+            "layers_per_group": max(GROUP_BYTES // max(per_layer, 1), 1)}
+
+
+def _collectives(engine: Any, m: Any) -> dict[str, Any]:
+    mem, mcfg = engine.setup.memory, engine.model_cfg
+    # a KV row carries every per-slot pool of its layer (DSA: the indexer key too)
+    return collective_shape(m, -(-mem.kv_bytes_per_token // mcfg.num_hidden_layers),
+                            mem.projection_bytes_per_layer // mcfg.num_attention_heads)
