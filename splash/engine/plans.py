@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from splash.core.protocol import (
     WORKER_PROTOCOL_VERSION,
     SeqSampling,
@@ -11,10 +9,14 @@ from splash.core.protocol import (
     SwitchPlan,
     TableUpdate,
 )
+from splash.engine.scheduler import ScheduledBatch, Scheduler
+from splash.switching.manifest import SwitchManifest
 
 
-def build_plans(engine: Any, batch: Any, manifest: Any) -> list[StepPlan]:
-    sched = engine.scheduler
+def build_plans(sched: Scheduler, batch: ScheduledBatch, manifest: SwitchManifest | None,
+                step: int, blocking: bool = False) -> list[StepPlan]:
+    """One plan per rank for engine step ``step``: the batch's rows, the rank's block-table
+    changes and, with a switch (``blocking``: the baseline mode), the rank's part of it."""
     ids: list[str] = []
     query_lens: list[int] = []
     context_lens: list[int] = []
@@ -38,14 +40,14 @@ def build_plans(engine: Any, batch: Any, manifest: Any) -> list[StepPlan]:
         output_index.append(len(req.output_token_ids))
     released, sched.released = sched.released, []
     plans = []
-    for rank in range(engine.world):
+    for rank in range(sched.cfg.world):
         updates = [TableUpdate(rid, s, pages) for rid, s, pages in sched.take_table_updates(rank)]
         switch = None
         if manifest is not None:
             switch = SwitchPlan(manifest.src.name, manifest.dst.name, manifest.weights[rank],
-                                manifest.kv[rank], blocking=engine.cfg.switch_mode == "blocking")
+                                manifest.kv[rank], blocking=blocking)
         plans.append(StepPlan(
-            version=WORKER_PROTOCOL_VERSION, step=engine.step_count, layout=engine.layout,
+            version=WORKER_PROTOCOL_VERSION, step=step, layout=sched.layout.name,
             request_ids=ids, query_lens=query_lens, context_lens=context_lens, owners=owners,
             input_ids=input_ids, positions=positions, sample=sample, sampling=sampling,
             output_index=output_index, table_updates=updates, released=released, switch=switch))

@@ -7,6 +7,9 @@ from collections.abc import Callable
 from typing import Any
 
 from splash.core.ownership import get_layout
+from splash.core.protocol import StepResult
+from splash.engine.scheduler import Scheduler
+from splash.engine.setup import EngineSetup
 from splash.errors import LayoutInfeasibleError
 from splash.logging_utils import get_logger
 from splash.switching.manifest import SwitchManifest, build_manifest
@@ -15,22 +18,26 @@ logger = get_logger("splash.switch")
 
 
 class SwitchController:
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
+    """Decides and plans the switches of one engine: ``scheduler`` holds the layout, the
+    requests and the page allocators; ``setup`` the pool's reserved pages and model sizes.
+    ``policy`` (layout="auto") answers, for an engine step, the layout to switch to or None."""
+
+    def __init__(self, scheduler: Scheduler, setup: EngineSetup) -> None:
+        self.scheduler, self.setup = scheduler, setup
         self.forced: dict[int, str] = {}  # engine step -> layout
         self.requested: str | None = None
         self.history: list[dict[str, Any]] = []
         self.deferred: list[dict[str, Any]] = []
-        self.decisions: list[dict[str, Any]] = []
         self._last_switch: dict[str, Any] | None = None
-        self.policy: Callable[[Any], str | None] | None = None  # set in layout="auto"
+        self.policy: Callable[[int], str | None] | None = None  # set in layout="auto"
 
     def request(self, name: str) -> None:
+        """Switch at the next step; an unknown layout is an InvalidRequestError."""
         layout = get_layout(name)
-        if layout.name not in self.engine.setup.fitting:
+        if layout.name not in self.setup.fitting:
             raise LayoutInfeasibleError(
                 f"layout {name!r} does not fit this model/group; layouts that fit: "
-                f"{self.engine.setup.fitting}")
+                f"{list(self.setup.fitting)}")
         self.requested = layout.name
 
     def force_at(self, step: int, name: str) -> None:
@@ -44,22 +51,21 @@ class SwitchController:
         if self.requested is not None:
             return self.requested
         if self.policy is not None:
-            return self.policy(self.engine)
+            return self.policy(step)
         return None
 
     def prepare(self, step: int) -> SwitchManifest | None:
-        """Plan the switch for this step, or None (no switch, or deferred)."""
-        eng = self.engine
+        """Plan the switch for this step and hand it to the scheduler, or None (no switch, or
+        deferred: then admission is held until the destination's pages fit)."""
+        sched, setup = self.scheduler, self.setup
         target = self._target(step)
-        if target is None or target == eng.layout:
+        if target is None or target == sched.layout.name:
             self.requested = None
             return None
-        src, dst = eng.scheduler.layout, get_layout(target)
-        setup, alloc = eng.setup, eng.allocators
+        src, dst, alloc = sched.layout, get_layout(target), sched.alloc
         alloc.set_reserved(max(setup.reserved_pages(src), setup.reserved_pages(dst)))
-        running = list(eng.scheduler.running)
-        manifest = build_manifest(src, dst, running, alloc, eng.world, setup.page_size,
-                                  eng.model_cfg.num_attention_heads)
+        manifest = build_manifest(src, dst, list(sched.running), alloc, setup.world,
+                                  setup.page_size, setup.model_cfg.num_attention_heads)
         if manifest is None:
             alloc.set_reserved(setup.reserved_pages(src))
             reason = (f"switch {src.name}->{dst.name} deferred at step {step}: the destination "
@@ -70,25 +76,20 @@ class SwitchController:
                 logger.warning(reason)
                 self.deferred.append({"step": step, "from": src.name, "to": dst.name,
                                       "reason": reason})
-            eng.scheduler.hold_admission = True
+            sched.hold_admission = True
             return None
         if self.deferred and not self.deferred[-1].get("resolved"):
             self.deferred[-1]["resolved"] = step
-        eng.scheduler.hold_admission = False
         self.requested = None
-        for req in running:
-            req.tables = manifest.new_tables.get(req.request_id, [[] for _ in range(eng.world)])
-            req.owner = manifest.new_owners.get(req.request_id, req.owner)
-            for rank in range(eng.world):
-                eng.scheduler.mark_dirty(req, rank, 0)
-        eng.scheduler.layout = dst
+        sched.apply_switch(manifest)
         logger.info("switching %s -> %s at step %d (KV %s, weights %s)", src.name, dst.name,
                     step, manifest.kv_op, manifest.weight_op)
         return manifest
 
-    def finish(self, manifest: SwitchManifest | None, results: list, step_ms: float,
+    def finish(self, manifest: SwitchManifest | None, results: list[StepResult], step_ms: float,
                step: int) -> None:
-        eng = self.engine
+        """After the step: free the pages the switch discarded and record what it moved."""
+        setup, alloc = self.setup, self.scheduler.alloc
         if self._last_switch is not None and manifest is None:
             entry = self._last_switch  # the destination's ready step: overhead = difference
             entry["ready_step_ms"] = round(step_ms, 3)
@@ -97,10 +98,10 @@ class SwitchController:
         if manifest is None:
             return
         for rank, pages in enumerate(manifest.discard):
-            eng.allocators[rank].free(pages)
-        eng.allocators.set_reserved(eng.setup.reserved_pages(manifest.dst))
-        mcfg = eng.model_cfg
-        mem = eng.setup.memory
+            alloc[rank].free(pages)
+        alloc.set_reserved(setup.reserved_pages(manifest.dst))
+        mcfg = setup.model_cfg
+        mem = setup.memory
         head_bytes = mem.projection_bytes_per_layer // mcfg.num_attention_heads
         predicted = manifest.predicted_bytes(mem.kv_bytes_per_token_per_layer, head_bytes,
                                              mcfg.num_hidden_layers)
@@ -116,7 +117,7 @@ class SwitchController:
             "transfer_wait_ms": round(max(r.switch_ms for r in results), 3),
             "step_ms": round(step_ms, 3),
             "overhead_ms": round(max(r.switch_ms for r in results), 3),
-            "mode": eng.cfg.switch_mode,
+            "mode": setup.cfg.switch_mode,
         }
         self.history.append(entry)
         self._last_switch = entry

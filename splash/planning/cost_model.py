@@ -22,9 +22,9 @@ import numpy as np
 from splash.backends.profiles import HardwareProfile
 from splash.core.dtypes import dtype_bytes
 from splash.core.memory import MemoryModel
-from splash.core.ownership import KVPlacement, Layout, get_layout
+from splash.core.ownership import KVPlacement, Layout, assign_owners, get_layout, held_tokens
 from splash.core.shapes import BatchShape, SwitchCost
-from splash.planning.feasibility import ACT_BYTES, assign_owners, held_tokens
+from splash.planning.feasibility import ACT_BYTES
 
 __all__ = ["BatchShape", "CostModel", "SwitchCost"]
 LSE_BYTES = 4

@@ -1,9 +1,12 @@
-"""Switch manifests derived from the ownership model (DESIGN §3, paper §4.1).
+"""Switch manifests derived from the ownership model.
 
 For every rank the manifest says which projection heads and which KV pages it keeps, repacks
 (kept, new local index), discards, and receives — and from whom. Nothing here knows the twelve
 directions by name: each page's holders and each rank's heads under the source and destination
-layouts are compared, and the difference is what moves. Pure CPU; no device tensors.
+layouts are compared, and the difference is what moves. `build_manifest` chains four steps:
+owners under the destination (`destination_owners`), one `PagePlan` per destination page
+(`plan_pages`), fresh pages for the received ones and the row moves (`place_pages`), and the head
+moves (`weight_moves`). Pure CPU; no device tensors.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from splash.core.allocator import RankAllocators
 from splash.core.ownership import (
     KVPlacement,
     Layout,
+    assign_owners,
     heads_held,
     local_page_index,
     page_holders,
@@ -43,7 +47,6 @@ class SwitchManifest:
     kv: list[KVMove]  # per rank
     new_tables: dict[str, list[list[int]]]  # request -> per-rank local block tables
     new_owners: dict[str, int]
-    allocated: list[list[int]]  # per rank: pages taken for received rows
     discard: list[list[int]]  # per rank: pages freed once the switch step is done
     summary: list[RankSummary] = field(default_factory=list)
 
@@ -66,19 +69,95 @@ class SwitchManifest:
         return {"kv_bytes_received": kv, "weight_bytes_received": w}
 
 
-def _balanced_owners(requests: list[Request], world: int) -> dict[str, int]:
-    """Largest history first onto the least-loaded rank (owners balanced by live KV tokens)."""
-    load = [0] * world
-    owners: dict[str, int] = {}
-    for req in sorted(requests, key=lambda r: (-r.num_computed, r.request_id)):
-        rank = min(range(world), key=lambda r: (load[r], r))
-        owners[req.request_id] = rank
-        load[rank] += req.num_computed
-    return owners
+@dataclass(frozen=True)
+class PagePlan:
+    """One destination page of one request on one rank: kept in place or received."""
+
+    request: Request
+    logical: int  # logical page of the request
+    rank: int  # the destination rank that holds it
+    rows: int  # KV rows in the page
+    kept: int  # the page kept on ``rank`` (-1: received)
+    source: tuple[int, int] | None  # (rank, page) it is copied from when received
 
 
-def _weight_moves(src: Layout, dst: Layout, world: int, num_heads: int) -> list[WeightMove]:
+@dataclass
+class PagePlacement:
+    """The destination tables and the row moves, once received pages have fresh pages."""
+
+    new_tables: dict[str, list[list[int]]]  # request -> per-rank local block tables
+    send: list[list[list[int]]]  # [src][dst]: slots src sends to dst
+    recv: list[list[list[int]]]  # [dst][src]: slots dst writes, in the same order
+    kept: list[set[int]]  # per rank: pages kept in place
+
+
+def destination_owners(src: Layout, dst: Layout, requests: list[Request],
+                       world: int) -> dict[str, int]:
+    """Owners kept between owned layouts; entering an owned layout places them with
+    `ownership.assign_owners` over the live KV tokens (the cost model places them the same)."""
+    if dst.uses_owners and not src.uses_owners:
+        placed = assign_owners([r.num_computed for r in requests], world)
+        return {r.request_id: int(o) for r, o in zip(requests, placed)}
+    return {r.request_id: r.owner for r in requests}
+
+
+def plan_pages(src: Layout, dst: Layout, requests: list[Request], owners: dict[str, int],
+               world: int, page_size: int) -> list[PagePlan]:
+    """Every destination page of every request, in logical order per request: kept where the
+    source already holds it, else received from its first source holder."""
+    plans = []
+    for req in requests:
+        for i in range(-(-req.num_computed // page_size)):
+            rows = min(page_size, req.num_computed - i * page_size)
+            src_h = page_holders(src, i, req.owner, world)
+            src_local = local_page_index(src, i, world)
+            for d in page_holders(dst, i, owners[req.request_id], world):
+                if d in src_h:
+                    plans.append(PagePlan(req, i, d, rows, req.tables[d][src_local], None))
+                else:
+                    s = src_h[0]
+                    plans.append(PagePlan(req, i, d, rows, -1, (s, req.tables[s][src_local])))
+    return plans
+
+
+def received_pages(plans: list[PagePlan], world: int) -> list[int]:
+    """Fresh pages each rank needs for the pages it receives."""
+    need = [0] * world
+    for p in plans:
+        need[p.rank] += p.source is not None
+    return need
+
+
+def place_pages(plans: list[PagePlan], fresh: list[list[int]], world: int,
+                page_size: int) -> PagePlacement:
+    """Destination tables (kept pages and ``fresh`` ones, in logical order) and the slots each
+    received page's rows move between."""
+    fresh = [list(pages) for pages in fresh]
+    out = PagePlacement({}, [[[] for _ in range(world)] for _ in range(world)],
+                        [[[] for _ in range(world)] for _ in range(world)],
+                        [set() for _ in range(world)])
+    for p in plans:
+        table = out.new_tables.setdefault(p.request.request_id, [[] for _ in range(world)])
+        page = p.kept
+        if p.source is None:
+            out.kept[p.rank].add(page)
+        else:
+            s, src_page = p.source
+            page = fresh[p.rank].pop(0)
+            out.send[s][p.rank].extend(src_page * page_size + k for k in range(p.rows))
+            out.recv[p.rank][s].extend(page * page_size + k for k in range(p.rows))
+        table[p.rank].append(page)  # logical pages visited in order, so local order holds
+    return out
+
+
+def weight_moves(src: Layout, dst: Layout, world: int, num_heads: int) -> list[WeightMove]:
+    """Per rank: the heads it must hold under ``dst`` and which it receives from (the lowest)
+    source holder, and which it sends."""
     held_src = [set(heads_held(src, r, world, num_heads)) for r in range(world)]
+
+    def sender(h: int) -> int:
+        return min(r for r in range(world) if h in held_src[r])
+
     moves = []
     for rank in range(world):
         need = heads_held(dst, rank, world, num_heads)
@@ -86,13 +165,35 @@ def _weight_moves(src: Layout, dst: Layout, world: int, num_heads: int) -> list[
         send: list[list[int]] = [[] for _ in range(world)]
         for h in need:
             if h not in held_src[rank]:
-                recv[min(r for r in range(world) if h in held_src[r])].append(h)
+                recv[sender(h)].append(h)
         for d in range(world):
             for h in heads_held(dst, d, world, num_heads):
-                if h not in held_src[d] and min(r for r in range(world) if h in held_src[r]) == rank:
+                if h not in held_src[d] and sender(h) == rank:
                     send[d].append(h)
         moves.append(WeightMove(need.start, need.stop, recv, send))
     return moves
+
+
+def _summaries(src: Layout, dst: Layout, plans: list[PagePlan], discard: list[list[int]],
+               weights: list[WeightMove], world: int, num_heads: int) -> list[RankSummary]:
+    summary = [RankSummary() for _ in range(world)]
+    for p in plans:
+        if p.source is None:
+            summary[p.rank].pages_kept += 1
+            if local_page_index(src, p.logical, world) != local_page_index(dst, p.logical, world):
+                summary[p.rank].pages_repacked += 1
+        else:
+            summary[p.rank].pages_received += 1
+            summary[p.rank].kv_rows_received += p.rows
+            summary[p.source[0]].kv_rows_sent += p.rows
+    for rank, mv in enumerate(weights):
+        old = set(heads_held(src, rank, world, num_heads))
+        new = set(range(mv.head_start, mv.head_stop))
+        summary[rank].pages_discarded = len(discard[rank])
+        summary[rank].heads_received = sum(len(x) for x in mv.recv_from)
+        summary[rank].heads_kept = len(old & new)
+        summary[rank].heads_discarded = len(old - new)
+    return summary
 
 
 def build_manifest(
@@ -107,62 +208,16 @@ def build_manifest(
     """The manifest for switching ``requests`` (with their current tables) from ``src`` to
     ``dst``, allocating destination pages; None (nothing allocated) when the pages needed do
     not fit — the caller defers the switch."""
-    owners = {r.request_id: r.owner for r in requests}
-    if dst.uses_owners and not src.uses_owners:
-        owners = _balanced_owners(requests, world)
-    summary = [RankSummary() for _ in range(world)]
-    need = [0] * world
-    # (req, logical page, dst rank, source (rank, page) or None, kept page)
-    plans: list[tuple[Request, int, int, tuple[int, int] | None, int]] = []
-    for req in requests:
-        n_pages = -(-req.num_computed // page_size)
-        for i in range(n_pages):
-            src_h = page_holders(src, i, req.owner, world)
-            dst_h = page_holders(dst, i, owners[req.request_id], world)
-            for d in dst_h:
-                if d in src_h:
-                    plans.append((req, i, d, None, req.tables[d][local_page_index(src, i, world)]))
-                else:
-                    s = src_h[0]
-                    plans.append((req, i, d, (s, req.tables[s][local_page_index(src, i, world)]), -1))
-                    need[d] += 1
+    owners = destination_owners(src, dst, requests, world)
+    plans = plan_pages(src, dst, requests, owners, world, page_size)
+    need = received_pages(plans, world)
     if not allocators.can_allocate(need):
         return None
     fresh = allocators.allocate(need)
-    allocated = [list(p) for p in fresh]
-    send: list[list[list[int]]] = [[[] for _ in range(world)] for _ in range(world)]
-    recv: list[list[list[int]]] = [[[] for _ in range(world)] for _ in range(world)]
-    new_tables: dict[str, list[list[int]]] = {}
-    kept: list[set[int]] = [set() for _ in range(world)]
-    for req, i, d, source, page in plans:
-        rows = min(page_size, req.num_computed - i * page_size)
-        table = new_tables.setdefault(req.request_id, [[] for _ in range(world)])
-        if source is None:
-            kept[d].add(page)
-            summary[d].pages_kept += 1
-            if local_page_index(src, i, world) != local_page_index(dst, i, world):
-                summary[d].pages_repacked += 1
-        else:
-            s, src_page = source
-            page = fresh[d].pop(0)
-            send[s][d].extend(src_page * page_size + k for k in range(rows))
-            recv[d][s].extend(page * page_size + k for k in range(rows))
-            summary[d].pages_received += 1
-            summary[d].kv_rows_received += rows
-            summary[s].kv_rows_sent += rows
-        table[d].append(page)  # logical pages visited in order, so local order holds
-    discard: list[list[int]] = [[] for _ in range(world)]
-    for req in requests:
-        for rank, pages in enumerate(req.tables):
-            gone = [p for p in pages if p not in kept[rank]]
-            discard[rank].extend(gone)
-            summary[rank].pages_discarded += len(gone)
-    weights = _weight_moves(src, dst, world, num_heads)
-    for rank, mv in enumerate(weights):
-        old = heads_held(src, rank, world, num_heads)
-        new = range(mv.head_start, mv.head_stop)
-        summary[rank].heads_received = sum(len(x) for x in mv.recv_from)
-        summary[rank].heads_kept = len(set(old) & set(new))
-        summary[rank].heads_discarded = len(set(old) - set(new))
-    kv = [KVMove(send[r], recv[r]) for r in range(world)]
-    return SwitchManifest(src, dst, weights, kv, new_tables, owners, allocated, discard, summary)
+    placed = place_pages(plans, fresh, world, page_size)
+    discard = [[p for req in requests for p in req.tables[rank] if p not in placed.kept[rank]]
+               for rank in range(world)]
+    weights = weight_moves(src, dst, world, num_heads)
+    kv = [KVMove(placed.send[r], placed.recv[r]) for r in range(world)]
+    summary = _summaries(src, dst, plans, discard, weights, world, num_heads)
+    return SwitchManifest(src, dst, weights, kv, placed.new_tables, owners, discard, summary)

@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 
 from splash.backends.profiles import PROFILES
+from splash.core.ownership import assign_owners
 from splash.model.config import ModelConfig
 from splash.model.presets import preset_config
 from splash.planning.cost_model import BatchShape, CostModel
-from splash.planning.feasibility import assign_owners
 
 MIB = 1 << 20
 LAYOUTS = ("tp", "dp", "cp", "dop")
