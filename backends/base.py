@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
@@ -22,8 +23,9 @@ class BaseBackend(ABC):
     - ``dist_backend``: torch.distributed backend name (gloo / nccl; nccl on ROCm is RCCL).
     - ``kv_dtypes``: KV-cache dtypes the hardware supports; ``fp8_dtype`` the fp8 flavour or None.
     - ``wave_size``: threads per warp/wavefront (32 NVIDIA, 64 AMD/DCU).
-    - ``tuning``: per-kernel launch parameters (``kernel_config``), so tuning never lives in
-      kernel code.
+    - ``TUNING``: per-kernel launch parameters (``kernel_config``), so tuning never lives in
+      kernel code: a launcher called without a config reads its device's table
+      (``device_tuning``).
     - ``profile``: the hardware profile feeding the cost model.
     """
 
@@ -76,6 +78,14 @@ class BaseBackend(ABC):
             "wave_size": self.wave_size,
             "kv_dtypes": [str(d).replace("torch.", "") for d in self.kv_dtypes],
         }
+
+
+def device_tuning(device: torch.device, kernel: str) -> dict[str, Any]:
+    """The "default" entry of ``kernel`` in the tuning table of the backend that drives
+    ``device`` (CPU, CUDA, or ROCm under a HIP build of torch): what a launcher uses when its
+    caller passes no config of its own."""
+    name = "cpu" if device.type == "cpu" else ("rocm" if torch.version.hip is not None else "cuda")
+    return copy.deepcopy(_REGISTRY[name].TUNING.get(kernel, {}).get("default", {}))
 
 
 def register_backend(cls: type[BaseBackend]) -> type[BaseBackend]:

@@ -211,7 +211,8 @@ class GatherMap:
     rank: np.ndarray  # rank that holds the row
 
 
-def cp_gather_map(context_lens: Sequence[int], world: int, page_size: int) -> GatherMap:
+def cp_gather_map(context_lens: Sequence[int] | np.ndarray, world: int,
+                  page_size: int) -> GatherMap:
     """Where each rank's held rows of these CP histories sit in their requests; the k-th row
     rank r holds of a request is on logical page r + T * (k // page_size)."""
     cp = LAYOUTS["cp"]
