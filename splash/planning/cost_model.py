@@ -128,7 +128,7 @@ class CostModel:
             owners = self._owners(batch, tokens)
         else:
             tokens = np.asarray(live_tokens, dtype=np.int64)
-            owners = (assign_owners(tokens, T) if live_owners is None
+            owners = (self.owners(tokens) if live_owners is None
                       else np.asarray(live_owners, dtype=np.int64))
         prims: list[str] = []
         w_bytes = 0
@@ -165,10 +165,15 @@ class CostModel:
         return self.switch_cost(src, dst, batch, live_tokens, live_owners).live_ms
 
     # -- pieces ----------------------------------------------------------------------------
+    def owners(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Owners of live histories of ``tokens`` KV tokens placed together, as the engine
+        places them entering an owned layout (`ownership.assign_owners`)."""
+        return assign_owners(tokens, self.world)
+
     def _owners(self, batch: BatchShape, tokens: np.ndarray) -> np.ndarray:
         if batch.owners is not None:
             return np.minimum(np.asarray(batch.owners, dtype=np.int64), self.world - 1)
-        return assign_owners(tokens, self.world)
+        return self.owners(tokens)
 
     def _roof(self, flops: Any, nbytes: Any, tflops: float) -> Any:
         """ms of a stage: FLOPs at peak or bytes at HBM bandwidth, whichever is slower."""
