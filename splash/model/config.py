@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from splash.errors import ConfigError, InvalidRequestError
+from splash.errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "deepseek_v32", "glm_moe_dsa")
 DSA_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
@@ -206,15 +206,6 @@ class ModelConfig:
     def max_dense_context(self) -> int | None:
         """Longest context for which dense attention equals the model (DSA: index_topk)."""
         return self.index_topk if self.is_dsa else None
-
-    def check_dense_context(self, context_len: int) -> None:
-        """Raise InvalidRequestError when a context exceeds what dense attention serves exactly."""
-        limit = self.max_dense_context
-        if limit is not None and context_len > limit:
-            raise InvalidRequestError(
-                f"context of {context_len} tokens exceeds index_topk={limit} of this "
-                f"{self.model_type} (DSA) model: SPLASH runs dense MLA attention, which equals "
-                f"DeepSeek Sparse Attention only while every context is <= index_topk")
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         if not 0 <= layer_idx < self.num_hidden_layers:

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from splash.errors import ConfigError, InvalidRequestError
+from splash.errors import ConfigError
 from splash.model.config import ModelConfig
 from splash.model.presets import PRESETS, checkpoint_shapes, preset_config
 
@@ -75,13 +75,6 @@ def test_mlp_layer_types():
     assert [freq.is_moe_layer(i) for i in range(5)] == [False, False, True, False, True]
     dense = ModelConfig.from_hf(_v3(n_routed_experts=None))
     assert not any(dense.is_moe_layer(i) for i in range(dense.num_hidden_layers))
-
-
-def test_dsa_context_limit():
-    cfg = ModelConfig.from_hf(preset_config("deepseek-v3.2"))
-    cfg.check_dense_context(2048)
-    with pytest.raises(InvalidRequestError, match="index_topk=2048"):
-        cfg.check_dense_context(2049)
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -105,5 +105,7 @@ def test_cp_gather_map_covers_every_row_once():
     assert sum(g.counts) == sum(ctx)
     got = sorted(zip(g.request.tolist(), g.position.tolist()))
     assert got == [(b, p) for b, n in enumerate(ctx) for p in range(n)]
-    for b, p, r in zip(g.request, g.position, g.rank):
-        assert page_holders(LAYOUTS["cp"], int(p) // PS, 0, world) == (int(r),)
+    for p, r, k in zip(g.position.tolist(), g.rank.tolist(), g.local_row.tolist()):
+        assert page_holders(LAYOUTS["cp"], p // PS, 0, world) == (r,)
+        # the k-th row rank r holds: local page k // PS, offset k % PS
+        assert (local_page_index(LAYOUTS["cp"], p // PS, world), p % PS) == divmod(k, PS)
