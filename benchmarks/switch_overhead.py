@@ -1,7 +1,7 @@
 """Switch overhead per direction, live (layer-pipelined) vs blocking.
 
 Overhead = the switching step's time − the destination's ready step time on the same batch
-(the step right after, which computes in the destination without switching; DESIGN §3).
+(the step right after, which computes in the destination without switching).
 A batch of decoding requests walks an Eulerian circuit of the 12 directions ``--rounds`` times,
 switching every other step, once with live and once with blocking switches.
 

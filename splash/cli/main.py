@@ -1,4 +1,4 @@
-"""`splash` command line (CONTRACT): generate, serve, demo, plan, simulate, calibrate, make-model.
+"""`splash` command line: generate, serve, demo, plan, simulate, calibrate, make-model.
 
 Each subcommand only parses arguments here and delegates to the module that owns the work.
 """

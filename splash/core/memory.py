@@ -1,4 +1,4 @@
-"""Per-rank memory and KV capacity of each layout (DESIGN §1), from model dimensions alone.
+"""Per-rank memory and KV capacity of each layout (docs/design.md §1), from model dimensions alone.
 
 The same accounting feeds `splash plan`, the layout policy's feasible set, the engine's page
 budget per layout, and the switch manifests' predicted weight bytes.

@@ -1,4 +1,4 @@
-"""Which layouts fit the memory budget, and which switches fit the headroom (DESIGN §3, §4).
+"""Which layouts fit the memory budget, and which switches fit the headroom (docs/design.md §5).
 
 Per-rank bytes = common + projections (1/T if sharded) + KV pages the rank holds + reserve, where
 ``reserve`` covers activation scratch, graphs and allocator slack. A switch additionally holds one

@@ -1,4 +1,4 @@
-"""Worker side of a live switch (DESIGN §3): move each layer's missing state while the step
+"""Worker side of a live switch: move each layer's missing state while the step
 computes in the destination layout.
 
 Layer-pipelined: before layer l computes, layer l+1's transfer is issued on the transfer process

@@ -1,4 +1,4 @@
-"""Cost model: DESIGN §1 accounting, growth with context, collectives per layout, switch bytes."""
+"""Cost model: the ownership model's accounting, growth with context, collectives per layout, switch bytes."""
 
 from __future__ import annotations
 
