@@ -15,7 +15,6 @@ exchange kernels.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
 
@@ -23,6 +22,7 @@ from splash.core.protocol import SwitchPlan
 from splash.dist.comm import Comm
 from splash.kernels_triton import gather_rows, scatter_rows
 from splash.layouts.base import KVStore
+from splash.model.attention import MLAAttention
 
 _PLACED = ("q_b", "w_uk", "w_uv", "w_o")
 
@@ -41,7 +41,7 @@ class LayerTransfer:
 
 
 class SwitchExecutor:
-    def __init__(self, plan: SwitchPlan, comm: Comm, store: KVStore, attns: list[Any],
+    def __init__(self, plan: SwitchPlan, comm: Comm, store: KVStore, attns: list[MLAAttention],
                  device: torch.device) -> None:
         self.plan, self.comm, self.store, self.attns = plan, comm, store, attns
         self.device = device
@@ -102,11 +102,11 @@ class SwitchExecutor:
         self.weight_bytes += xfer.w_recv.numel() * xfer.w_recv.element_size()
         self._install_heads(self.attns[layer], xfer.w_recv)
 
-    def _flat_heads(self, attn: Any) -> torch.Tensor:
+    def _flat_heads(self, attn: MLAAttention) -> torch.Tensor:
         placed = attn.placed_weights()
         return torch.cat([placed[k].reshape(placed[k].shape[0], -1) for k in _PLACED], dim=1)
 
-    def _install_heads(self, attn: Any, received: torch.Tensor) -> None:
+    def _install_heads(self, attn: MLAAttention, received: torch.Tensor) -> None:
         """Assemble the destination head range from kept local heads and received ones."""
         mv = self.plan.weights
         old = range(attn.head_start, attn.head_start + attn.num_heads)
