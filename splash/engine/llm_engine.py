@@ -11,7 +11,7 @@ import itertools
 import time
 from typing import Any
 
-from splash.core.protocol import StepResult
+from splash.core.protocol import StepPlan, StepResult
 from splash.core.request import Request, Status
 from splash.engine.auto_layout import AutoLayout
 from splash.engine.config import EngineConfig
@@ -137,7 +137,7 @@ class LLMEngine:
             self.requests.pop(out.request_id, None)
         return outputs
 
-    def _execute(self, plans: list) -> tuple[list[StepResult], float]:
+    def _execute(self, plans: list[StepPlan]) -> tuple[list[StepResult], float]:
         t0 = time.perf_counter()
         try:
             results = self.executor.execute(plans)
