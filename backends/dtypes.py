@@ -7,7 +7,9 @@ import torch
 
 from splash.core.dtypes import short_name
 
-_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+__all__ = ["TORCH_DTYPES", "dtype_name", "torch_dtype"]
+
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def torch_dtype(name: str | torch.dtype, fp8: torch.dtype | None = None) -> torch.dtype:
@@ -15,9 +17,17 @@ def torch_dtype(name: str | torch.dtype, fp8: torch.dtype | None = None) -> torc
     backend's flavour (an error when the backend has none). A torch dtype passes through."""
     if isinstance(name, torch.dtype):
         return name
-    short = short_name(name)
+    short = short_name(str(name).lower())
     if short != "fp8":
-        return _TORCH[short]
+        return TORCH_DTYPES[short]
     if fp8 is None:
         raise ValueError("this backend has no fp8 dtype")
     return fp8
+
+
+def dtype_name(name: str | torch.dtype) -> str | None:
+    """The short name (fp32, fp16, bf16, fp8) of any accepted spelling, or None."""
+    try:
+        return short_name(str(name).lower())
+    except ValueError:
+        return None

@@ -75,8 +75,9 @@ def main() -> int:
     for src, dst in zip(CIRCUIT, CIRCUIT[1:]):
         rec: dict = {"from": src, "to": dst}
         for mode, entries in runs.items():
-            mine = [e for e in entries if (e["from"], e["to"]) == (src, dst) and "ready_step_ms" in e]
-            over = [e["overhead_ms"] for e in mine]
+            mine = [e for e in entries
+                    if (e["from"], e["to"]) == (src, dst) and "step_minus_ready_ms" in e]
+            over = [e["step_minus_ready_ms"] for e in mine]
             ready = [e["ready_step_ms"] for e in mine]
             rec[mode] = {"overhead_p50_ms": _pct(over, 0.5), "overhead_p95_ms": _pct(over, 0.95),
                          "ready_step_p50_ms": _pct(ready, 0.5), "samples": len(mine)}

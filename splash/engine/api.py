@@ -20,7 +20,8 @@ class EngineAPI(Protocol):
       a dead worker group raises WorkerDiedError.
     - ``abort_request`` is False for an unknown or finished id.
     - ``switch_layout(name, after_steps)`` switches before the engine step ``after_steps``
-      steps from now; an unknown name raises InvalidRequestError, one that does not fit the
+      steps from now (under layout="auto" the layout stays pinned until ``switch_layout("auto")``
+      releases it); an unknown name raises InvalidRequestError, one that does not fit the
       model or group LayoutInfeasibleError.
     - ``stats`` holds at least: layout, switches, kv_capacity_tokens, kv_pages_used,
       kv_pages_total, num_waiting, num_running, step_time_ms_ema, tokens_per_s, worker_pids.

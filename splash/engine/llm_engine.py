@@ -17,7 +17,7 @@ from splash.engine.auto_layout import AutoLayout
 from splash.engine.config import EngineConfig
 from splash.engine.executor import start_executor
 from splash.engine.plans import build_plans
-from splash.engine.setup import build_scheduler, load_tokenizer, prepare_process_env, resolve_setup
+from splash.engine.setup import build_scheduler, load_tokenizer, resolve_setup
 from splash.engine.switches import SwitchController
 from splash.errors import InvalidRequestError, WorkerDiedError
 from splash.logging_utils import get_logger
@@ -33,7 +33,6 @@ class LLMEngine:
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
         self.setup = s = resolve_setup(cfg)
-        prepare_process_env(s.backend_name)
         self.model_cfg, self.world = s.model_cfg, cfg.tp_size
         self.scheduler = build_scheduler(s)
         self.allocators = self.scheduler.alloc
@@ -121,7 +120,7 @@ class LLMEngine:
         plans = build_plans(self.scheduler, batch, manifest, self.step_count,
                             blocking=self.cfg.switch_mode == "blocking")
         results, step_ms = self._execute(plans)
-        self.switches.finish(manifest, results, step_ms, self.step_count)
+        self.switches.finish(manifest, results, step_ms, self.step_count, batch)
         sampled = self.scheduler.update_from_output(batch, results[0].tokens)
         self._count_step(results, step_ms, len(sampled))
         outputs += [self._output(req, req.output_token_ids[-1:]) for req in sampled]
@@ -194,6 +193,7 @@ class LLMEngine:
         elapsed = max(time.monotonic() - self._started, 1e-9)
         return {
             "layout": self.layout,
+            "layout_pinned": self.switches.pinned,  # under auto: held by a manual switch
             "switches": self.switches.history,
             "deferred_switches": self.switches.deferred,
             "policy_decisions": self.auto.decisions[-50:] if self.auto else [],

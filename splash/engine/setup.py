@@ -1,16 +1,15 @@
 """Engine start-up, resolved once: backend, model, dtypes, the KV pool per layout, limits.
 
 `resolve_setup(cfg)` reads the checkpoint's config and the device's memory and returns a frozen
-`EngineSetup`; it changes nothing (the process environment is set by `prepare_process_env`, which
-the engine calls first). The KV pool is sized for the layouts with sharded projections; under a
-layout with replicated projections the replicas' bytes are held back as reserved pages.
+`EngineSetup`; it changes nothing (CPU workers get the Triton interpreter in their own processes:
+`splash.engine.executor`). The KV pool is sized for the layouts with sharded projections; under
+a layout with replicated projections the replicas' bytes are held back as reserved pages.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +17,6 @@ import torch
 from splash import envs
 from splash.backends import BaseBackend, HardwareProfile, get_backend
 from splash.core.allocator import RankAllocators
-from splash.core.dtypes import short_name
 from splash.core.memory import MemoryModel
 from splash.core.ownership import LAYOUTS, Layout, fitting_layouts, get_layout, kv_capacity_tokens
 from splash.engine.config import EngineConfig
@@ -33,17 +31,6 @@ logger = get_logger("splash.engine")
 _CPU_MAX_PAGES = 4096  # the CPU pool serves tests and demos; keep it small
 
 
-def prepare_process_env(backend_name: str) -> None:
-    """The one process-wide side effect of starting an engine: CPU kernels run under the
-    Triton interpreter, so TRITON_INTERPRET=1 is set (spawned workers inherit it)."""
-    if backend_name != "cpu" or os.environ.get("TRITON_INTERPRET") == "1":
-        return
-    if "splash.kernels_triton.mla_decode" in sys.modules:
-        logger.warning("Triton kernels were imported before TRITON_INTERPRET=1 was set; "
-                       "set it in the environment to run them on the CPU")
-    os.environ["TRITON_INTERPRET"] = "1"
-
-
 @dataclass(frozen=True)
 class EngineSetup:
     """Everything the engine resolved at start-up (see `resolve_setup`)."""
@@ -52,8 +39,8 @@ class EngineSetup:
     model_cfg: ModelConfig
     backend_name: str
     profile: HardwareProfile  # feeds the layout policy's cost model
-    dtype: str  # weights / activations
-    kv_dtype: str
+    dtype: str  # weights / activations (fp32, fp16, bf16)
+    kv_dtype: str  # the activation dtype or fp8
     page_size: int
     memory: MemoryModel
     fitting: tuple[str, ...]  # layouts this model and group can run
@@ -91,13 +78,15 @@ def resolve_setup(cfg: EngineConfig) -> EngineSetup:
     model_cfg = ModelConfig.from_hf(cfg.model)
     backend = get_backend(cfg.backend)
     on_cpu = backend.name == "cpu"
-    dtype = cfg.dtype or ("fp32" if on_cpu else "bf16")
-    kv_dtype = cfg.kv_dtype or dtype
+    # refused here, before any worker starts: a dtype the backend computes wrongly, a KV dtype
+    # the kernels cannot read beside the activations
+    dtype, kv_dtype = backend.check_dtypes(cfg.dtype or ("fp32" if on_cpu else "bf16"),
+                                           cfg.kv_dtype)
     page_size = cfg.page_size or (16 if on_cpu else 64)
     world = cfg.tp_size
     fitting = fitting_layouts(model_cfg.num_attention_heads, world)
     initial = _initial_layout(cfg, model_cfg, fitting)
-    memory = MemoryModel(model_cfg, world, short_name(dtype), short_name(kv_dtype), page_size)
+    memory = MemoryModel(model_cfg, world, dtype, kv_dtype, page_size)
     num_pages = cfg.kv_pages_per_rank or _pages_from_memory(cfg, model_cfg, memory, backend)
     # an explicit pool size is the KV pool alone; a derived one lends replica bytes to KV
     extra = memory.projection_bytes_per_rank(LAYOUTS["dp"]) - \
@@ -196,7 +185,12 @@ def load_tokenizer(model_dir: str):
         return None
     try:
         from transformers import AutoTokenizer  # optional and slow to import: only when needed
-
+    except ImportError:
+        logger.warning("the checkpoint has a tokenizer, but transformers is not installed: "
+                       "token-id prompts only (pip install 'splash-serve[tokenizer]' for "
+                       "text prompts and chat)")
+        return None
+    try:
         return AutoTokenizer.from_pretrained(model_dir)
     except Exception as e:  # a checkpoint without a usable tokenizer: token ids only
         logger.warning("tokenizer files present but not loadable (%s); token ids only", e)

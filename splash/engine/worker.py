@@ -7,6 +7,7 @@ Runs in-process (T=1) or as a spawned process talking to the controller over Zer
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -42,6 +43,9 @@ class Worker:
             # which read tensors back to the host and would sync the device every layer
             set_value_checks(False)
         if cfg.world > 1:
+            # liveness comes from the controller's step timeouts; torch's heartbeat monitor only
+            # prints C++ stacks when rank 0 (the rendezvous store) exits first at shutdown
+            os.environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "0")
             dist.init_process_group(envs.get("SPLASH_DIST_BACKEND") or self.backend.dist_backend,
                                     init_method=cfg.dist_init,
                                     rank=cfg.rank, world_size=cfg.world)
@@ -107,7 +111,7 @@ class Worker:
         return StepResult(
             version=WORKER_PROTOCOL_VERSION, step=plan.step, rank=self.cfg.rank, tokens=tokens,
             elapsed_ms=(time.perf_counter() - t0) * 1e3,
-            switch_ms=switch.wait_ms if switch else 0.0, graph_replay=self.graph_step,
+            switch_ms=switch.busy_ms if switch else 0.0, graph_replay=self.graph_step,
             kv_bytes_received=switch.kv_bytes if switch else 0,
             weight_bytes_received=switch.weight_bytes if switch else 0)
 

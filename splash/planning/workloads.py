@@ -17,8 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
+from splash.errors import ConfigError
 
-class TraceError(ValueError):
+
+class TraceError(ConfigError):
     """A trace file or trace argument that cannot be used; the message says where and why."""
 
 

@@ -16,11 +16,13 @@ import hmac
 import json
 import threading
 import time
+from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from splash.client import Client
-from splash.errors import InvalidRequestError, SplashError
+from splash.detokenize import IncrementalDetokenizer
+from splash.errors import NO_TOKENIZER, InvalidRequestError, SplashError
 from splash.logging_utils import get_logger
 from splash.sampling_params import SamplingParams
 from splash.server import protocol as P
@@ -32,6 +34,11 @@ _STATUS = {"invalid_request": 400, "config": 400, "layout_infeasible": 400, "pro
            "unauthorized": 401, "not_found": 404, "worker_died": 503, "timeout": 504}
 _PARAM_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids",
                "ignore_eos")
+# OpenAI parameters the engine does not implement: a request setting one to anything but its
+# neutral value gets a 400 instead of being silently ignored
+_UNSUPPORTED = ("stop", "logprobs", "top_logprobs", "echo", "best_of", "logit_bias",
+                "presence_penalty", "frequency_penalty", "suffix")
+_NEUTRAL: tuple[Any, ...] = (None, False, 0, "", [], {})
 
 
 class OpenAIHTTPServer(ThreadingHTTPServer):
@@ -119,9 +126,16 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _complete(self, chat: bool) -> None:
         body = self._read_json()
-        prompt_ids = self._chat_prompt(body) if chat else self._text_prompt(body.get("prompt"))
         if body.get("n", 1) != 1:
             raise InvalidRequestError("only n=1 is supported")
+        unsupported = [k for k in _UNSUPPORTED
+                       if k in body and not any(body[k] is v or body[k] == v for v in _NEUTRAL)]
+        if unsupported:
+            hint = "; `stop_token_ids` stops on token ids" if "stop" in unsupported else ""
+            raise InvalidRequestError(
+                f"{', '.join(unsupported)} {'is' if len(unsupported) == 1 else 'are'} not "
+                f"supported yet{hint}")
+        prompt_ids = self._chat_prompt(body) if chat else self._text_prompt(body.get("prompt"))
         params = {k: body[k] for k in _PARAM_KEYS if body.get(k) is not None}
         sampling = P.parse_params(params)
         created, kind = int(time.time()), "chat.completion" if chat else "text_completion"
@@ -146,20 +160,20 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Cache-Control", "no-cache")
             self.end_headers()
-            ids: list[int] = []
+            tok = self.server.tokenizer
+            detok = None if tok is None else IncrementalDetokenizer(tok, prompt_ids)
             deltas = [] if first is None else [first]
             head = {"id": f"cmpl-{stream.request_id}", "object": kind, "created": created,
                     "model": self.server.model_name}
             try:
                 for delta in _chain(deltas, stream):
-                    prev = self._decode(ids)
-                    ids += delta
-                    choice = self._choice(chat, delta, None, final=False,
-                                          text=self._decode(ids)[len(prev):])
+                    text = "" if detok is None else detok.push(delta)
+                    choice = self._choice(chat, delta, None, final=False, text=text)
                     self._sse({**head, "choices": [choice]})
                 reason = stream.output.finish_reason if stream.output else None
+                text = "" if detok is None else detok.finish()
                 self._sse({**head, "choices": [self._choice(chat, [], reason, final=False,
-                                                             text="")]})
+                                                             text=text)]})
             except SplashError as e:  # headers are out: report in-band
                 self._sse({"error": {"message": str(e), "code": P.error_code(e)}})
             self.wfile.write(b"data: [DONE]\n\n")
@@ -172,21 +186,27 @@ class _Handler(BaseHTTPRequestHandler):
         if isinstance(prompt, str):
             tok = self.server.tokenizer
             if tok is None:
-                raise InvalidRequestError("this model has no tokenizer: send `prompt` as a list "
-                                          "of token ids")
+                raise InvalidRequestError(f"{NO_TOKENIZER}: send `prompt` as a list of token ids")
             return list(tok.encode(prompt))
         raise InvalidRequestError("`prompt` must be one string or one non-empty list of token ids")
 
     def _chat_prompt(self, body: dict[str, Any]) -> list[int]:
         tok = self.server.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
-            raise InvalidRequestError("chat completions need a tokenizer with a chat template; "
-                                      "this model has none: use /v1/completions with token ids")
+            raise InvalidRequestError(
+                "chat completions need a tokenizer with a chat template" +
+                (f"; {NO_TOKENIZER}" if tok is None else "; this tokenizer has none") +
+                ": use /v1/completions with token ids")
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("`messages` must be a non-empty list")
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        try:
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # a message the template cannot render (missing keys, roles)
+            raise InvalidRequestError(f"the chat template cannot render `messages`: "
+                                      f"{type(e).__name__}: {e}") from None
+        # transformers 5 returns a BatchEncoding (a mapping); older versions a list of ids
+        return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
 
     def _decode(self, ids: list[int]) -> str:
         tok = self.server.tokenizer

@@ -47,7 +47,7 @@ class SwitchExecutor:
         self.device = device
         self.num_layers = len(attns)
         self.pending: dict[int, LayerTransfer] = {}
-        self.wait_ms = 0.0
+        self.busy_ms = 0.0  # all switch work in the step: issue, wait, install
         self.kv_bytes = 0
         self.weight_bytes = 0
         kv = plan.kv
@@ -65,6 +65,7 @@ class SwitchExecutor:
 
     # -- per layer ------------------------------------------------------------------------
     def _issue(self, layer: int) -> None:
+        t0 = time.perf_counter()
         group = self.comm.xfer_group
         cache, scale = self.store.layer(layer)
         kv_send = gather_rows(_byte_rows(cache), self.send_slots)  # (M, row bytes)
@@ -83,6 +84,7 @@ class SwitchExecutor:
             w_send, self.w_send_counts, self.w_recv_counts, group=group, async_op=True)
         self.pending[layer] = LayerTransfer(kv_recv, kv_work, w_recv, w_work,
                                             scale_recv, scale_work)
+        self.busy_ms += (time.perf_counter() - t0) * 1e3
 
     def _complete(self, layer: int) -> None:
         t0 = time.perf_counter()
@@ -90,7 +92,6 @@ class SwitchExecutor:
         for work in (xfer.kv_work, xfer.scale_work, xfer.w_work):
             if work is not None:
                 work.wait()
-        self.wait_ms += (time.perf_counter() - t0) * 1e3
         cache, scale = self.store.layer(layer)
         if self.recv_slots.numel():
             scatter_rows(_byte_rows(cache), self.recv_slots, xfer.kv_recv)
@@ -101,6 +102,7 @@ class SwitchExecutor:
             self.kv_bytes += xfer.scale_recv.numel() * xfer.scale_recv.element_size()
         self.weight_bytes += xfer.w_recv.numel() * xfer.w_recv.element_size()
         self._install_heads(self.attns[layer], xfer.w_recv)
+        self.busy_ms += (time.perf_counter() - t0) * 1e3
 
     def _flat_heads(self, attn: MLAAttention) -> torch.Tensor:
         placed = attn.placed_weights()
