@@ -205,7 +205,7 @@ class Scheduler:
         self.dirty[rank].clear()
         return updates
 
-    # -- after a step ---------------------------------------------------------------------
+    # -- a switch, and a step's results --------------------------------------------------
     def apply_switch(self, manifest: SwitchManifest) -> None:
         """Adopt a planned switch: the running requests' destination tables and owners, the
         destination layout; every rank's tables are re-sent with the step."""
