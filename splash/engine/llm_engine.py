@@ -113,14 +113,14 @@ class LLMEngine:
         if not self.healthy:
             raise WorkerDiedError("the worker group is down; restart the engine")
         outputs = self._take_pending()
-        manifest = self.switches.prepare(self.step_count)
-        batch = self.scheduler.schedule(allow_preemption=manifest is None)
-        if not batch.entries and manifest is None:
+        switch = self.switches.prepare(self.step_count, self._step_ms_ema)
+        precopy = self.switches.inflight is not None  # a pre-copy moves under this step
+        batch = self.scheduler.schedule(allow_preemption=switch is None and not precopy)
+        if not batch.entries and switch is None and not precopy:
             return outputs
-        plans = build_plans(self.scheduler, batch, manifest, self.step_count,
-                            blocking=self.cfg.switch_mode == "blocking")
+        plans = build_plans(self.scheduler, batch, switch, self.step_count)
         results, step_ms = self._execute(plans)
-        self.switches.finish(manifest, results, step_ms, self.step_count, batch)
+        self.switches.finish(switch, results, step_ms, self.step_count, batch)
         sampled = self.scheduler.update_from_output(batch, results[0].tokens)
         self._count_step(results, step_ms, len(sampled))
         outputs += [self._output(req, req.output_token_ids[-1:]) for req in sampled]
@@ -171,6 +171,11 @@ class LLMEngine:
             self.requests.pop(req.request_id, None)
 
     # -- control and introspection ----------------------------------------------------------
+    @property
+    def step_ms_ema(self) -> float | None:
+        """Moving average of the step time (ms), None before the first step."""
+        return self._step_ms_ema
+
     def switch_layout(self, name: str, after_steps: int = 0) -> None:
         """Switch before the engine step ``after_steps`` steps from now (0: the next)."""
         if isinstance(after_steps, bool) or not isinstance(after_steps, int) or after_steps < 0:
@@ -196,6 +201,11 @@ class LLMEngine:
             "layout_pinned": self.switches.pinned,  # under auto: held by a manual switch
             "switches": self.switches.history,
             "deferred_switches": self.switches.deferred,
+            "cancelled_switches": self.switches.cancelled,
+            "switch_in_flight": None if self.switches.inflight is None else {
+                "from": self.switches.inflight.manifest.src.name,
+                "to": self.switches.inflight.manifest.dst.name,
+                "decision_step": self.switches.inflight.step},
             "policy_decisions": self.auto.decisions[-50:] if self.auto else [],
             "kv_capacity_tokens": self.setup.kv_capacity_tokens(),
             "kv_pages_used": self.allocators.used(),

@@ -10,13 +10,13 @@ from splash.core.protocol import (
     TableUpdate,
 )
 from splash.engine.scheduler import ScheduledBatch, Scheduler
-from splash.switching.manifest import SwitchManifest
+from splash.engine.switches import SwitchStep
 
 
-def build_plans(sched: Scheduler, batch: ScheduledBatch, manifest: SwitchManifest | None,
-                step: int, blocking: bool = False) -> list[StepPlan]:
+def build_plans(sched: Scheduler, batch: ScheduledBatch, action: SwitchStep | None,
+                step: int) -> list[StepPlan]:
     """One plan per rank for engine step ``step``: the batch's rows, the rank's block-table
-    changes and, with a switch (``blocking``: the baseline mode), the rank's part of it."""
+    changes and, with a switch, the rank's part of this step's ``action``."""
     ids: list[str] = []
     query_lens: list[int] = []
     context_lens: list[int] = []
@@ -39,13 +39,15 @@ def build_plans(sched: Scheduler, batch: ScheduledBatch, manifest: SwitchManifes
         sampling.append(SeqSampling(p.temperature, p.top_p, p.top_k, p.seed))
         output_index.append(len(req.output_token_ids))
     released, sched.released = sched.released, []
+    kv_moves = action is not None and any(x.kv_rows_received for x in action.manifest.summary)
     plans = []
     for rank in range(sched.cfg.world):
         updates = [TableUpdate(rid, s, pages) for rid, s, pages in sched.take_table_updates(rank)]
         switch = None
-        if manifest is not None:
-            switch = SwitchPlan(manifest.src.name, manifest.dst.name, manifest.weights[rank],
-                                manifest.kv[rank], blocking=blocking)
+        if action is not None:
+            m = action.manifest
+            switch = SwitchPlan(m.src.name, m.dst.name, m.weights[rank], m.kv[rank],
+                                mode=action.mode, kv_moves=kv_moves)
         plans.append(StepPlan(
             version=WORKER_PROTOCOL_VERSION, step=step, layout=sched.layout.name,
             request_ids=ids, query_lens=query_lens, context_lens=context_lens, owners=owners,

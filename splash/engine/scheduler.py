@@ -216,7 +216,6 @@ class Scheduler:
             for rank in range(self.cfg.world):
                 self.mark_dirty(req, rank, 0)
         self.layout = manifest.dst
-        self.hold_admission = False
 
     def update_from_output(self, batch: ScheduledBatch, tokens: list[int]) -> list[Request]:
         """Advance every scheduled request by its rows, append the tokens sampled for the

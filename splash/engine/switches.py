@@ -1,17 +1,36 @@
 """When and how the engine switches layout: forced plans, explicit requests, the policy;
-manifests, deferral under memory pressure, and the switch history in stats().
+manifests, deferral under memory pressure, and the switch history in stats(). The controller
+works on the scheduler (requests, pages, layout) and the engine's resolved setup.
 
 Under layout="auto" a manual choice (switch_layout, or a layout_plan entry when its step comes)
 pins that layout: the policy is not consulted until switch_layout("auto") releases the pin.
 
+How a switch runs (``switch_mode``):
+
+- ``background``: the step that decides it starts a pre-copy — the destination's missing
+  weights and every KV row written so far move on the transfer group while the source layout
+  keeps serving prefills and decodes, for as many steps as the transfer takes. Once every rank
+  reports its transfer done, the next step hands off: the rows written since the pre-copy
+  began (and whole requests admitted meanwhile) move as a small delta, the tables and owners
+  change, and that step computes in the destination. A changed target cancels the pre-copy
+  (its pages are freed; nothing changes for requests). Preemption waits while a pre-copy is in
+  flight (a preempted request would free pages the pre-copy is filling).
+- ``live``: one step computes in the destination while each layer's state moves behind the
+  layer before it (hides a transfer only behind a step at least as long).
+- ``blocking``: everything moves, then the step computes (the baseline).
+- ``auto`` (default): ``live`` when the running step time covers the predicted transfer at
+  the profile's link bandwidth twice over, else ``background``.
+
 Cost of a switch (``overhead_ms`` in the history): the time the workers spent on its work in
-the switching step — issuing, waiting for and installing transfers — on the slowest rank. When
-the next step decodes the same requests (a matched interval), ``step_minus_ready_ms`` also
-gives the switching step's time minus that destination-ready step's time."""
+the step that completes it — issuing, waiting for and installing transfers — on the slowest
+rank. When the next step decodes the same requests (a matched interval), ``step_minus_ready_ms``
+also gives the switching step's time minus that destination-ready step's time."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from splash.core.ownership import get_layout
@@ -23,6 +42,28 @@ from splash.logging_utils import get_logger
 from splash.switching.manifest import SwitchManifest, build_manifest
 
 logger = get_logger("splash.switch")
+
+MAX_PRECOPY_STEPS = 256  # hand off after this many steps even if a rank still reports work
+
+
+@dataclass
+class SwitchStep:
+    """This step's part of a switch: the manifest the plans carry and the workers' mode."""
+
+    manifest: SwitchManifest
+    mode: str  # live | blocking | precopy | handoff | cancel
+    precopy: SwitchManifest | None = None  # handoff: the pre-copy it completes
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _InFlight:
+    manifest: SwitchManifest  # the pre-copy's
+    copied: dict[str, int]  # rows moved per request
+    step: int  # decided at
+    t0: float  # monotonic time of the decision
+    steps: int = 0  # steps served in the source since
+    ready: bool = False  # every rank reported its transfer done
 
 
 class SwitchController:
@@ -40,6 +81,8 @@ class SwitchController:
         self._last_switch: dict[str, Any] | None = None
         self._last_rows: tuple | None = None  # the switching step's decode rows, if only decode
         self.policy: Callable[[int], str | None] | None = None  # set in layout="auto"
+        self.inflight: _InFlight | None = None  # a background pre-copy
+        self.cancelled: list[dict[str, Any]] = []
 
     def request(self, name: str) -> None:
         """Switch at the next step; under auto this pins ``name``; "auto" releases the pin. An
@@ -84,18 +127,25 @@ class SwitchController:
             return self.policy(step)
         return None
 
-    def prepare(self, step: int) -> SwitchManifest | None:
-        """Plan the switch for this step and hand it to the scheduler, or None (no switch, or
-        deferred: then admission is held until the destination's pages fit)."""
+    def prepare(self, step: int, step_ms_ema: float | None = None) -> SwitchStep | None:
+        """This step's part of a switch, or None (no switch, deferred, or a pre-copy that is
+        still moving). ``step_ms_ema``: the engine's recent step time (picks the mode)."""
         sched, setup = self.scheduler, self.setup
         target = self._target(step)
+        if self.inflight is not None:
+            if target is not None and target != self.inflight.manifest.dst.name:
+                return self._cancel(step, f"the target changed to {target}")
+            if self.inflight.ready or self.inflight.steps >= MAX_PRECOPY_STEPS:
+                return self._handoff(step)
+            return None
         if target is None or target == sched.layout.name:
             self.requested = None
             return None
         src, dst, alloc = sched.layout, get_layout(target), sched.alloc
         alloc.set_reserved(max(setup.reserved_pages(src), setup.reserved_pages(dst)))
-        manifest = build_manifest(src, dst, list(sched.running), alloc, setup.world,
-                                  setup.page_size, setup.model_cfg.num_attention_heads)
+        running = list(sched.running)
+        manifest = build_manifest(src, dst, running, alloc, setup.world, setup.page_size,
+                                  setup.model_cfg.num_attention_heads)
         if manifest is None:
             alloc.set_reserved(setup.reserved_pages(src))
             reason = (f"switch {src.name}->{dst.name} deferred at step {step}: the destination "
@@ -110,25 +160,100 @@ class SwitchController:
             return None
         if self.deferred and not self.deferred[-1].get("resolved"):
             self.deferred[-1]["resolved"] = step
+        sched.hold_admission = False
         self.requested = None
+        mode = self._mode(manifest, step_ms_ema)
+        if mode == "background":
+            self.inflight = _InFlight(manifest, {r.request_id: r.num_computed for r in running},
+                                      step, time.monotonic())
+            logger.info("switch %s -> %s: pre-copy started at step %d (KV %s, weights %s); "
+                        "the source layout keeps serving", src.name, dst.name, step,
+                        manifest.kv_op, manifest.weight_op)
+            return SwitchStep(manifest, "precopy")
         sched.apply_switch(manifest)
-        logger.info("switching %s -> %s at step %d (KV %s, weights %s)", src.name, dst.name,
-                    step, manifest.kv_op, manifest.weight_op)
-        return manifest
+        logger.info("switching %s -> %s at step %d (%s; KV %s, weights %s)", src.name, dst.name,
+                    step, mode, manifest.kv_op, manifest.weight_op)
+        return SwitchStep(manifest, mode)
 
-    def finish(self, manifest: SwitchManifest | None, results: list[StepResult], step_ms: float,
+    def _mode(self, manifest: SwitchManifest, step_ms_ema: float | None) -> str:
+        mode = self.setup.cfg.switch_mode
+        if mode != "auto":
+            return mode
+        mem, mcfg = self.setup.memory, self.setup.model_cfg
+        head_bytes = mem.projection_bytes_per_layer // mcfg.num_attention_heads
+        moved = manifest.predicted_bytes(mem.kv_bytes_per_token_per_layer, head_bytes,
+                                         mcfg.num_hidden_layers)
+        per_rank = max(k + w for k, w in zip(moved["kv_bytes_received"],
+                                             moved["weight_bytes_received"]))
+        transfer_ms = per_rank / (self.setup.profile.link_gbps * 1e9) * 1e3
+        step_ms = step_ms_ema or 0.0
+        return "live" if step_ms >= 2 * transfer_ms else "background"
+
+    def _free_placed(self, placed: dict, keep: set[str]) -> None:
+        for (rid, _, rank), page in placed.items():
+            if rid not in keep:
+                self.scheduler.alloc[rank].free([page])
+
+    def _handoff(self, step: int) -> SwitchStep | None:
+        sched, setup, pc = self.scheduler, self.setup, self.inflight
+        assert pc is not None
+        self.inflight = None
+        pre = pc.manifest
+        running = list(sched.running)
+        live = {r.request_id for r in running}
+        self._free_placed(pre.placed, keep=live)  # pages of requests that finished meanwhile
+        staged = {k: p for k, p in pre.placed.items() if k[0] in live}
+        owners = {rid: o for rid, o in pre.new_owners.items() if rid in live}
+        delta = build_manifest(pre.src, pre.dst, running, sched.alloc, setup.world,
+                               setup.page_size, setup.model_cfg.num_attention_heads,
+                               owners=owners, rows_from=pc.copied, staged=staged)
+        if delta is None:
+            self._free_placed(staged, keep=set())
+            self._cancelled(pc, step, "no free pages for the delta")
+            return SwitchStep(pre, "cancel")
+        sched.apply_switch(delta)
+        info = {"decision_step": pc.step, "precopy_steps": pc.steps,
+                "decision_to_handoff_ms": round((time.monotonic() - pc.t0) * 1e3, 3),
+                "delta_kv_rows": sum(x.kv_rows_received for x in delta.summary)}
+        logger.info("switch %s -> %s: handoff at step %d after %d steps of pre-copy (delta "
+                    "%d KV rows)", pre.src.name, pre.dst.name, step, pc.steps,
+                    info["delta_kv_rows"])
+        return SwitchStep(delta, "handoff", precopy=pre, info=info)
+
+    def _cancel(self, step: int, why: str) -> SwitchStep:
+        pc = self.inflight
+        assert pc is not None
+        self.inflight = None
+        self._free_placed(pc.manifest.placed, keep=set())
+        self._cancelled(pc, step, why)
+        return SwitchStep(pc.manifest, "cancel")
+
+    def _cancelled(self, pc: _InFlight, step: int, why: str) -> None:
+        pre = pc.manifest
+        self.scheduler.alloc.set_reserved(self.setup.reserved_pages(self.scheduler.layout))
+        logger.info("switch %s -> %s: pre-copy cancelled at step %d (%s); nothing changes "
+                    "for requests", pre.src.name, pre.dst.name, step, why)
+        self.cancelled.append({"step": step, "from": pre.src.name, "to": pre.dst.name,
+                               "decision_step": pc.step, "reason": why})
+
+    def finish(self, action: SwitchStep | None, results: list[StepResult], step_ms: float,
                step: int, batch: ScheduledBatch | None = None) -> None:
-        """After the step: free the pages the switch discarded and record what it moved."""
+        """After the step: track a pre-copy; free the pages a completed switch discarded and
+        record what it moved."""
         setup, alloc = self.setup, self.scheduler.alloc
         rows = _decode_rows(batch)
-        if self._last_switch is not None and manifest is None:
+        if self.inflight is not None:
+            self.inflight.ready = all(r.precopy_done for r in results)
+            self.inflight.steps += 1
+        if self._last_switch is not None and (action is None or action.mode != "handoff"):
             entry = self._last_switch  # the destination's ready step
             entry["ready_step_ms"] = round(step_ms, 3)
             if rows is not None and rows == self._last_rows:  # a matched interval
                 entry["step_minus_ready_ms"] = round(entry["step_ms"] - step_ms, 3)
             self._last_switch = None
-        if manifest is None:
+        if action is None or action.mode in ("precopy", "cancel"):
             return
+        manifest = action.manifest
         self._last_rows = rows
         for rank, pages in enumerate(manifest.discard):
             alloc[rank].free(pages)
@@ -136,11 +261,17 @@ class SwitchController:
         mcfg = setup.model_cfg
         mem = setup.memory
         head_bytes = mem.projection_bytes_per_layer // mcfg.num_attention_heads
-        predicted = manifest.predicted_bytes(mem.kv_bytes_per_token_per_layer, head_bytes,
-                                             mcfg.num_hidden_layers)
+        args = (mem.kv_bytes_per_token_per_layer, head_bytes, mcfg.num_hidden_layers)
+        predicted = manifest.predicted_bytes(*args)
+        if action.precopy is not None:  # handoff: the pre-copy moved the weights and most KV
+            pre = action.precopy.predicted_bytes(*args)
+            predicted = {"kv_bytes_received": [a + b for a, b in zip(
+                pre["kv_bytes_received"], predicted["kv_bytes_received"])],
+                "weight_bytes_received": pre["weight_bytes_received"]}
         entry = {
             "step": step, "from": manifest.src.name, "to": manifest.dst.name,
-            "kv_op": manifest.kv_op, "weight_op": manifest.weight_op,
+            "kv_op": (action.precopy or manifest).kv_op,
+            "weight_op": (action.precopy or manifest).weight_op,
             "kv_bytes_received": sum(r.kv_bytes_received for r in results),
             "weight_bytes_received": sum(r.weight_bytes_received for r in results),
             "kv_bytes_received_per_rank": [r.kv_bytes_received for r in results],
@@ -149,7 +280,8 @@ class SwitchController:
             "predicted_weight_bytes_per_rank": predicted["weight_bytes_received"],
             "step_ms": round(step_ms, 3),
             "overhead_ms": round(max(r.switch_ms for r in results), 3),  # the switch work
-            "mode": setup.cfg.switch_mode,
+            "mode": "background" if action.mode == "handoff" else action.mode,
+            **action.info,
         }
         self.history.append(entry)
         self._last_switch = entry

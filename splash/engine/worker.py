@@ -29,7 +29,7 @@ from splash.model.config import ModelConfig
 from splash.model.mlp import MoE
 from splash.model.model import MLAModel
 from splash.model.sampler import sample
-from splash.switching.executor import SwitchExecutor
+from splash.switching.executor import PreCopy, SwitchExecutor
 
 
 class Worker:
@@ -71,6 +71,7 @@ class Worker:
                                               for k in ("mla_decode", "mla_extend")})
         self.layouts = make_layouts(self.comm, self.store, mcfg.kv_lora_rank)
         self.tables: dict[str, list[int]] = {}
+        self.precopy: PreCopy | None = None  # a background switch's transfer in flight
         self.graphs: DecodeGraphs | None = None
         capture = cfg.cuda_graphs and self.device.type == "cuda"
         if capture or envs.get("SPLASH_PAD_DECODE") == "1":
@@ -95,11 +96,7 @@ class Worker:
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
         self._apply_tables(plan)
-        switch = None
-        if plan.switch is not None:
-            switch = SwitchExecutor(plan.switch, self.comm, self.store, self.model.attn_layers,
-                                    self.device)
-            switch.start()
+        switch = self._switch(plan)
         tokens: list[int] = []
         self.graph_step = False
         if plan.input_ids:
@@ -113,7 +110,32 @@ class Worker:
             elapsed_ms=(time.perf_counter() - t0) * 1e3,
             switch_ms=switch.busy_ms if switch else 0.0, graph_replay=self.graph_step,
             kv_bytes_received=switch.kv_bytes if switch else 0,
-            weight_bytes_received=switch.weight_bytes if switch else 0)
+            weight_bytes_received=switch.weight_bytes if switch else 0,
+            precopy_done=self.precopy is None or self.precopy.done())
+
+    def _switch(self, plan: StepPlan) -> SwitchExecutor | None:
+        """Start this step's part of a switch; the executor when the step computes in the
+        destination, None when it computes in the source (no switch, pre-copy, cancel)."""
+        sp = plan.switch
+        if sp is None:
+            return None
+        attns = self.model.attn_layers
+        if sp.mode == "precopy":
+            if self.precopy is not None:
+                raise RuntimeError("a pre-copy is already in flight")
+            self.precopy = PreCopy(sp, self.comm, self.store, attns, self.device)
+            return None
+        staged, self.precopy = self.precopy, None
+        if sp.mode == "cancel":
+            if staged is not None:
+                staged.cancel()
+            return None
+        if (sp.mode == "handoff") != (staged is not None):
+            raise RuntimeError(f"switch {sp.mode} {'without' if staged is None else 'during'} "
+                               "a pre-copy")
+        switch = SwitchExecutor(sp, self.comm, self.store, attns, self.device, staged=staged)
+        switch.start()
+        return switch
 
     def _model_forward(self, ids: torch.Tensor, meta: StepMeta, impl: AttentionLayout,
                        switch: SwitchExecutor | None = None) -> torch.Tensor:

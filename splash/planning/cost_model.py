@@ -118,7 +118,7 @@ class CostModel:
     def switch_cost(self, src: str, dst: str, batch: BatchShape,
                     live_tokens: Sequence[int] | np.ndarray | None = None,
                     live_owners: Sequence[int] | None = None) -> SwitchCost:
-        """Bytes each rank receives per layer (docs/design.md §3: the switch table) and the switch's time,
+        """Bytes each rank receives per layer (the switch table of docs/switching.md) and the switch's time,
         switching before ``batch`` runs. ``live_tokens``: KV tokens of every live request
         (default: those of ``batch``); ``live_owners``: their owners (default: greedy)."""
         s, d = get_layout(src), get_layout(dst)

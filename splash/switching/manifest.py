@@ -7,6 +7,10 @@ layouts are compared, and the difference is what moves. `build_manifest` chains 
 owners under the destination (`destination_owners`), one `PagePlan` per destination page
 (`plan_pages`), fresh pages for the received ones and the row moves (`place_pages`), and the head
 moves (`weight_moves`). Pure CPU; no device tensors.
+
+A background switch builds two: the pre-copy moves each request's rows as they are when it
+starts; the handoff moves only the rows written since (``rows_from``) into the pages the
+pre-copy placed (``staged``), with the pre-copy's owners.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from splash.core.ownership import (
 )
 from splash.core.protocol import KVMove, WeightMove
 from splash.core.request import Request
+
+PageKey = tuple[str, int, int]  # (request id, logical page, destination rank)
 
 
 @dataclass
@@ -49,6 +55,7 @@ class SwitchManifest:
     new_owners: dict[str, int]
     discard: list[list[int]]  # per rank: pages freed once the switch step is done
     summary: list[RankSummary] = field(default_factory=list)
+    placed: dict[PageKey, int] = field(default_factory=dict)  # received pages, where they went
 
     @property
     def kv_op(self) -> str:
@@ -76,76 +83,92 @@ class PagePlan:
     request: Request
     logical: int  # logical page of the request
     rank: int  # the destination rank that holds it
-    rows: int  # KV rows in the page
-    kept: int  # the page kept on ``rank`` (-1: received)
+    page: int  # the kept page, or the page a pre-copy staged it in (-1: a fresh one)
     source: tuple[int, int] | None  # (rank, page) it is copied from when received
+    rows: range  # the page's rows to move (offsets in the page; received pages only)
 
 
 @dataclass
 class PagePlacement:
-    """The destination tables and the row moves, once received pages have fresh pages."""
+    """The destination tables and the row moves, once received pages have their pages."""
 
     new_tables: dict[str, list[list[int]]]  # request -> per-rank local block tables
-    send: list[list[list[int]]]  # [src][dst]: slots src sends to dst
-    recv: list[list[list[int]]]  # [dst][src]: slots dst writes, in the same order
+    send: list[list[list[int]]]  # [src][dst]: runs (first slot, rows) src sends to dst
+    recv: list[list[list[int]]]  # [dst][src]: runs dst writes, in the same order
     kept: list[set[int]]  # per rank: pages kept in place
+    placed: dict[PageKey, int]  # received pages: where they went
 
 
-def destination_owners(src: Layout, dst: Layout, requests: list[Request],
-                       world: int) -> dict[str, int]:
+def destination_owners(src: Layout, dst: Layout, requests: list[Request], world: int,
+                       owners: dict[str, int] | None = None) -> dict[str, int]:
     """Owners kept between owned layouts; entering an owned layout places them with
-    `ownership.assign_owners` over the live KV tokens (the cost model places them the same)."""
+    `ownership.assign_owners` over the live KV tokens (the cost model places them the same).
+    ``owners`` (a pre-copy's) are kept; requests it lacks (admitted meanwhile) are placed by
+    the same rules."""
+    fixed = owners or {}
+    fresh = [r for r in requests if r.request_id not in fixed]
     if dst.uses_owners and not src.uses_owners:
-        placed = assign_owners([r.num_computed for r in requests], world)
-        return {r.request_id: int(o) for r, o in zip(requests, placed)}
-    return {r.request_id: r.owner for r in requests}
+        placed = assign_owners([r.num_computed for r in fresh], world)
+        new = {r.request_id: int(o) for r, o in zip(fresh, placed)}
+    else:
+        new = {r.request_id: r.owner for r in fresh}
+    return {**fixed, **new} if fixed else new
 
 
 def plan_pages(src: Layout, dst: Layout, requests: list[Request], owners: dict[str, int],
-               world: int, page_size: int) -> list[PagePlan]:
+               world: int, page_size: int, rows_from: dict[str, int] | None = None,
+               staged: dict[PageKey, int] | None = None) -> list[PagePlan]:
     """Every destination page of every request, in logical order per request: kept where the
-    source already holds it, else received from its first source holder."""
+    source already holds it, else received from its first source holder — its rows from
+    ``rows_from`` (rows already moved per request) on, into its ``staged`` page if any."""
+    rows_from, staged = rows_from or {}, staged or {}
     plans = []
     for req in requests:
+        done = rows_from.get(req.request_id, 0)
         for i in range(-(-req.num_computed // page_size)):
-            rows = min(page_size, req.num_computed - i * page_size)
+            rows = range(max(done - i * page_size, 0),
+                         min(page_size, req.num_computed - i * page_size))
             src_h = page_holders(src, i, req.owner, world)
             src_local = local_page_index(src, i, world)
             for d in page_holders(dst, i, owners[req.request_id], world):
                 if d in src_h:
-                    plans.append(PagePlan(req, i, d, rows, req.tables[d][src_local], None))
+                    plans.append(PagePlan(req, i, d, req.tables[d][src_local], None, rows))
                 else:
                     s = src_h[0]
-                    plans.append(PagePlan(req, i, d, rows, -1, (s, req.tables[s][src_local])))
+                    page = staged.get((req.request_id, i, d), -1)
+                    plans.append(PagePlan(req, i, d, page, (s, req.tables[s][src_local]), rows))
     return plans
 
 
 def received_pages(plans: list[PagePlan], world: int) -> list[int]:
-    """Fresh pages each rank needs for the pages it receives."""
+    """Fresh pages each rank needs for the pages it receives (staged ones have theirs)."""
     need = [0] * world
     for p in plans:
-        need[p.rank] += p.source is not None
+        need[p.rank] += p.source is not None and p.page < 0
     return need
 
 
 def place_pages(plans: list[PagePlan], fresh: list[list[int]], world: int,
                 page_size: int) -> PagePlacement:
-    """Destination tables (kept pages and ``fresh`` ones, in logical order) and the slots each
-    received page's rows move between."""
+    """Destination tables (kept, staged and ``fresh`` pages, in logical order) and the runs of
+    slots each received page's rows move between (one run per page)."""
     fresh = [list(pages) for pages in fresh]
     out = PagePlacement({}, [[[] for _ in range(world)] for _ in range(world)],
                         [[[] for _ in range(world)] for _ in range(world)],
-                        [set() for _ in range(world)])
+                        [set() for _ in range(world)], {})
     for p in plans:
         table = out.new_tables.setdefault(p.request.request_id, [[] for _ in range(world)])
-        page = p.kept
+        page = p.page
         if p.source is None:
             out.kept[p.rank].add(page)
         else:
             s, src_page = p.source
-            page = fresh[p.rank].pop(0)
-            out.send[s][p.rank].extend(src_page * page_size + k for k in range(p.rows))
-            out.recv[p.rank][s].extend(page * page_size + k for k in range(p.rows))
+            if page < 0:
+                page = fresh[p.rank].pop(0)
+            out.placed[(p.request.request_id, p.logical, p.rank)] = page
+            if p.rows:
+                out.send[s][p.rank] += [src_page * page_size + p.rows.start, len(p.rows)]
+                out.recv[p.rank][s] += [page * page_size + p.rows.start, len(p.rows)]
         table[p.rank].append(page)  # logical pages visited in order, so local order holds
     return out
 
@@ -182,10 +205,10 @@ def _summaries(src: Layout, dst: Layout, plans: list[PagePlan], discard: list[li
             summary[p.rank].pages_kept += 1
             if local_page_index(src, p.logical, world) != local_page_index(dst, p.logical, world):
                 summary[p.rank].pages_repacked += 1
-        else:
-            summary[p.rank].pages_received += 1
-            summary[p.rank].kv_rows_received += p.rows
-            summary[p.source[0]].kv_rows_sent += p.rows
+            continue
+        summary[p.rank].pages_received += p.page < 0  # a staged page was counted before
+        summary[p.rank].kv_rows_received += len(p.rows)
+        summary[p.source[0]].kv_rows_sent += len(p.rows)
     for rank, mv in enumerate(weights):
         old = set(heads_held(src, rank, world, num_heads))
         new = set(range(mv.head_start, mv.head_stop))
@@ -204,20 +227,25 @@ def build_manifest(
     world: int,
     page_size: int,
     num_heads: int,
+    owners: dict[str, int] | None = None,
+    rows_from: dict[str, int] | None = None,
+    staged: dict[PageKey, int] | None = None,
 ) -> SwitchManifest | None:
     """The manifest for switching ``requests`` (with their current tables) from ``src`` to
     ``dst``, allocating destination pages; None (nothing allocated) when the pages needed do
-    not fit — the caller defers the switch."""
-    owners = destination_owners(src, dst, requests, world)
-    plans = plan_pages(src, dst, requests, owners, world, page_size)
+    not fit — the caller defers the switch. A handoff passes the pre-copy's ``owners``, the
+    rows it moved per request (``rows_from``, absent = 0) and the pages it placed (``staged``);
+    a page a destination rank already holds under ``src`` is kept and never moves."""
+    owners = destination_owners(src, dst, requests, world, owners)
+    plans = plan_pages(src, dst, requests, owners, world, page_size, rows_from, staged)
     need = received_pages(plans, world)
     if not allocators.can_allocate(need):
         return None
-    fresh = allocators.allocate(need)
-    placed = place_pages(plans, fresh, world, page_size)
+    placed = place_pages(plans, allocators.allocate(need), world, page_size)
     discard = [[p for req in requests for p in req.tables[rank] if p not in placed.kept[rank]]
                for rank in range(world)]
     weights = weight_moves(src, dst, world, num_heads)
     kv = [KVMove(placed.send[r], placed.recv[r]) for r in range(world)]
     summary = _summaries(src, dst, plans, discard, weights, world, num_heads)
-    return SwitchManifest(src, dst, weights, kv, placed.new_tables, owners, discard, summary)
+    return SwitchManifest(src, dst, weights, kv, placed.new_tables, owners, discard, summary,
+                          placed.placed)
