@@ -118,7 +118,7 @@ class LLMEngine:
         batch = self.scheduler.schedule(allow_preemption=switch is None and not precopy)
         if not batch.entries and switch is None and not precopy:
             return outputs
-        plans = build_plans(self.scheduler, batch, switch, self.step_count)
+        plans = build_plans(self.scheduler, batch, switch, self.step_count, self.setup)
         results, step_ms = self._execute(plans)
         self.switches.finish(switch, results, step_ms, self.step_count, batch)
         sampled = self.scheduler.update_from_output(batch, results[0].tokens)

@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from splash.core.protocol import (
     WORKER_PROTOCOL_VERSION,
     SeqSampling,
     StepPlan,
     SwitchPlan,
     TableUpdate,
+    run_rows,
 )
 from splash.engine.scheduler import ScheduledBatch, Scheduler
+from splash.engine.setup import EngineSetup
 from splash.engine.switches import SwitchStep
+from splash.switching.manifest import SwitchManifest
 
 
 def build_plans(sched: Scheduler, batch: ScheduledBatch, action: SwitchStep | None,
-                step: int) -> list[StepPlan]:
+                step: int, setup: EngineSetup | None = None) -> list[StepPlan]:
     """One plan per rank for engine step ``step``: the batch's rows, the rank's block-table
-    changes and, with a switch, the rank's part of this step's ``action``."""
+    changes and, with a switch, the rank's part of this step's ``action`` (``setup`` sizes
+    its collectives)."""
     ids: list[str] = []
     query_lens: list[int] = []
     context_lens: list[int] = []
@@ -39,7 +45,7 @@ def build_plans(sched: Scheduler, batch: ScheduledBatch, action: SwitchStep | No
         sampling.append(SeqSampling(p.temperature, p.top_p, p.top_k, p.seed))
         output_index.append(len(req.output_token_ids))
     released, sched.released = sched.released, []
-    kv_moves = action is not None and any(x.kv_rows_received for x in action.manifest.summary)
+    shape = _collectives(setup, action.manifest) if action is not None else {}
     plans = []
     for rank in range(sched.cfg.world):
         updates = [TableUpdate(rid, s, pages) for rid, s, pages in sched.take_table_updates(rank)]
@@ -47,10 +53,34 @@ def build_plans(sched: Scheduler, batch: ScheduledBatch, action: SwitchStep | No
         if action is not None:
             m = action.manifest
             switch = SwitchPlan(m.src.name, m.dst.name, m.weights[rank], m.kv[rank],
-                                mode=action.mode, kv_moves=kv_moves)
+                                mode=action.mode, **shape)
         plans.append(StepPlan(
             version=WORKER_PROTOCOL_VERSION, step=step, layout=sched.layout.name,
             request_ids=ids, query_lens=query_lens, context_lens=context_lens, owners=owners,
             input_ids=input_ids, positions=positions, sample=sample, sampling=sampling,
             output_index=output_index, table_updates=updates, released=released, switch=switch))
     return plans
+
+
+GROUP_BYTES = 1 << 30  # about this much per collective: large enough to reach the link
+
+
+def collective_shape(m: SwitchManifest, kv_row_bytes: int, head_bytes: int) -> dict[str, Any]:
+    """Which collectives a switch has and how many layers share one — identical on every rank
+    (a rank that skipped a collective its peers entered would hang them). ``kv_row_bytes``:
+    one token's KV in one layer; ``head_bytes``: one head's projections in one layer."""
+    kv_rows = max(max(sum(run_rows(r) for r in mv.send_runs),
+                      sum(run_rows(r) for r in mv.recv_runs)) for mv in m.kv)
+    heads = max(max(sum(len(h) for h in w.send_to), sum(len(h) for h in w.recv_from))
+                for w in m.weights)
+    per_layer = kv_rows * kv_row_bytes + heads * head_bytes
+    return {"kv_moves": kv_rows > 0, "heads_move": heads > 0,
+            "layers_per_group": max(GROUP_BYTES // max(per_layer, 1), 1)}
+
+
+def _collectives(setup: EngineSetup | None, m: SwitchManifest) -> dict[str, Any]:
+    if setup is None:
+        raise ValueError("a plan with a switch needs the engine's setup (collective sizes)")
+    mem, mcfg = setup.memory, setup.model_cfg
+    return collective_shape(m, mem.kv_bytes_per_token_per_layer,
+                            mem.projection_bytes_per_layer // mcfg.num_attention_heads)

@@ -149,7 +149,7 @@ class Worker:
     def _forward(self, plan: StepPlan, switch: SwitchExecutor | None) -> list[int]:
         impl = self.layouts[plan.layout]
         hidden = None
-        if self.graphs is not None and switch is None:
+        if self.graphs is not None and (switch is None or not switch.plan.hooks_forward):
             hidden = self.graphs.run(plan, self.tables, impl)
             self.graph_step = hidden is not None and self.graphs.capture
         if hidden is None:

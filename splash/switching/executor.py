@@ -14,9 +14,10 @@ on GPU; gloo's background threads on CPU):
 
 KV rows move as raw bytes (latent, rope keys and fp8 scales move exactly, no requantisation),
 projection heads as rows of the four placed tensors flattened. Rows are packed with the Triton
-exchange kernels into one contiguous buffer per layer group (up to ``GROUP_BYTES`` per
-message, the size at which a collective reaches the link), so a switch issues a few large
-collectives instead of one per layer and kind.
+exchange kernels into one contiguous buffer per layer group (the controller sizes groups to
+about 1 GiB per message, where a collective reaches the link), so a switch issues a few large
+collectives instead of one per layer and kind. Every rank enters every collective, with or
+without rows of its own; the plan says which collectives a switch has.
 """
 
 from __future__ import annotations
@@ -33,13 +34,17 @@ from splash.kernels_triton import gather_rows, scatter_rows
 from splash.layouts.base import KVStore
 
 _PLACED = ("q_b", "w_uk", "w_uv", "w_o")
-GROUP_BYTES = 1 << 30  # largest message per collective (send side, one rank)
 
 
 def _byte_rows(t: torch.Tensor) -> torch.Tensor:
-    """(P, PS, D) or (P, PS) pool as (P*PS, bytes per row) uint8, sharing storage."""
-    rows = t.reshape(t.shape[0] * t.shape[1], -1)
-    return rows.view(torch.uint8)
+    """(P, PS, D) or (P, PS) pool as (P*PS, words per row), sharing storage: raw bits in the
+    widest integer type that divides a row (a 1,152-byte latent row is 144 int64 words, so the
+    exchange kernels move 8 bytes per element instead of one)."""
+    rows = t.reshape(t.shape[0] * t.shape[1], -1).view(torch.uint8)
+    for word in (torch.int64, torch.int32, torch.int16):
+        if rows.shape[1] % word.itemsize == 0 and rows.data_ptr() % word.itemsize == 0:
+            return rows.view(word)
+    return rows
 
 
 def slots_from_runs(runs: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -129,23 +134,15 @@ class _Transfer:
         self.weight_bytes = 0
 
     def groups(self, per_layer: bool) -> list[list[int]]:
-        """Layers per collective: one each (live), else as many as fit ``GROUP_BYTES``."""
+        """Layers per collective: one each (live), else the plan's group size (the same on
+        every rank: the controller sizes groups from the busiest rank's bytes)."""
         layers = list(range(len(self.attns)))
-        if per_layer:
-            return [[layer] for layer in layers]
-        cache, scale = self.store.layer(0)
-        row = _byte_rows(cache).shape[1] + (_byte_rows(scale).shape[1] if scale is not None else 0)
-        per = max(len(self.moves.send_slots), len(self.moves.recv_slots), 1) * row
-        if self.move_weights and self.moves.sent_heads:
-            placed = self.attns[0].placed_weights()
-            head = sum(placed[k][0].numel() * placed[k].element_size() for k in _PLACED)
-            per += len(self.moves.sent_heads) * head
-        size = max(GROUP_BYTES // per, 1)
+        size = 1 if per_layer else max(self.plan.layers_per_group, 1)
         return [layers[i: i + size] for i in range(0, len(layers), size)]
 
     def issue(self, layers: list[int]) -> _Group:
         m, group, g = self.moves, self.comm.xfer_group, _Group(layers)
-        if self.plan.kv_moves:  # the same on every rank (a collective)
+        if self.plan.kv_moves:  # every rank enters, with or without rows of its own
             pools = [self.store.layer(layer) for layer in layers]
             send = torch.cat([gather_rows(_byte_rows(c), m.send_slots) for c, _ in pools], dim=1)
             g.kv, work = self.comm.all_to_all_rows(send, m.send_counts, m.recv_counts,
@@ -158,7 +155,7 @@ class _Transfer:
                 g.scale, work = self.comm.all_to_all_rows(send, m.send_counts, m.recv_counts,
                                                           group=group, async_op=True)
                 g.works.append(work)
-        if self.move_weights and (m.sent_heads or m.received_heads):
+        if self.move_weights and self.plan.heads_move:
             parts = []
             for layer in layers:
                 attn = self.attns[layer]
