@@ -1,4 +1,4 @@
-"""SamplingParams (CONTRACT; vLLM's names): validated at construction, so a bad value is a clear
+"""SamplingParams (vLLM's names): validated at construction, so a bad value is a clear
 InvalidRequestError before anything is scheduled."""
 
 from __future__ import annotations
@@ -34,7 +34,3 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise InvalidRequestError(f"seed must lie in [0, 2**63), got {self.seed}")
         if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative token ids")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1

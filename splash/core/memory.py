@@ -1,4 +1,4 @@
-"""Per-rank memory and KV capacity of each layout (DESIGN §1), from model dimensions alone.
+"""Per-rank memory and KV capacity of each layout (docs/design.md §1), from model dimensions alone.
 
 The same accounting feeds `splash plan`, the layout policy's feasible set, the engine's page
 budget per layout, and the switch manifests' predicted weight bytes.
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from splash.core.dtypes import dtype_bytes
-from splash.core.ownership import LAYOUTS, KVPlacement, Layout, ProjPlacement
+from splash.core.ownership import LAYOUTS, Layout, ProjPlacement, kv_capacity_tokens
 
 
 @dataclass(frozen=True)
@@ -135,8 +135,8 @@ class MemoryModel:
 
     def kv_capacity_tokens(self, layout: Layout, budget_bytes: int, reserve_bytes: int = 0) -> int:
         """Distinct KV tokens the whole group can hold under ``layout``."""
-        per_rank = self.kv_pages_per_rank(layout, budget_bytes, reserve_bytes) * self.page_size
-        return per_rank if layout.kv is KVPlacement.REPLICATED else per_rank * self.world
+        pages = self.kv_pages_per_rank(layout, budget_bytes, reserve_bytes)
+        return kv_capacity_tokens(layout, pages, self.page_size, self.world)
 
     def capacity_report(self, budget_bytes: int, reserve_bytes: int = 0) -> dict[str, int]:
         return {

@@ -1,7 +1,8 @@
 """LLMEngine: the controller. Schedules, owns every rank's pages, decides and plans layout
 switches, and drives the workers one step at a time. It holds no device tensors.
 
-One step reads like the design: (switch plan) → schedule → execute → update.
+One step: plan a switch (if one is due) → schedule → execute on the workers → update the
+requests with the sampled tokens.
 """
 
 from __future__ import annotations
@@ -10,11 +11,13 @@ import itertools
 import time
 from typing import Any
 
+from splash.core.protocol import StepPlan, StepResult
 from splash.core.request import Request, Status
 from splash.engine.auto_layout import AutoLayout
 from splash.engine.config import EngineConfig
+from splash.engine.executor import start_executor
 from splash.engine.plans import build_plans
-from splash.engine.setup import EngineSetup
+from splash.engine.setup import build_scheduler, load_tokenizer, resolve_setup
 from splash.engine.switches import SwitchController
 from splash.errors import InvalidRequestError, WorkerDiedError
 from splash.logging_utils import get_logger
@@ -25,17 +28,20 @@ logger = get_logger("splash.engine")
 
 
 class LLMEngine:
+    """Implements `splash.engine.api.EngineAPI`."""
+
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
-        self.setup = EngineSetup(cfg)
-        s = self.setup
+        self.setup = s = resolve_setup(cfg)
         self.model_cfg, self.world = s.model_cfg, cfg.tp_size
-        self.scheduler, self.allocators = s.scheduler, s.allocators
-        self.switches = SwitchController(self)
+        self.scheduler = build_scheduler(s)
+        self.allocators = self.scheduler.alloc
+        self.switches = SwitchController(self.scheduler, s)
+        self.auto: AutoLayout | None = None
         if cfg.layout == "auto" and cfg.tp_size > 1:
-            self.switches.policy = AutoLayout(s, cfg.policy_margin)
-        self.executor = s.start_executor()
-        self.tokenizer = s.load_tokenizer()
+            self.auto = self.switches.policy = AutoLayout(s, self.scheduler, cfg.policy_margin)
+        self.executor = start_executor(s.worker_config(), cfg.worker_addr)
+        self.tokenizer = load_tokenizer(cfg.model)
         self.vocab_size = self.model_cfg.vocab_size
         self.requests: dict[str, Request] = {}
         self.step_count = 0
@@ -102,59 +108,45 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if not self.healthy:
             raise WorkerDiedError("the worker group is down; restart the engine")
-        outputs, self._pending_outputs = self._pending_outputs, []
-        for out in outputs:
-            self.requests.pop(out.request_id, None)
-        switch = self.switches.prepare(self.step_count)
-        batch = self.scheduler.schedule(
-            allow_preemption=switch is None and self.switches.inflight is None)
-        if not batch.entries and switch is None and self.switches.inflight is None:
+        outputs = self._take_pending()
+        switch = self.switches.prepare(self.step_count, self._step_ms_ema)
+        precopy = self.switches.inflight is not None  # a pre-copy moves under this step
+        batch = self.scheduler.schedule(allow_preemption=switch is None and not precopy)
+        if not batch.entries and switch is None and not precopy:
             return outputs
-        plans = build_plans(self, batch, switch)
-        t0 = time.perf_counter()
-        try:
-            results = self.executor.execute(plans)
-        except WorkerDiedError as e:
-            return outputs + self._fail_all(str(e))
-        step_ms = (time.perf_counter() - t0) * 1e3
+        plans = build_plans(self.scheduler, batch, switch, self.step_count, self.setup)
+        results, step_ms = self._execute(plans)
         self.switches.finish(switch, results, step_ms, self.step_count, batch)
-        self._step_ms_ema = step_ms if self._step_ms_ema is None else (
-            0.9 * self._step_ms_ema + 0.1 * step_ms)
-        self.step_count += 1
-        self._graph_steps += int(all(r.graph_replay for r in results))
-        outputs += self._update(batch, results[0].tokens)
+        sampled = self.scheduler.update_from_output(batch, results[0].tokens)
+        self._count_step(results, step_ms, len(sampled))
+        outputs += [self._output(req, req.output_token_ids[-1:]) for req in sampled]
         for out in outputs:  # finished requests leave the table (ids may be reused)
             if out.finished:
                 self.requests.pop(out.request_id, None)
         return outputs
 
-    def _update(self, batch, tokens: list[int]) -> list[RequestOutput]:
-        outputs = []
-        it = iter(tokens)
-        for req, n in batch.entries:
-            req.num_computed += n
-            if req.num_computed < req.num_tokens or req.status is Status.FINISHED:
-                continue
-            token = next(it)
-            req.output_token_ids.append(token)
-            self._tokens_total += 1
-            if req.first_token_s is None:
-                req.first_token_s = time.monotonic()
-            reason = self._finish_reason(req, token)
-            if reason:
-                self.scheduler.finish(req, reason)
-            outputs.append(self._output(req, [token]))
+    def _take_pending(self) -> list[RequestOutput]:
+        """Outputs produced between steps (aborts); their requests leave the table."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        for out in outputs:
+            self.requests.pop(out.request_id, None)
         return outputs
 
-    def _finish_reason(self, req: Request, token: int) -> str | None:
-        p = req.params
-        if not p.ignore_eos and token in self.model_cfg.eos_token_ids:
-            return "stop"
-        if p.stop_token_ids and token in p.stop_token_ids:
-            return "stop"
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.setup.max_model_len:
-            return "length"
-        return None
+    def _execute(self, plans: list[StepPlan]) -> tuple[list[StepResult], float]:
+        t0 = time.perf_counter()
+        try:
+            results = self.executor.execute(plans)
+        except WorkerDiedError as e:
+            self._fail_all(str(e))
+            raise
+        return results, (time.perf_counter() - t0) * 1e3
+
+    def _count_step(self, results: list[StepResult], step_ms: float, tokens: int) -> None:
+        self._step_ms_ema = step_ms if self._step_ms_ema is None else (
+            0.9 * self._step_ms_ema + 0.1 * step_ms)
+        self.step_count += 1
+        self._graph_steps += int(all(r.graph_replay for r in results))
+        self._tokens_total += tokens
 
     def _output(self, req: Request, new: list[int]) -> RequestOutput:
         finished = req.status is Status.FINISHED
@@ -165,14 +157,14 @@ class LLMEngine:
                              new_token_ids=new, finished=finished,
                              finish_reason=req.finish_reason, error=req.error, text=text)
 
-    def _fail_all(self, message: str) -> list[RequestOutput]:
+    def _fail_all(self, message: str) -> None:
+        """The worker group is gone: every in-flight request finishes with the error (the
+        caller gets WorkerDiedError and fails its own clients)."""
         logger.error("worker failure: %s — failing all in-flight requests", message)
         self.healthy = False
-        outputs = []
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.finish(req, "error", message)
-            outputs.append(self._output(req, []))
-        raise WorkerDiedError(message)
+            self.requests.pop(req.request_id, None)
 
     # -- control and introspection ----------------------------------------------------------
     @property
@@ -180,8 +172,14 @@ class LLMEngine:
         """Moving average of the step time (ms), None before the first step."""
         return self._step_ms_ema
 
-    def switch_layout(self, name: str) -> None:
-        self.switches.request(name)
+    def switch_layout(self, name: str, after_steps: int = 0) -> None:
+        """Switch before the engine step ``after_steps`` steps from now (0: the next)."""
+        if isinstance(after_steps, bool) or not isinstance(after_steps, int) or after_steps < 0:
+            raise InvalidRequestError(f"after_steps must be an int >= 0, got {after_steps!r}")
+        if after_steps:
+            self.switches.force_at(self.step_count + after_steps, name)
+        else:
+            self.switches.request(name)
 
     @property
     def layout(self) -> str:
@@ -204,7 +202,7 @@ class LLMEngine:
                 "from": self.switches.inflight.manifest.src.name,
                 "to": self.switches.inflight.manifest.dst.name,
                 "decision_step": self.switches.inflight.step},
-            "policy_decisions": self.switches.decisions[-50:],
+            "policy_decisions": self.auto.decisions[-50:] if self.auto else [],
             "kv_capacity_tokens": self.setup.kv_capacity_tokens(),
             "kv_pages_used": self.allocators.used(),
             "kv_pages_total": self.setup.num_pages,

@@ -12,10 +12,17 @@ from splash.core.protocol import (
     TableUpdate,
     run_rows,
 )
+from splash.engine.scheduler import ScheduledBatch, Scheduler
+from splash.engine.setup import EngineSetup
+from splash.engine.switches import SwitchStep
+from splash.switching.manifest import SwitchManifest
 
 
-def build_plans(engine: Any, batch: Any, action: Any) -> list[StepPlan]:
-    sched = engine.scheduler
+def build_plans(sched: Scheduler, batch: ScheduledBatch, action: SwitchStep | None,
+                step: int, setup: EngineSetup | None = None) -> list[StepPlan]:
+    """One plan per rank for engine step ``step``: the batch's rows, the rank's block-table
+    changes and, with a switch, the rank's part of this step's ``action`` (``setup`` sizes
+    its collectives)."""
     ids: list[str] = []
     query_lens: list[int] = []
     context_lens: list[int] = []
@@ -38,9 +45,9 @@ def build_plans(engine: Any, batch: Any, action: Any) -> list[StepPlan]:
         sampling.append(SeqSampling(p.temperature, p.top_p, p.top_k, p.seed))
         output_index.append(len(req.output_token_ids))
     released, sched.released = sched.released, []
-    shape = _collectives(engine, action.manifest) if action is not None else {}
+    shape = _collectives(setup, action.manifest) if action is not None else {}
     plans = []
-    for rank in range(engine.world):
+    for rank in range(sched.cfg.world):
         updates = [TableUpdate(rid, s, pages) for rid, s, pages in sched.take_table_updates(rank)]
         switch = None
         if action is not None:
@@ -48,7 +55,7 @@ def build_plans(engine: Any, batch: Any, action: Any) -> list[StepPlan]:
             switch = SwitchPlan(m.src.name, m.dst.name, m.weights[rank], m.kv[rank],
                                 mode=action.mode, **shape)
         plans.append(StepPlan(
-            version=WORKER_PROTOCOL_VERSION, step=engine.step_count, layout=engine.layout,
+            version=WORKER_PROTOCOL_VERSION, step=step, layout=sched.layout.name,
             request_ids=ids, query_lens=query_lens, context_lens=context_lens, owners=owners,
             input_ids=input_ids, positions=positions, sample=sample, sampling=sampling,
             output_index=output_index, table_updates=updates, released=released, switch=switch))
@@ -58,7 +65,7 @@ def build_plans(engine: Any, batch: Any, action: Any) -> list[StepPlan]:
 GROUP_BYTES = 1 << 30  # about this much per collective: large enough to reach the link
 
 
-def collective_shape(m: Any, kv_row_bytes: int, head_bytes: int) -> dict[str, Any]:
+def collective_shape(m: SwitchManifest, kv_row_bytes: int, head_bytes: int) -> dict[str, Any]:
     """Which collectives a switch has and how many layers share one — identical on every rank
     (a rank that skipped a collective its peers entered would hang them). ``kv_row_bytes``:
     one token's KV in one layer; ``head_bytes``: one head's projections in one layer."""
@@ -71,8 +78,10 @@ def collective_shape(m: Any, kv_row_bytes: int, head_bytes: int) -> dict[str, An
             "layers_per_group": max(GROUP_BYTES // max(per_layer, 1), 1)}
 
 
-def _collectives(engine: Any, m: Any) -> dict[str, Any]:
-    mem, mcfg = engine.setup.memory, engine.model_cfg
+def _collectives(setup: EngineSetup | None, m: SwitchManifest) -> dict[str, Any]:
+    if setup is None:
+        raise ValueError("a plan with a switch needs the engine's setup (collective sizes)")
+    mem, mcfg = setup.memory, setup.model_cfg
     # a KV row carries every per-slot pool of its layer (DSA: the indexer key too)
     return collective_shape(m, -(-mem.kv_bytes_per_token // mcfg.num_hidden_layers),
                             mem.projection_bytes_per_layer // mcfg.num_attention_heads)

@@ -1,19 +1,23 @@
 """Continuous batching with chunked prefill, page-based admission and preemption by recompute.
 
-The scheduler owns every rank's page tables (DESIGN §5). Which ranks hold a request's pages is
+The scheduler owns every rank's page tables and every request's state: it schedules a step,
+applies a switch's new tables and owners, and after the step appends the sampled tokens and
+finishes the requests that stop (`update_from_output`). Which ranks hold a request's pages is
 decided by the current layout's KV placement (`ownership.num_local_pages`), so the same code
 batches for all four layouts.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from splash.core.allocator import RankAllocators
-from splash.core.ownership import Layout, num_local_pages
+from splash.core.ownership import Layout, least_loaded, num_local_pages
 from splash.core.request import Request, Status
 from splash.logging_utils import get_logger
+from splash.switching.manifest import SwitchManifest
 
 logger = get_logger("splash.scheduler")
 
@@ -26,6 +30,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # requests in one step
     max_num_batched_tokens: int = 512  # rows in one step (the prefill chunk budget)
     enable_chunked_prefill: bool = True
+    eos_token_ids: tuple[int, ...] = ()  # the model's end-of-sequence tokens
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
@@ -70,6 +75,12 @@ class Scheduler:
             load[r.owner] += max(r.num_computed, held)
         return load
 
+    def requests_by_rank(self) -> list[int]:
+        count = [0] * self.cfg.world
+        for r in self.running:
+            count[r.owner] += 1
+        return count
+
     def free(self, req: Request) -> None:
         for rank, pages in enumerate(req.tables):
             if pages:
@@ -112,12 +123,14 @@ class Scheduler:
         return True
 
     def _pick_owner(self, req: Request, num_tokens: int) -> int | None:
-        load = self.live_tokens_by_rank()
-        if not self.layout.uses_owners:  # owners matter only after a switch to an owned layout
-            return min(range(self.cfg.world), key=lambda r: (load[r], r))
-        pages = -(-num_tokens // self.cfg.page_size)
-        ranks = [r for r in range(self.cfg.world) if self.alloc[r].num_available >= pages]
-        return min(ranks, key=lambda r: (load[r], r)) if ranks else None
+        """The least-loaded rank (`ownership.least_loaded`); under an owned layout only ranks
+        with room for the request's pages. Owners matter only under owned layouts, but are
+        kept balanced under the others too."""
+        ranks = None
+        if self.layout.uses_owners:
+            pages = -(-num_tokens // self.cfg.page_size)
+            ranks = [r for r in range(self.cfg.world) if self.alloc[r].num_available >= pages]
+        return least_loaded(self.live_tokens_by_rank(), self.requests_by_rank(), ranks)
 
     # -- one step -------------------------------------------------------------------------
     def schedule(self, allow_preemption: bool = True) -> ScheduledBatch:
@@ -191,3 +204,47 @@ class Scheduler:
                 updates.append((rid, start, req.tables[rank][start:]))
         self.dirty[rank].clear()
         return updates
+
+    # -- a switch, and a step's results --------------------------------------------------
+    def apply_switch(self, manifest: SwitchManifest) -> None:
+        """Adopt a planned switch: the running requests' destination tables and owners, the
+        destination layout; every rank's tables are re-sent with the step."""
+        for req in self.running:
+            req.tables = manifest.new_tables.get(req.request_id,
+                                                 [[] for _ in range(self.cfg.world)])
+            req.owner = manifest.new_owners.get(req.request_id, req.owner)
+            for rank in range(self.cfg.world):
+                self.mark_dirty(req, rank, 0)
+        self.layout = manifest.dst
+
+    def update_from_output(self, batch: ScheduledBatch, tokens: list[int]) -> list[Request]:
+        """Advance every scheduled request by its rows, append the tokens sampled for the
+        requests whose prompt and outputs are now all computed (in batch order), and finish
+        those that stop. Returns the requests that got a token."""
+        sampled = []
+        it = iter(tokens)
+        for req, n in batch.entries:
+            req.num_computed += n
+            if req.num_computed < req.num_tokens:
+                continue  # a prefill chunk short of the prompt's end: nothing sampled
+            token = next(it)
+            if req.status is Status.FINISHED:
+                continue
+            req.output_token_ids.append(token)
+            if req.first_token_s is None:
+                req.first_token_s = time.monotonic()
+            reason = self._stop_reason(req, token)
+            if reason:
+                self.finish(req, reason)
+            sampled.append(req)
+        return sampled
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        p = req.params
+        if not p.ignore_eos and token in self.cfg.eos_token_ids:
+            return "stop"
+        if p.stop_token_ids and token in p.stop_token_ids:
+            return "stop"
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.cfg.max_model_len:
+            return "length"
+        return None

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from splash import envs
 from splash.backends import get_backend
+from splash.backends.dtypes import torch_dtype
 from splash.core.ownership import get_layout, heads_held
 from splash.core.protocol import WORKER_PROTOCOL_VERSION, StepPlan, StepResult
 from splash.dist.comm import Comm
@@ -29,20 +30,6 @@ from splash.model.mlp import MoE
 from splash.model.model import MLAModel
 from splash.model.sampler import sample
 from splash.switching.executor import PreCopy, SwitchExecutor
-
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-
-
-def torch_dtype(name: str, backend=None) -> torch.dtype:
-    """'fp32' | 'bf16' | 'fp16' | 'fp8' (the backend's fp8 flavour) -> torch dtype."""
-    if name == "fp8":
-        if backend is None or backend.fp8_dtype is None:
-            raise ValueError("this backend has no fp8 KV dtype")
-        return backend.fp8_dtype
-    if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; use fp32, bf16, fp16 or fp8")
-    return _DTYPES[name]
 
 
 class Worker:
@@ -72,7 +59,7 @@ class Worker:
             if isinstance(layer.mlp, MoE):
                 layer.mlp.kernel_config = moe_config
         mcfg = self.model.cfg
-        kv_dtype = torch_dtype(cfg.kv_dtype, self.backend)
+        kv_dtype = torch_dtype(cfg.kv_dtype, self.backend.fp8_dtype)
         shape = (cfg.num_pages, cfg.page_size, mcfg.kv_dim)
         caches = [torch.zeros(shape, dtype=kv_dtype, device=self.device)
                   for _ in range(mcfg.num_hidden_layers)]

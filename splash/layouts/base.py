@@ -4,7 +4,7 @@
 A layout is a small class with two methods: ``inputs(meta)`` builds the step's device tensors
 (write slots, block tables, row permutations) once per step, and ``forward(layer, attn, h,
 meta) -> (N, hidden)`` uses them; on entry every rank holds the full hidden states of the step
-(DESIGN §2 invariant), on exit every rank holds the attention output of every row. Keeping the
+(the invariant every layout keeps), on exit every rank holds the attention output of every row. Keeping the
 inputs apart lets a CUDA-graph replay refill them in place (``splash/engine/graphs.py``).
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from splash.core.ownership import KVPlacement, Layout, local_kv_len
+from splash.core.ownership import Layout, holds, local_kv_len, local_page_index
 from splash.core.protocol import StepPlan
 from splash.dist.comm import Comm
 from splash.kernels_triton import kv_write, mla_decode, mla_extend, mla_sparse
@@ -98,13 +98,9 @@ class StepMeta:
         rows = np.concatenate([np.arange(self.row_start[b], self.row_start[b + 1]) for b in reqs])
         pos = np.asarray(plan.positions, dtype=np.int64)[rows]
         logical = pos // ps
-        if layout.kv is KVPlacement.REPLICATED:
-            mine, local = np.ones(len(pos), dtype=bool), logical
-        elif layout.kv is KVPlacement.OWNED:
-            owners = np.array([plan.owners[b] for b in reqs])
-            mine, local = owners[row_req] == self.rank, logical
-        else:
-            mine, local = logical % world == self.rank, logical // world
+        owners = np.array([plan.owners[b] for b in reqs])[row_req]
+        mine = holds(layout, self.rank, logical, owners, world)
+        local = local_page_index(layout, logical, world)
         lengths = np.array([len(self.tables[b]) for b in reqs])
         mine &= local < lengths[row_req]
         offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
@@ -116,11 +112,9 @@ class StepMeta:
 
     def kernel_args(self, layout: Layout, reqs: list[int]) -> dict[str, Any]:
         """Block table, local KV lengths and query offsets of ``reqs`` on this rank."""
-        lens = [
-            local_kv_len(layout, self.plan.context_lens[b], self.rank, self.plan.owners[b],
-                         self.world, self.page_size)
-            for b in reqs
-        ]
+        lens = local_kv_len(layout, np.array([self.plan.context_lens[b] for b in reqs]),
+                            self.rank, np.array([self.plan.owners[b] for b in reqs]),
+                            self.world, self.page_size)
         width = max([len(self.tables[b]) for b in reqs] + [1, self.table_width])
         table = np.zeros((len(reqs), width), dtype=np.int32)
         for j, b in enumerate(reqs):
@@ -129,7 +123,7 @@ class StepMeta:
         q_start = np.concatenate([[0], np.cumsum(q_lens)])
         args = {
             "block_table": torch.from_numpy(table).to(self.device),
-            "seq_lens": torch.tensor(lens, dtype=torch.int32, device=self.device),
+            "seq_lens": torch.from_numpy(lens.astype(np.int32)).to(self.device),
             "q_start_loc": torch.from_numpy(q_start.astype(np.int32)).to(self.device),
             "decode": all(n == 1 for n in q_lens),
         }

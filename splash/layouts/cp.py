@@ -1,4 +1,4 @@
-"""CP: replicated projections, each request's pages round-robin over ranks (DESIGN §2).
+"""CP: replicated projections, each request's pages round-robin over ranks.
 
 Decode: every rank attends the (replicated) query over its local pages and returns (o, lse);
 the partials are all-gathered and merged by log-sum-exp. Prefill: the chunk's requests'
@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
-from splash.core.ownership import LAYOUTS, local_kv_len
+from splash.core.ownership import LAYOUTS, cp_gather_map
 from splash.kernels_triton import kv_gather, lse_merge, mla_extend, mla_sparse
 from splash.layouts.base import AttentionLayout, StepMeta, attend, store_rows
 from splash.layouts.sparse import pick_slots_sharded, topk_indexed
@@ -62,13 +63,13 @@ class CPAttention(AttentionLayout):
         local, local_scale = gathered_local if scale is not None else (gathered_local, None)
         rows = self.comm.all_gather_rows(local, plan["counts"])  # every held row, rank order
         flat = torch.zeros((plan["num_pages"] * ps, width), dtype=pool.dtype, device=pool.device)
-        flat[plan["dst"]] = rows[plan["src"]]
+        flat[plan["dst"]] = rows
         t_scale = None
         if local_scale is not None:
             all_scale = self.comm.all_gather_rows(local_scale, plan["counts"])
             t_scale = torch.zeros(plan["num_pages"] * ps, dtype=local_scale.dtype,
                                   device=pool.device)
-            t_scale[plan["dst"]] = all_scale[plan["src"]]
+            t_scale[plan["dst"]] = all_scale
             t_scale = t_scale.view(plan["num_pages"], ps)
         return flat.view(plan["num_pages"], ps, width), t_scale
 
@@ -106,41 +107,33 @@ class CPAttention(AttentionLayout):
         """Where each held row lands in the transient buffer, and this rank's query share."""
         world, rank, ps, plan = meta.world, meta.rank, meta.page_size, meta.plan
         dev = meta.device
-        local_slots, counts, src, dst = [], [0] * world, [], []
-        base_page, page_base = 0, {}
-        for b in pre:
-            page_base[b] = base_page
-            base_page += -(-plan.context_lens[b] // ps)
-        offset = 0
-        for r in range(world):
-            for b in pre:
-                ctx = plan.context_lens[b]
-                n_local = local_kv_len(self.layout, ctx, r, plan.owners[b], world, ps)
-                for k in range(n_local):  # k-th held row of rank r: logical page r + T*(k//ps)
-                    logical = r + world * (k // ps)
-                    src.append(offset + k)
-                    dst.append((page_base[b] + logical) * ps + k % ps)
-                    if r == rank:
-                        local_slots.append(meta.tables[b][k // ps] * ps + k % ps)
-                offset += n_local
-                counts[r] += n_local
+        ctx = np.array([plan.context_lens[b] for b in pre], dtype=np.int64)
+        pages = -(-ctx // ps)
+        page_base = np.concatenate([[0], np.cumsum(pages)[:-1]])  # first page of each request
+        base_page = int(pages.sum())
+        gmap = cp_gather_map(ctx, world, ps)  # every held row, rank by rank
+        dst = page_base[gmap.request] * ps + gmap.position
+        mine = gmap.rank == rank
+        tables = [meta.tables[b] for b in pre]
+        local_slots = [tables[j][k // ps] * ps + k % ps
+                       for j, k in zip(gmap.request[mine].tolist(), gmap.local_row[mine].tolist())]
         # query rows split over ranks in contiguous pieces; each piece keeps its request's
         # causal view by truncating that request's KV length at the piece's last row
         all_rows = [i for b in pre for i in range(meta.row_start[b], meta.row_start[b + 1])]
         bounds = [len(all_rows) * r // world for r in range(world + 1)]
         row_counts = [bounds[r + 1] - bounds[r] for r in range(world)]
         my = range(bounds[rank], bounds[rank + 1])
-        tables, lens, q_start, q_lens = [], [], [0], []
-        width = max(-(-plan.context_lens[b] // ps) for b in pre)
+        block_tables, lens, q_start, q_lens = [], [], [0], []
+        width = int(pages.max())
         seen = 0
-        for b in pre:
+        for j, b in enumerate(pre):
             n = plan.query_lens[b]
             lo, hi = max(bounds[rank] - seen, 0), min(bounds[rank + 1] - seen, n)
             seen += n
             if lo >= hi:
                 continue
-            n_pages = -(-plan.context_lens[b] // ps)
-            tables.append(list(range(page_base[b], page_base[b] + n_pages)) + [0] * (width - n_pages))
+            first, n_pages = int(page_base[j]), int(pages[j])
+            block_tables.append(list(range(first, first + n_pages)) + [0] * (width - n_pages))
             lens.append(plan.context_lens[b] - (n - hi))
             q_start.append(q_start[-1] + hi - lo)
             q_lens.append(hi - lo)
@@ -149,10 +142,10 @@ class CPAttention(AttentionLayout):
             return torch.tensor(x, dtype=dtype, device=dev)
 
         return {
-            "local_slots": t(local_slots), "counts": counts, "src": t(src), "dst": t(dst),
+            "local_slots": t(local_slots), "counts": gmap.counts, "dst": t(dst),
             "num_pages": base_page, "all_rows": t(all_rows),
             "my_rows": t([all_rows[i] for i in my]), "row_counts": row_counts,
-            "block_table": t(tables or [[0]], torch.int32), "seq_lens": t(lens, torch.int32),
+            "block_table": t(block_tables or [[0]], torch.int32), "seq_lens": t(lens, torch.int32),
             "q_start_loc": t(q_start, torch.int32),
             "row_req": t([j for j, n in enumerate(q_lens) for _ in range(n)], torch.int32),
             "host_lens": (q_lens, lens),

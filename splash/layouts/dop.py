@@ -1,4 +1,4 @@
-"""DOP: head-sharded projections, owner-held KV (DESIGN §2, paper §3).
+"""DOP: head-sharded projections, owner-held KV (paper §3).
 
 Each rank computes the absorbed query of its H/T heads for every row; an uneven all-to-all
 sends each row's head slice to the row's owner, which stores the row's latent KV and attends

@@ -1,4 +1,4 @@
-"""DP-attention: replicated projections, owner-held KV; output rows all-gathered (DESIGN §2)."""
+"""DP-attention: replicated projections, owner-held KV; output rows all-gathered."""
 
 from __future__ import annotations
 

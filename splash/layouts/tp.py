@@ -1,4 +1,4 @@
-"""TP: head-sharded projections, replicated latent KV (DESIGN §2)."""
+"""TP: head-sharded projections, replicated latent KV."""
 
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from splash.backends.dtypes import torch_dtype
 from splash.errors import ConfigError
 from splash.model.config import ModelConfig
 
@@ -28,15 +29,17 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 # keeps them).
 _FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias",
                   "indexer.weights_proj.weight")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
-    if name is None or isinstance(name, torch.dtype):
-        return name
-    if name not in _DTYPES:
-        raise ConfigError(f"unsupported weight dtype {name!r}; use one of {sorted(_DTYPES)}")
-    return _DTYPES[name]
+    """The dtype weights load in (None: as stored); fp8 weights are dequantised, never kept."""
+    if name is None:
+        return None
+    try:
+        return torch_dtype(name)
+    except ValueError:
+        raise ConfigError(f"unsupported weight dtype {name!r}; use fp32, bf16 or fp16 "
+                          "(or float32, bfloat16, float16)") from None
 
 
 def dequant_block_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],

@@ -1,9 +1,16 @@
-"""Switch manifests derived from the ownership model (DESIGN §3, paper §4.1).
+"""Switch manifests derived from the ownership model.
 
 For every rank the manifest says which projection heads and which KV pages it keeps, repacks
 (kept, new local index), discards, and receives — and from whom. Nothing here knows the twelve
 directions by name: each page's holders and each rank's heads under the source and destination
-layouts are compared, and the difference is what moves. Pure CPU; no device tensors.
+layouts are compared, and the difference is what moves. `build_manifest` chains four steps:
+owners under the destination (`destination_owners`), one `PagePlan` per destination page
+(`plan_pages`), fresh pages for the received ones and the row moves (`place_pages`), and the head
+moves (`weight_moves`). Pure CPU; no device tensors.
+
+A background switch builds two: the pre-copy moves each request's rows as they are when it
+starts; the handoff moves only the rows written since (``rows_from``) into the pages the
+pre-copy placed (``staged``), with the pre-copy's owners.
 """
 
 from __future__ import annotations
@@ -14,12 +21,15 @@ from splash.core.allocator import RankAllocators
 from splash.core.ownership import (
     KVPlacement,
     Layout,
+    assign_owners,
     heads_held,
     local_page_index,
     page_holders,
 )
 from splash.core.protocol import KVMove, WeightMove
 from splash.core.request import Request
+
+PageKey = tuple[str, int, int]  # (request id, logical page, destination rank)
 
 
 @dataclass
@@ -43,10 +53,9 @@ class SwitchManifest:
     kv: list[KVMove]  # per rank
     new_tables: dict[str, list[list[int]]]  # request -> per-rank local block tables
     new_owners: dict[str, int]
-    allocated: list[list[int]]  # per rank: pages taken for received rows
     discard: list[list[int]]  # per rank: pages freed once the switch step is done
     summary: list[RankSummary] = field(default_factory=list)
-    placed: dict[tuple[str, int, int], int] = field(default_factory=dict)  # moved-into pages
+    placed: dict[PageKey, int] = field(default_factory=dict)  # received pages, where they went
 
     @property
     def kv_op(self) -> str:
@@ -70,19 +79,111 @@ class SwitchManifest:
         return {"kv_bytes_received": kv, "weight_bytes_received": w}
 
 
-def _balanced_owners(requests: list[Request], world: int) -> dict[str, int]:
-    """Largest history first onto the least-loaded rank (owners balanced by live KV tokens)."""
-    load = [0] * world
-    owners: dict[str, int] = {}
-    for req in sorted(requests, key=lambda r: (-r.num_computed, r.request_id)):
-        rank = min(range(world), key=lambda r: (load[r], r))
-        owners[req.request_id] = rank
-        load[rank] += req.num_computed
-    return owners
+@dataclass(frozen=True)
+class PagePlan:
+    """One destination page of one request on one rank: kept in place or received."""
+
+    request: Request
+    logical: int  # logical page of the request
+    rank: int  # the destination rank that holds it
+    page: int  # the kept page, or the page a pre-copy staged it in (-1: a fresh one)
+    source: tuple[int, int] | None  # (rank, page) it is copied from when received
+    rows: range  # the page's rows to move (offsets in the page; received pages only)
 
 
-def _weight_moves(src: Layout, dst: Layout, world: int, num_heads: int) -> list[WeightMove]:
+@dataclass
+class PagePlacement:
+    """The destination tables and the row moves, once received pages have their pages."""
+
+    new_tables: dict[str, list[list[int]]]  # request -> per-rank local block tables
+    send: list[list[list[int]]]  # [src][dst]: runs (first slot, rows) src sends to dst
+    recv: list[list[list[int]]]  # [dst][src]: runs dst writes, in the same order
+    kept: list[set[int]]  # per rank: pages kept in place
+    placed: dict[PageKey, int]  # received pages: where they went
+
+
+def destination_owners(src: Layout, dst: Layout, requests: list[Request], world: int,
+                       owners: dict[str, int] | None = None) -> dict[str, int]:
+    """Owners kept between owned layouts; entering an owned layout places them with
+    `ownership.assign_owners` over the live KV tokens (the cost model places them the same).
+    ``owners`` (a pre-copy's) are kept; requests it lacks (admitted meanwhile) are placed by
+    the same rules."""
+    fixed = owners or {}
+    fresh = [r for r in requests if r.request_id not in fixed]
+    if dst.uses_owners and not src.uses_owners:
+        placed = assign_owners([r.num_computed for r in fresh], world)
+        new = {r.request_id: int(o) for r, o in zip(fresh, placed)}
+    else:
+        new = {r.request_id: r.owner for r in fresh}
+    return {**fixed, **new} if fixed else new
+
+
+def plan_pages(src: Layout, dst: Layout, requests: list[Request], owners: dict[str, int],
+               world: int, page_size: int, rows_from: dict[str, int] | None = None,
+               staged: dict[PageKey, int] | None = None) -> list[PagePlan]:
+    """Every destination page of every request, in logical order per request: kept where the
+    source already holds it, else received from its first source holder — its rows from
+    ``rows_from`` (rows already moved per request) on, into its ``staged`` page if any."""
+    rows_from, staged = rows_from or {}, staged or {}
+    plans = []
+    for req in requests:
+        done = rows_from.get(req.request_id, 0)
+        for i in range(-(-req.num_computed // page_size)):
+            rows = range(max(done - i * page_size, 0),
+                         min(page_size, req.num_computed - i * page_size))
+            src_h = page_holders(src, i, req.owner, world)
+            src_local = local_page_index(src, i, world)
+            for d in page_holders(dst, i, owners[req.request_id], world):
+                if d in src_h:
+                    plans.append(PagePlan(req, i, d, req.tables[d][src_local], None, rows))
+                else:
+                    s = src_h[0]
+                    page = staged.get((req.request_id, i, d), -1)
+                    plans.append(PagePlan(req, i, d, page, (s, req.tables[s][src_local]), rows))
+    return plans
+
+
+def received_pages(plans: list[PagePlan], world: int) -> list[int]:
+    """Fresh pages each rank needs for the pages it receives (staged ones have theirs)."""
+    need = [0] * world
+    for p in plans:
+        need[p.rank] += p.source is not None and p.page < 0
+    return need
+
+
+def place_pages(plans: list[PagePlan], fresh: list[list[int]], world: int,
+                page_size: int) -> PagePlacement:
+    """Destination tables (kept, staged and ``fresh`` pages, in logical order) and the runs of
+    slots each received page's rows move between (one run per page)."""
+    fresh = [list(pages) for pages in fresh]
+    out = PagePlacement({}, [[[] for _ in range(world)] for _ in range(world)],
+                        [[[] for _ in range(world)] for _ in range(world)],
+                        [set() for _ in range(world)], {})
+    for p in plans:
+        table = out.new_tables.setdefault(p.request.request_id, [[] for _ in range(world)])
+        page = p.page
+        if p.source is None:
+            out.kept[p.rank].add(page)
+        else:
+            s, src_page = p.source
+            if page < 0:
+                page = fresh[p.rank].pop(0)
+            out.placed[(p.request.request_id, p.logical, p.rank)] = page
+            if p.rows:
+                out.send[s][p.rank] += [src_page * page_size + p.rows.start, len(p.rows)]
+                out.recv[p.rank][s] += [page * page_size + p.rows.start, len(p.rows)]
+        table[p.rank].append(page)  # logical pages visited in order, so local order holds
+    return out
+
+
+def weight_moves(src: Layout, dst: Layout, world: int, num_heads: int) -> list[WeightMove]:
+    """Per rank: the heads it must hold under ``dst`` and which it receives from (the lowest)
+    source holder, and which it sends."""
     held_src = [set(heads_held(src, r, world, num_heads)) for r in range(world)]
+
+    def sender(h: int) -> int:
+        return min(r for r in range(world) if h in held_src[r])
+
     moves = []
     for rank in range(world):
         need = heads_held(dst, rank, world, num_heads)
@@ -90,16 +191,35 @@ def _weight_moves(src: Layout, dst: Layout, world: int, num_heads: int) -> list[
         send: list[list[int]] = [[] for _ in range(world)]
         for h in need:
             if h not in held_src[rank]:
-                recv[min(r for r in range(world) if h in held_src[r])].append(h)
+                recv[sender(h)].append(h)
         for d in range(world):
             for h in heads_held(dst, d, world, num_heads):
-                if h not in held_src[d] and min(r for r in range(world) if h in held_src[r]) == rank:
+                if h not in held_src[d] and sender(h) == rank:
                     send[d].append(h)
         moves.append(WeightMove(need.start, need.stop, recv, send))
     return moves
 
 
-PageKey = tuple[str, int, int]  # (request id, logical page, destination rank)
+def _summaries(src: Layout, dst: Layout, plans: list[PagePlan], discard: list[list[int]],
+               weights: list[WeightMove], world: int, num_heads: int) -> list[RankSummary]:
+    summary = [RankSummary() for _ in range(world)]
+    for p in plans:
+        if p.source is None:
+            summary[p.rank].pages_kept += 1
+            if local_page_index(src, p.logical, world) != local_page_index(dst, p.logical, world):
+                summary[p.rank].pages_repacked += 1
+            continue
+        summary[p.rank].pages_received += p.page < 0  # a staged page was counted before
+        summary[p.rank].kv_rows_received += len(p.rows)
+        summary[p.source[0]].kv_rows_sent += len(p.rows)
+    for rank, mv in enumerate(weights):
+        old = set(heads_held(src, rank, world, num_heads))
+        new = set(range(mv.head_start, mv.head_stop))
+        summary[rank].pages_discarded = len(discard[rank])
+        summary[rank].heads_received = sum(len(x) for x in mv.recv_from)
+        summary[rank].heads_kept = len(old & new)
+        summary[rank].heads_discarded = len(old - new)
+    return summary
 
 
 def build_manifest(
@@ -116,87 +236,19 @@ def build_manifest(
 ) -> SwitchManifest | None:
     """The manifest for switching ``requests`` (with their current tables) from ``src`` to
     ``dst``, allocating destination pages; None (nothing allocated) when the pages needed do
-    not fit — the caller defers the switch.
-
-    A background switch calls it twice. The pre-copy moves each request's rows [0, n) as they
-    are when it starts; the handoff moves only the rows written since (``rows_from``: rows
-    already moved per request, absent = 0) into the pages the pre-copy placed (``staged``),
-    with the pre-copy's ``owners``. A page a destination rank already holds under ``src`` is
-    kept and never moves."""
-    if owners is None:
-        owners = {r.request_id: r.owner for r in requests}
-        if dst.uses_owners and not src.uses_owners:
-            owners = _balanced_owners(requests, world)
-    else:
-        fresh_reqs = [r for r in requests if r.request_id not in owners]
-        if fresh_reqs:  # admitted during a pre-copy: placed by the destination's rules
-            owners = dict(owners)
-            extra = _balanced_owners(fresh_reqs, world) if dst.uses_owners and \
-                not src.uses_owners else {r.request_id: r.owner for r in fresh_reqs}
-            owners.update(extra)
-    rows_from = rows_from or {}
-    staged = staged or {}
-    summary = [RankSummary() for _ in range(world)]
-    need = [0] * world
-    # (req, logical page, dst rank, source (rank, page) or None, kept or staged page)
-    plans: list[tuple[Request, int, int, tuple[int, int] | None, int]] = []
-    for req in requests:
-        n_pages = -(-req.num_computed // page_size)
-        for i in range(n_pages):
-            src_h = page_holders(src, i, req.owner, world)
-            dst_h = page_holders(dst, i, owners[req.request_id], world)
-            for d in dst_h:
-                if d in src_h:
-                    plans.append((req, i, d, None, req.tables[d][local_page_index(src, i, world)]))
-                    continue
-                s = src_h[0]
-                page = staged.get((req.request_id, i, d), -1)
-                plans.append((req, i, d, (s, req.tables[s][local_page_index(src, i, world)]),
-                              page))
-                need[d] += page < 0
+    not fit — the caller defers the switch. A handoff passes the pre-copy's ``owners``, the
+    rows it moved per request (``rows_from``, absent = 0) and the pages it placed (``staged``);
+    a page a destination rank already holds under ``src`` is kept and never moves."""
+    owners = destination_owners(src, dst, requests, world, owners)
+    plans = plan_pages(src, dst, requests, owners, world, page_size, rows_from, staged)
+    need = received_pages(plans, world)
     if not allocators.can_allocate(need):
         return None
-    fresh = allocators.allocate(need)
-    allocated = [list(p) for p in fresh]
-    send: list[list[list[int]]] = [[[] for _ in range(world)] for _ in range(world)]
-    recv: list[list[list[int]]] = [[[] for _ in range(world)] for _ in range(world)]
-    new_tables: dict[str, list[list[int]]] = {}
-    placed: dict[PageKey, int] = {}
-    kept: list[set[int]] = [set() for _ in range(world)]
-    for req, i, d, source, page in plans:
-        table = new_tables.setdefault(req.request_id, [[] for _ in range(world)])
-        if source is None:
-            kept[d].add(page)
-            summary[d].pages_kept += 1
-            if local_page_index(src, i, world) != local_page_index(dst, i, world):
-                summary[d].pages_repacked += 1
-        else:
-            s, src_page = source
-            if page < 0:
-                page = fresh[d].pop(0)
-                summary[d].pages_received += 1
-            placed[(req.request_id, i, d)] = page
-            lo = max(rows_from.get(req.request_id, 0) - i * page_size, 0)
-            hi = min(page_size, req.num_computed - i * page_size)
-            if hi > lo:
-                send[s][d] += [src_page * page_size + lo, hi - lo]
-                recv[d][s] += [page * page_size + lo, hi - lo]
-                summary[d].kv_rows_received += hi - lo
-                summary[s].kv_rows_sent += hi - lo
-        table[d].append(page)  # logical pages visited in order, so local order holds
-    discard: list[list[int]] = [[] for _ in range(world)]
-    for req in requests:
-        for rank, pages in enumerate(req.tables):
-            gone = [p for p in pages if p not in kept[rank]]
-            discard[rank].extend(gone)
-            summary[rank].pages_discarded += len(gone)
-    weights = _weight_moves(src, dst, world, num_heads)
-    for rank, mv in enumerate(weights):
-        old = heads_held(src, rank, world, num_heads)
-        new = range(mv.head_start, mv.head_stop)
-        summary[rank].heads_received = sum(len(x) for x in mv.recv_from)
-        summary[rank].heads_kept = len(set(old) & set(new))
-        summary[rank].heads_discarded = len(set(old) - set(new))
-    kv = [KVMove(send[r], recv[r]) for r in range(world)]
-    return SwitchManifest(src, dst, weights, kv, new_tables, owners, allocated, discard, summary,
-                          placed)
+    placed = place_pages(plans, allocators.allocate(need), world, page_size)
+    discard = [[p for req in requests for p in req.tables[rank] if p not in placed.kept[rank]]
+               for rank in range(world)]
+    weights = weight_moves(src, dst, world, num_heads)
+    kv = [KVMove(placed.send[r], placed.recv[r]) for r in range(world)]
+    summary = _summaries(src, dst, plans, discard, weights, world, num_heads)
+    return SwitchManifest(src, dst, weights, kv, placed.new_tables, owners, discard, summary,
+                          placed.placed)

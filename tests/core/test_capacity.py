@@ -1,4 +1,4 @@
-"""The ownership model's accounting pinned to DESIGN §1 (DeepSeek-V3) and the capacity order
+"""The ownership model's accounting pinned to DeepSeek-V3's published sizes and the capacity order
 of the layouts at equal memory."""
 
 from __future__ import annotations
