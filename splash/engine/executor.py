@@ -152,8 +152,15 @@ class MPExecutor:
         time.sleep(0.5)
 
     def execute(self, plans: list[StepPlan]) -> list[StepResult]:
+        with _sigint_deferred():  # every rank gets the step or none does (Ctrl-C mid-send left
+            self._send(plans)  # one rank waiting in a collective for a peer that never came)
+        return self._results(plans)
+
+    def _send(self, plans: list[StepPlan]) -> None:
         for rank, plan in enumerate(plans):
             self.sock.send_multipart([f"worker-{rank}".encode(), encode(plan)])
+
+    def _results(self, plans: list[StepPlan]) -> list[StepResult]:
         results = self._gather(self.timeout_s, f"step {plans[0].step}")
         errors = [r for r in results if isinstance(r, StepResult) and r.error]
         if errors:
@@ -179,6 +186,20 @@ class MPExecutor:
                 proc.join(1)
         self.sock.close()
         self.ctx.term()
+
+
+@contextlib.contextmanager
+def _sigint_deferred():
+    """SIGINT held back (delivered on exit) where the platform allows it."""
+    block = getattr(signal, "pthread_sigmask", None)
+    if block is None:
+        yield
+        return
+    old = block(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        block(signal.SIG_SETMASK, old)
 
 
 @contextlib.contextmanager
