@@ -23,6 +23,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # prefill chunk budget (default 256 CPU, 2048 GPU)
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True  # reuse the KV pages of cached prefixes (hashed pages)
     switch_mode: str = "live"  # live (layer-pipelined) | blocking (baseline)
     policy_margin: float = 0.1  # auto: switch when the best layout leads by this fraction
     worker_addr: str | None = None  # bind here and wait for torchrun-started workers

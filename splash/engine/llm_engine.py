@@ -10,16 +10,20 @@ import itertools
 import time
 from typing import Any
 
-from splash.core.request import Request, Status
+import msgspec
+
+from splash.core.protocol import StepResult
+from splash.core.request import Request, SampleGroup, Status
 from splash.engine.auto_layout import AutoLayout
 from splash.engine.config import EngineConfig
-from splash.engine.plans import build_plans
+from splash.engine.output_processor import OutputProcessor
+from splash.engine.plans import build_plans, prompt_logprob_rows
 from splash.engine.setup import EngineSetup
 from splash.engine.switches import SwitchController
 from splash.errors import InvalidRequestError, WorkerDiedError
 from splash.logging_utils import get_logger
 from splash.outputs import RequestOutput
-from splash.sampling_params import SamplingParams
+from splash.sampling_params import SamplingParams, sample_seed
 
 logger = get_logger("splash.engine")
 
@@ -37,12 +41,15 @@ class LLMEngine:
         self.executor = s.start_executor()
         self.tokenizer = s.load_tokenizer()
         self.vocab_size = self.model_cfg.vocab_size
+        self.outputs = OutputProcessor(self.tokenizer, set(self.model_cfg.eos_token_ids),
+                                       s.max_model_len)
         self.requests: dict[str, Request] = {}
         self.step_count = 0
         self.healthy = True
         self._ids = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         self._tokens_total = 0
+        self._prompt_tokens_computed = 0
         self._graph_steps = 0
         self._step_ms_ema: float | None = None
         self._started = time.monotonic()
@@ -63,6 +70,9 @@ class LLMEngine:
         if rid in self.requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
         req = Request(rid, list(prompt_token_ids), params)
+        if params.n > 1:
+            req.group = SampleGroup(rid, params.n, [req])
+        self.outputs.start(req)
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
@@ -90,12 +100,21 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt + max_tokens = {len(prompt) + params.max_tokens} tokens does not fit "
                 f"the KV pool ({self.setup.max_request_tokens} tokens per request)")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer and this checkpoint has none; "
+                                      "use stop_token_ids")
+        if params.n > self.cfg.max_num_seqs:
+            raise InvalidRequestError(
+                f"n={params.n} samples exceed max_num_seqs={self.cfg.max_num_seqs}")
 
     def abort_request(self, request_id: str) -> bool:
         req = self.requests.get(request_id)
-        if req is None or req.status is Status.FINISHED:
+        members = req.group.members if req is not None and req.group is not None else [req]
+        live = [m for m in members if m is not None and m.status is not Status.FINISHED]
+        if req is None or not live:
             return False
-        self.scheduler.finish(req, "abort")
+        for m in live:
+            self.scheduler.finish(m, "abort")
         self._pending_outputs.append(self._output(req, []))
         return True
 
@@ -108,7 +127,7 @@ class LLMEngine:
             raise WorkerDiedError("the worker group is down; restart the engine")
         outputs, self._pending_outputs = self._pending_outputs, []
         for out in outputs:
-            self.requests.pop(out.request_id, None)
+            self._forget(out.request_id)
         manifest = self.switches.prepare(self.step_count)
         batch = self.scheduler.schedule(allow_preemption=manifest is None)
         if not batch.entries and manifest is None:
@@ -125,56 +144,71 @@ class LLMEngine:
             0.9 * self._step_ms_ema + 0.1 * step_ms)
         self.step_count += 1
         self._graph_steps += int(all(r.graph_replay for r in results))
-        outputs += self._update(batch, results[0].tokens)
+        outputs += self._update(batch, results[0])
         for out in outputs:  # finished requests leave the table (ids may be reused)
             if out.finished:
-                self.requests.pop(out.request_id, None)
+                self._forget(out.request_id)
         return outputs
 
-    def _update(self, batch, tokens: list[int]) -> list[RequestOutput]:
-        outputs = []
-        it = iter(tokens)
-        for req, n in batch.entries:
+    def _update(self, batch, result: StepResult) -> list[RequestOutput]:
+        tokens, logprobs = iter(result.tokens), iter(result.logprobs)
+        prompt_logprobs = iter(result.prompt_logprobs)
+        new: dict[Request, list[int]] = {}
+        heads: dict[str, Request] = {}  # one output per prompt (n samples report together)
+        for b, (req, n) in enumerate(batch.entries):
+            start = req.num_computed
+            if prompt_logprob_rows(req, b, start, n) is not None:
+                self.outputs.add_prompt_logprobs(req, next(prompt_logprobs))
+            self._prompt_tokens_computed += max(min(start + n, len(req.prompt_token_ids)) - start, 0)
             req.num_computed += n
             if req.num_computed < req.num_tokens or req.status is Status.FINISHED:
                 continue
-            token = next(it)
-            req.output_token_ids.append(token)
-            self._tokens_total += 1
-            if req.first_token_s is None:
-                req.first_token_s = time.monotonic()
-            reason = self._finish_reason(req, token)
-            if reason:
-                self.scheduler.finish(req, reason)
-            outputs.append(self._output(req, [token]))
-        return outputs
+            draws = req.group.n if req.group is not None and req.fork_pending else 1
+            toks = [next(tokens) for _ in range(draws)]
+            lps = [next(logprobs) if req.params.logprobs is not None else None for _ in toks]
+            samples = [req] if draws == 1 else [req] + self._fork(req)
+            for member, token, lp in zip(samples, toks, lps):
+                self._tokens_total += 1
+                if member.first_token_s is None:
+                    member.first_token_s = time.monotonic()
+                reason = self.outputs.append(member, token, lp)
+                if reason:
+                    self.scheduler.finish(member, reason)
+                new[member] = [token]
+            head = req.group.members[0] if req.group is not None else req
+            heads[head.request_id] = head
+        return [self.outputs.output(head, new) for head in heads.values()]
 
-    def _finish_reason(self, req: Request, token: int) -> str | None:
-        p = req.params
-        if not p.ignore_eos and token in self.model_cfg.eos_token_ids:
-            return "stop"
-        if p.stop_token_ids and token in p.stop_token_ids:
-            return "stop"
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.setup.max_model_len:
-            return "length"
-        return None
+    def _fork(self, parent: Request) -> list[Request]:
+        """The other n - 1 samples of ``parent``'s prompt, now that it is prefilled."""
+        group = parent.group
+        assert group is not None
+        children = []
+        for i in range(1, group.n):
+            params = msgspec.structs.replace(parent.params, n=1,
+                                             seed=sample_seed(parent.params.seed, i))
+            child = Request(f"{group.request_id}\x1e{i}", parent.prompt_token_ids, params,
+                            arrival_s=parent.arrival_s, group=group, sample_index=i)
+            self.outputs.fork(parent, child)
+            children.append(child)
+        group.members += children
+        self.scheduler.fork(parent, children)
+        return children
 
     def _output(self, req: Request, new: list[int]) -> RequestOutput:
-        finished = req.status is Status.FINISHED
-        text = None
-        if self.tokenizer is not None and finished:
-            text = self.tokenizer.decode(req.output_token_ids)
-        return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids),
-                             new_token_ids=new, finished=finished,
-                             finish_reason=req.finish_reason, error=req.error, text=text)
+        return self.outputs.output(req, {req: new} if new else None)
+
+    def _forget(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            for member in req.group.members if req.group is not None else [req]:
+                self.outputs.forget(member)
 
     def _fail_all(self, message: str) -> list[RequestOutput]:
         logger.error("worker failure: %s — failing all in-flight requests", message)
         self.healthy = False
-        outputs = []
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.finish(req, "error", message)
-            outputs.append(self._output(req, []))
         raise WorkerDiedError(message)
 
     # -- control and introspection ----------------------------------------------------------
@@ -205,6 +239,11 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_steps": self.step_count,
             "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_caching": self.scheduler.prefix.enabled,
+            "prefix_cache_hit_tokens": self.scheduler.prefix.hit_tokens,
+            "prefix_cache_queried_tokens": self.scheduler.prefix.queried_tokens,
+            "prefix_cache_pages": [a.num_cached for a in self.allocators.ranks],
+            "prompt_tokens_computed": self._prompt_tokens_computed,
             "cuda_graphs": self.setup.cuda_graphs,
             "graph_steps": self._graph_steps,  # steps replayed from CUDA graphs
             "step_time_ms_ema": self._step_ms_ema,

@@ -3,6 +3,12 @@
 The scheduler owns every rank's page tables (DESIGN §5). Which ranks hold a request's pages is
 decided by the current layout's KV placement (`ownership.num_local_pages`), so the same code
 batches for all four layouts.
+
+Pages are shared (reference counted): a request admitted with a cached prefix takes the cached
+pages (`splash.core.prefix_cache`), a prefill that reaches pages another request computed in
+the meantime takes them too, and the n samples of a prompt fork off sharing its pages. A row is
+never written into a shared page: the writer first copies it (copy-on-write; the copy runs on
+the workers before the step computes).
 """
 
 from __future__ import annotations
@@ -11,7 +17,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from splash.core.allocator import RankAllocators
-from splash.core.ownership import Layout, num_local_pages
+from splash.core.ownership import Layout, local_page_index, num_local_pages, page_holders
+from splash.core.prefix_cache import PrefixCache
 from splash.core.request import Request, Status
 from splash.logging_utils import get_logger
 
@@ -26,6 +33,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # requests in one step
     max_num_batched_tokens: int = 512  # rows in one step (the prefill chunk budget)
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
@@ -52,7 +60,9 @@ class Scheduler:
         self.hold_admission = False  # set while a deferred switch waits for pages
         self.dirty: list[dict[str, int]] = [{} for _ in range(cfg.world)]  # rank: rid -> start
         self.released: list[str] = []
+        self.copies: list[list[list[int]]] = [[] for _ in range(cfg.world)]  # rank: [src, dst]
         self.num_preemptions = 0
+        self.prefix = PrefixCache(allocators, cfg.world, cfg.page_size, cfg.enable_prefix_caching)
 
     # -- bookkeeping ----------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -71,12 +81,16 @@ class Scheduler:
         return load
 
     def free(self, req: Request) -> None:
+        self._drop_pages(req)
+        self.released.append(req.request_id)
+
+    def _drop_pages(self, req: Request) -> None:
         for rank, pages in enumerate(req.tables):
             if pages:
                 self.alloc[rank].free(pages)
             self.dirty[rank].pop(req.request_id, None)
         req.tables = [[] for _ in range(self.cfg.world)]
-        self.released.append(req.request_id)
+        req.num_cached_pages = 0
 
     def finish(self, req: Request, reason: str, error: str | None = None) -> None:
         if req in self.running:
@@ -101,23 +115,74 @@ class Scheduler:
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         need = self.pages_needed(req, num_tokens)
-        if not any(need):  # most decode steps: the last page still has room
+        shared = self._shared_tail(req)
+        if not any(need) and not shared:  # most decode steps: the last page still has room
             return True
+        for rank in shared:
+            need[rank] += 1
         if not self.alloc.can_allocate(need):
             return False
         for rank, pages in enumerate(self.alloc.allocate(need)):
+            if rank in shared:  # copy-on-write: the next row lands in a page others hold
+                local, page = shared[rank], pages.pop()
+                self.copies[rank].append([req.tables[rank][local], page])
+                self.alloc[rank].free([req.tables[rank][local]])
+                req.tables[rank][local] = page
+                self.mark_dirty(req, rank, local)
             if pages:
                 self.mark_dirty(req, rank, len(req.tables[rank]))
                 req.tables[rank].extend(pages)
         return True
 
-    def _pick_owner(self, req: Request, num_tokens: int) -> int | None:
+    def _shared_tail(self, req: Request) -> dict[int, int]:
+        """rank -> local index of the partly filled page the next row writes, where that page
+        is shared with other requests (the samples of one prompt)."""
+        ps = self.cfg.page_size
+        if req.num_computed % ps == 0:
+            return {}
+        logical = req.num_computed // ps
+        local = local_page_index(self.layout, logical, self.cfg.world)
+        return {d: local for d in page_holders(self.layout, logical, req.owner, self.cfg.world)
+                if local < len(req.tables[d])
+                and self.alloc[d].refcount(req.tables[d][local]) > 1}
+
+    def _take_cached(self, req: Request, found: list[list[tuple[int, int]]]) -> None:
+        """Continue ``req``'s history with cached pages (from ``PrefixCache.match``)."""
+        if not found:
+            return
+        start = [len(t) for t in req.tables]
+        for holders in found:
+            for rank, page in holders:
+                self.alloc[rank].incref([page])
+                req.tables[rank].append(page)
+        for rank, t in enumerate(req.tables):
+            if len(t) > start[rank]:
+                self.mark_dirty(req, rank, start[rank])
+        req.num_computed += len(found) * self.cfg.page_size
+        req.num_cached_pages = req.num_computed // self.cfg.page_size
+        self.prefix.hit_tokens += len(found) * self.cfg.page_size
+
+    def _place(self, req: Request, num_tokens: int) -> tuple[int | None, list]:
+        """Owner rank and cached pages for an admission. Under owned KV (DP, DOP) the owner is
+        the rank where the request leaves the least work: its live tokens plus the tokens the
+        request must compute there (its longest cached prefix on that rank is free)."""
         load = self.live_tokens_by_rank()
+        ranks = range(self.cfg.world)
         if not self.layout.uses_owners:  # owners matter only after a switch to an owned layout
-            return min(range(self.cfg.world), key=lambda r: (load[r], r))
-        pages = -(-num_tokens // self.cfg.page_size)
-        ranks = [r for r in range(self.cfg.world) if self.alloc[r].num_available >= pages]
-        return min(ranks, key=lambda r: (load[r], r)) if ranks else None
+            owner = min(ranks, key=lambda r: (load[r], r))
+            return owner, self.prefix.match(req, self.layout, owner)
+        ps = self.cfg.page_size
+        pages = -(-num_tokens // ps)
+        found = {r: self.prefix.match(req, self.layout, r) for r in ranks}
+        fits = [r for r in ranks if self.alloc[r].num_available >= pages - len(found[r])]
+        if not fits:
+            return None, []
+        owner = min(fits, key=lambda r: (load[r] + req.num_tokens - len(found[r]) * ps, r))
+        best = max(fits, key=lambda r: len(found[r]))
+        if found[best] and owner != best:
+            logger.debug("%s placed on rank %d (load %s), not on rank %d with %d cached tokens",
+                         req.request_id, owner, load, best, len(found[best]) * ps)
+        return owner, found[owner]
 
     # -- one step -------------------------------------------------------------------------
     def schedule(self, allow_preemption: bool = True) -> ScheduledBatch:
@@ -126,6 +191,8 @@ class Scheduler:
         for req in list(self.running):  # decodes and unfinished prefills, oldest first
             if req not in self.running:
                 continue  # preempted below to make room for an older request
+            if req.num_pending > 1:  # a prefill may reach pages computed meanwhile
+                self._take_cached(req, self.prefix.match(req, self.layout, req.owner))
             n = self._chunk(req, budget)
             if n == 0:
                 continue
@@ -140,6 +207,7 @@ class Scheduler:
             if n:
                 batch.entries.append((req, n))
                 budget -= n
+                self.prefix.register(req, self.layout, req.num_computed + n)
         if not self.hold_admission and not batch.preempted:
             self._admit(batch, budget)
         return batch
@@ -154,20 +222,27 @@ class Scheduler:
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
-            n = self._chunk(req, budget)
-            if n == 0:
+            if self._chunk(req, budget) == 0:
                 break
-            owner = self._pick_owner(req, req.num_computed + n)
+            owner, found = self._place(req, req.num_computed + min(req.num_pending, budget))
             if owner is None:
                 break
             req.owner = owner
-            if not self._grow(req, req.num_computed + n):
+            hits_before = self.prefix.hit_tokens
+            self._take_cached(req, found)
+            n = self._chunk(req, budget)
+            if n == 0 or not self._grow(req, req.num_computed + n):
+                self.prefix.hit_tokens = hits_before
+                self._drop_pages(req)
+                req.num_computed = 0
                 break  # first come, first served: wait for pages
+            self.prefix.queried_tokens += req.num_tokens if self.prefix.enabled else 0
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
             batch.entries.append((req, n))
             budget -= n
+            self.prefix.register(req, self.layout, req.num_computed + n)
 
     def _preempt(self, victim: Request, batch: ScheduledBatch) -> None:
         logger.info("preempting %s (recompute): KV pages exhausted", victim.request_id)
@@ -180,6 +255,25 @@ class Scheduler:
         victim.status = Status.WAITING
         self.waiting.appendleft(victim)
         batch.preempted.append(victim)
+
+    def fork(self, parent: Request, children: list[Request]) -> None:
+        """Run ``children`` (samples of ``parent``'s prompt) right after it, sharing its pages."""
+        for child in children:
+            child.owner, child.num_computed = parent.owner, parent.num_computed
+            child.tables = [list(t) for t in parent.tables]
+            child.block_hashes = list(parent.block_hashes)
+            child.num_cached_pages = parent.num_cached_pages
+            child.status = Status.RUNNING
+            for rank, pages in enumerate(child.tables):
+                if pages:
+                    self.alloc[rank].incref(pages)
+                    self.mark_dirty(child, rank, 0)
+        at = self.running.index(parent) + 1
+        self.running[at:at] = children
+
+    def take_copies(self, rank: int) -> list[list[int]]:
+        copies, self.copies[rank] = self.copies[rank], []
+        return copies
 
     def take_table_updates(self, rank: int) -> list[tuple[str, int, list[int]]]:
         """Block-table changes for ``rank`` since the last call, for running requests."""

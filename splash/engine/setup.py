@@ -77,7 +77,8 @@ class EngineSetup:
             world=world, page_size=self.page_size, max_model_len=self.max_model_len,
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens or (256 if on_cpu else 2048),
-            enable_chunked_prefill=cfg.enable_chunked_prefill)
+            enable_chunked_prefill=cfg.enable_chunked_prefill,
+            enable_prefix_caching=cfg.enable_prefix_caching)
         self.scheduler = Scheduler(sched_cfg, self.allocators, layout)
         logger.info("engine: %s on %s x%d, layout %s, %d KV pages/rank of %d tokens "
                     "(%d reserved under replicated projections)", self.model_cfg.model_type,

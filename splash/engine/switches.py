@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from splash.core.ownership import get_layout
+from splash.core.prefix_cache import cached_histories
 from splash.errors import LayoutInfeasibleError
 from splash.logging_utils import get_logger
 from splash.switching.manifest import SwitchManifest, build_manifest
@@ -58,8 +59,10 @@ class SwitchController:
         setup, alloc = eng.setup, eng.allocators
         alloc.set_reserved(max(setup.reserved_pages(src), setup.reserved_pages(dst)))
         running = list(eng.scheduler.running)
+        prefix = eng.scheduler.prefix
+        cached = cached_histories(alloc, src, eng.world, setup.page_size) if prefix.enabled else []
         manifest = build_manifest(src, dst, running, alloc, eng.world, setup.page_size,
-                                  eng.model_cfg.num_attention_heads)
+                                  eng.model_cfg.num_attention_heads, cached)
         if manifest is None:
             alloc.set_reserved(setup.reserved_pages(src))
             reason = (f"switch {src.name}->{dst.name} deferred at step {step}: the destination "
@@ -82,8 +85,9 @@ class SwitchController:
             for rank in range(eng.world):
                 eng.scheduler.mark_dirty(req, rank, 0)
         eng.scheduler.layout = dst
-        logger.info("switching %s -> %s at step %d (KV %s, weights %s)", src.name, dst.name,
-                    step, manifest.kv_op, manifest.weight_op)
+        logger.info("switching %s -> %s at step %d (KV %s, weights %s; %d of %d cached chains "
+                    "move along)", src.name, dst.name, step, manifest.kv_op, manifest.weight_op,
+                    len(manifest.cached), len(cached))
         return manifest
 
     def finish(self, manifest: SwitchManifest | None, results: list, step_ms: float,
@@ -96,7 +100,16 @@ class SwitchController:
             self._last_switch = None
         if manifest is None:
             return
+        prefix = eng.scheduler.prefix
+        for req in eng.scheduler.running:  # pages received this step become hits from now on
+            prefix.register_moved(req, manifest.dst)
+        for chain in manifest.cached:
+            chain.tables = manifest.new_tables[chain.request_id]
+            chain.owner = manifest.new_owners[chain.request_id]
+            prefix.register_moved(chain, manifest.dst)
         for rank, pages in enumerate(manifest.discard):
+            eng.allocators[rank].free(pages)
+        for rank, pages in enumerate(manifest.release):
             eng.allocators[rank].free(pages)
         eng.allocators.set_reserved(eng.setup.reserved_pages(manifest.dst))
         mcfg = eng.model_cfg

@@ -20,7 +20,7 @@ import torch
 from splash.core.ownership import KVPlacement, Layout, local_kv_len
 from splash.core.protocol import StepPlan
 from splash.dist.comm import Comm
-from splash.kernels_triton import kv_write, mla_decode, mla_extend
+from splash.kernels_triton import gather_rows, kv_write, mla_decode, mla_extend, scatter_rows
 
 
 class StepMeta:
@@ -132,6 +132,20 @@ class KVStore:
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.caches[i], (self.scales[i] if self.scales is not None else None)
+
+    def copy_pages(self, pairs: list[list[int]], layers: range | None = None) -> None:
+        """Copy whole pages (rows and fp8 scales, bit-exact) of ``layers`` (default all): [src,
+        dst] pairs, dst pages distinct (copy-on-write of pages shared by several requests)."""
+        if not pairs:
+            return
+        device = self.caches[0].device
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=device)
+        for i in layers if layers is not None else range(len(self.caches)):
+            for pool in (self.caches[i], None if self.scales is None else self.scales[i]):
+                if pool is not None:
+                    pages = pool.view(pool.shape[0], -1).view(torch.uint8)  # (P, page bytes)
+                    scatter_rows(pages, dst, gather_rows(pages, src))
 
 
 def write_kv(store: KVStore, layer: int, rows: torch.Tensor, slots: torch.Tensor) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from splash.core.allocator import RankAllocators
+from splash.core.prefix_cache import CachedHistory
 from splash.core.ownership import (
     KVPlacement,
     Layout,
@@ -20,6 +21,8 @@ from splash.core.ownership import (
 )
 from splash.core.protocol import KVMove, WeightMove
 from splash.core.request import Request
+
+History = Request | CachedHistory  # a request's pages, or an unreferenced cached chain
 
 
 @dataclass
@@ -41,11 +44,14 @@ class SwitchManifest:
     dst: Layout
     weights: list[WeightMove]  # per rank
     kv: list[KVMove]  # per rank
-    new_tables: dict[str, list[list[int]]]  # request -> per-rank local block tables
+    new_tables: dict[str, list[list[int]]]  # history -> per-rank local block tables
     new_owners: dict[str, int]
     allocated: list[list[int]]  # per rank: pages taken for received rows
-    discard: list[list[int]]  # per rank: pages freed once the switch step is done
+    discard: list[list[int]]  # per rank: requests' page references dropped once the step is done
     summary: list[RankSummary] = field(default_factory=list)
+    cached: list[CachedHistory] = field(default_factory=list)  # cached chains moved along
+    release: list[list[int]] = field(default_factory=list)  # per rank: references held for
+    #   the step only (cached chains' pages, received pages no request holds)
 
     @property
     def kv_op(self) -> str:
@@ -66,14 +72,18 @@ class SwitchManifest:
         return {"kv_bytes_received": kv, "weight_bytes_received": w}
 
 
-def _balanced_owners(requests: list[Request], world: int) -> dict[str, int]:
-    """Largest history first onto the least-loaded rank (owners balanced by live KV tokens)."""
-    load = [0] * world
+def _balanced_owners(histories: list[History], world: int) -> dict[str, int]:
+    """Largest history first onto the least-loaded rank (owners balanced by live KV tokens);
+    cached chains are balanced among themselves. Requests sharing pages may land on different
+    owners: each then holds its own copy (balance first)."""
     owners: dict[str, int] = {}
-    for req in sorted(requests, key=lambda r: (-r.num_computed, r.request_id)):
-        rank = min(range(world), key=lambda r: (load[r], r))
-        owners[req.request_id] = rank
-        load[rank] += req.num_computed
+    for part in ([h for h in histories if not isinstance(h, CachedHistory)],
+                 [h for h in histories if isinstance(h, CachedHistory)]):
+        load = [0] * world
+        for h in sorted(part, key=lambda h: (-h.num_computed, h.request_id)):
+            rank = min(range(world), key=lambda r: (load[r], r))
+            owners[h.request_id] = rank
+            load[rank] += h.num_computed
     return owners
 
 
@@ -103,29 +113,54 @@ def build_manifest(
     world: int,
     page_size: int,
     num_heads: int,
+    cached: list[CachedHistory] | None = None,
 ) -> SwitchManifest | None:
     """The manifest for switching ``requests`` (with their current tables) from ``src`` to
     ``dst``, allocating destination pages; None (nothing allocated) when the pages needed do
-    not fit — the caller defers the switch."""
-    owners = {r.request_id: r.owner for r in requests}
+    not fit — the caller defers the switch. ``cached`` chains (pinned here for the step) move
+    too when their pages fit beside the requests'; otherwise they stay where they are."""
+    if cached:
+        for h in cached:  # pinned: the allocation below must not evict what moves or stays
+            for rank, pages in enumerate(h.tables):
+                allocators[rank].incref(pages)
+        m = _build(src, dst, [*requests, *cached], allocators, world, page_size, num_heads)
+        if m is not None:
+            m.cached = list(cached)
+            for h in cached:
+                for rank, pages in enumerate(h.tables):
+                    m.release[rank] += pages
+            return m
+        for h in cached:
+            for rank, pages in enumerate(h.tables):
+                allocators[rank].free(pages)
+    return _build(src, dst, list(requests), allocators, world, page_size, num_heads)
+
+
+def _build(src: Layout, dst: Layout, histories: list[History], allocators: RankAllocators,
+           world: int, page_size: int, num_heads: int) -> SwitchManifest | None:
+    owners = {h.request_id: h.owner for h in histories}
     if dst.uses_owners and not src.uses_owners:
-        owners = _balanced_owners(requests, world)
+        owners = _balanced_owners(histories, world)
     summary = [RankSummary() for _ in range(world)]
     need = [0] * world
-    # (req, logical page, dst rank, source (rank, page) or None, kept page)
-    plans: list[tuple[Request, int, int, tuple[int, int] | None, int]] = []
-    for req in requests:
-        n_pages = -(-req.num_computed // page_size)
+    # (history, logical page, dst rank, source (rank, page) or None, kept page)
+    plans: list[tuple[History, int, int, tuple[int, int] | None, int]] = []
+    moved: dict[tuple[int, int, int], int] = {}  # (src rank, src page, dst rank) -> slot in fresh
+    for h in histories:
+        n_pages = -(-h.num_computed // page_size)
         for i in range(n_pages):
-            src_h = page_holders(src, i, req.owner, world)
-            dst_h = page_holders(dst, i, owners[req.request_id], world)
+            src_h = page_holders(src, i, h.owner, world)
+            dst_h = page_holders(dst, i, owners[h.request_id], world)
             for d in dst_h:
                 if d in src_h:
-                    plans.append((req, i, d, None, req.tables[d][local_page_index(src, i, world)]))
-                else:
-                    s = src_h[0]
-                    plans.append((req, i, d, (s, req.tables[s][local_page_index(src, i, world)]), -1))
+                    plans.append((h, i, d, None, h.tables[d][local_page_index(src, i, world)]))
+                    continue
+                s = src_h[0]
+                source = (s, h.tables[s][local_page_index(src, i, world)])
+                if (*source, d) not in moved:  # a page shared by k histories moves once
+                    moved[(*source, d)] = need[d]
                     need[d] += 1
+                plans.append((h, i, d, source, -1))
     if not allocators.can_allocate(need):
         return None
     fresh = allocators.allocate(need)
@@ -133,30 +168,49 @@ def build_manifest(
     send: list[list[list[int]]] = [[[] for _ in range(world)] for _ in range(world)]
     recv: list[list[list[int]]] = [[[] for _ in range(world)] for _ in range(world)]
     new_tables: dict[str, list[list[int]]] = {}
+    users = [[0] * len(f) for f in fresh]  # requests holding each fresh page
+    sent: set[tuple[int, int, int]] = set()
     kept: list[set[int]] = [set() for _ in range(world)]
-    for req, i, d, source, page in plans:
-        rows = min(page_size, req.num_computed - i * page_size)
-        table = new_tables.setdefault(req.request_id, [[] for _ in range(world)])
+    for h, i, d, source, page in plans:
+        rows = min(page_size, h.num_computed - i * page_size)
+        table = new_tables.setdefault(h.request_id, [[] for _ in range(world)])
         if source is None:
-            kept[d].add(page)
-            summary[d].pages_kept += 1
-            if local_page_index(src, i, world) != local_page_index(dst, i, world):
-                summary[d].pages_repacked += 1
+            if page not in kept[d]:
+                kept[d].add(page)
+                summary[d].pages_kept += 1
+                if local_page_index(src, i, world) != local_page_index(dst, i, world):
+                    summary[d].pages_repacked += 1
         else:
             s, src_page = source
-            page = fresh[d].pop(0)
-            send[s][d].extend(src_page * page_size + k for k in range(rows))
-            recv[d][s].extend(page * page_size + k for k in range(rows))
-            summary[d].pages_received += 1
-            summary[d].kv_rows_received += rows
-            summary[s].kv_rows_sent += rows
+            slot = moved[(s, src_page, d)]
+            page = fresh[d][slot]
+            users[d][slot] += not isinstance(h, CachedHistory)
+            if (s, src_page, d) not in sent:
+                sent.add((s, src_page, d))
+                send[s][d].extend(src_page * page_size + k for k in range(rows))
+                recv[d][s].extend(page * page_size + k for k in range(rows))
+                summary[d].pages_received += 1
+                summary[d].kv_rows_received += rows
+                summary[s].kv_rows_sent += rows
         table[d].append(page)  # logical pages visited in order, so local order holds
+    # a fresh page starts with one reference: one more per further request holding it, and
+    # none kept for pages only cached chains hold (released after the step)
+    release: list[list[int]] = [[] for _ in range(world)]
+    for d in range(world):
+        for slot, page in enumerate(fresh[d]):
+            if users[d][slot] == 0:
+                release[d].append(page)
+            elif users[d][slot] > 1:
+                allocators[d].incref([page] * (users[d][slot] - 1))
     discard: list[list[int]] = [[] for _ in range(world)]
-    for req in requests:
-        for rank, pages in enumerate(req.tables):
-            gone = [p for p in pages if p not in kept[rank]]
-            discard[rank].extend(gone)
-            summary[rank].pages_discarded += len(gone)
+    for h in histories:
+        if isinstance(h, CachedHistory):
+            continue
+        for rank, pages in enumerate(h.tables):  # references the request no longer holds
+            keep = set(new_tables.get(h.request_id, [[]] * world)[rank])
+            discard[rank].extend(p for p in pages if p not in keep)
+    for rank in range(world):
+        summary[rank].pages_discarded = len(set(discard[rank]) - kept[rank])
     weights = _weight_moves(src, dst, world, num_heads)
     for rank, mv in enumerate(weights):
         old = heads_held(src, rank, world, num_heads)
@@ -165,4 +219,5 @@ def build_manifest(
         summary[rank].heads_kept = len(set(old) & set(new))
         summary[rank].heads_discarded = len(set(old) - set(new))
     kv = [KVMove(send[r], recv[r]) for r in range(world)]
-    return SwitchManifest(src, dst, weights, kv, new_tables, owners, allocated, discard, summary)
+    return SwitchManifest(src, dst, weights, kv, new_tables, owners, allocated, discard, summary,
+                          release=release)

@@ -25,7 +25,9 @@ def _sched(layout="dop", world=2, pages=64, budget=16, chunked=True):
 
 
 def _req(i, n, max_tokens=4):
-    return Request(f"r{i}", list(range(2, 2 + n)), SamplingParams(max_tokens=max_tokens))
+    # distinct prompts: nothing is shared through the prefix cache (test_prefix_cache covers it)
+    return Request(f"r{i}", list(range(2 + 100 * i, 2 + 100 * i + n)),
+                   SamplingParams(max_tokens=max_tokens))
 
 
 def _advance(batch):
@@ -107,7 +109,8 @@ def test_plans_carry_incremental_tables_per_rank():
     sched.add(_req(0, 10))
     batch = sched.schedule()
     eng = SimpleNamespace(scheduler=sched, world=2, step_count=0, layout="cp",
-                          cfg=SimpleNamespace(switch_mode="live"))
+                          cfg=SimpleNamespace(switch_mode="live"),
+                          model_cfg=SimpleNamespace(eos_token_ids=[1]))
     plans = build_plans(eng, batch, None)
     req = sched.running[0]
     assert [p.table_updates[0].pages for p in plans] == [req.tables[0], req.tables[1]]
