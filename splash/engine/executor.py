@@ -133,8 +133,9 @@ class MPExecutor:
         if not hasattr(signal, "SIGUSR1"):
             return
         for r in ranks:
-            if r < len(self.procs) and self.procs[r].is_alive():
-                os.kill(self.procs[r].pid, signal.SIGUSR1)
+            pid = self.procs[r].pid if r < len(self.procs) else None
+            if pid is not None and self.procs[r].is_alive():
+                os.kill(pid, signal.SIGUSR1)
         logger.error("worker(s) %s silent: their stacks follow on stderr", ranks)
         time.sleep(0.5)
 

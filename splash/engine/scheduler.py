@@ -164,25 +164,28 @@ class Scheduler:
 
     def _place(self, req: Request, num_tokens: int) -> tuple[int | None, list]:
         """Owner rank and cached pages for an admission. Under owned KV (DP, DOP) the owner is
-        the rank where the request leaves the least work: its live tokens plus the tokens the
-        request must compute there (its longest cached prefix on that rank is free)."""
+        the rank holding the longest cached prefix, unless that would unbalance the ranks: its
+        live tokens exceed the least-loaded rank's by more than a prefill chunk and by a
+        quarter (the two thresholds of SGLang's cache-aware router); then the least loaded."""
         load = self.live_tokens_by_rank()
         ranks = range(self.cfg.world)
+        least = min(ranks, key=lambda r: (load[r], r))
         if not self.layout.uses_owners:  # owners matter only after a switch to an owned layout
-            owner = min(ranks, key=lambda r: (load[r], r))
-            return owner, self.prefix.match(req, self.layout, owner)
-        ps = self.cfg.page_size
-        pages = -(-num_tokens // ps)
+            return least, self.prefix.match(req, self.layout, least)
+        pages = -(-num_tokens // self.cfg.page_size)
         found = {r: self.prefix.match(req, self.layout, r) for r in ranks}
         fits = [r for r in ranks if self.alloc[r].num_available >= pages - len(found[r])]
         if not fits:
             return None, []
-        owner = min(fits, key=lambda r: (load[r] + req.num_tokens - len(found[r]) * ps, r))
-        best = max(fits, key=lambda r: len(found[r]))
-        if found[best] and owner != best:
-            logger.debug("%s placed on rank %d (load %s), not on rank %d with %d cached tokens",
-                         req.request_id, owner, load, best, len(found[best]) * ps)
-        return owner, found[owner]
+        least = min(fits, key=lambda r: (load[r], r))
+        best = max(fits, key=lambda r: (len(found[r]), -load[r], -r))
+        excess = load[best] - load[least]
+        if excess > self.cfg.max_num_batched_tokens and load[best] > 1.25 * load[least]:
+            logger.debug("%s placed on rank %d, not on rank %d with %d cached tokens: %d more "
+                         "live tokens there", req.request_id, least, best,
+                         len(found[best]) * self.cfg.page_size, excess)
+            return least, found[least]
+        return best, found[best]
 
     # -- one step -------------------------------------------------------------------------
     def schedule(self, allow_preemption: bool = True) -> ScheduledBatch:

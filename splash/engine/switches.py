@@ -84,6 +84,12 @@ class SwitchController:
             req.owner = manifest.new_owners.get(req.request_id, req.owner)
             for rank in range(eng.world):
                 eng.scheduler.mark_dirty(req, rank, 0)
+        # pages received in this step are hits from now on: a request admitted into this very
+        # step reads them in each layer only after that layer's transfer has landed
+        for hist in [*running, *manifest.cached]:
+            hist.tables = manifest.new_tables.get(hist.request_id, hist.tables)
+            hist.owner = manifest.new_owners.get(hist.request_id, hist.owner)
+            prefix.register_moved(hist, dst)
         eng.scheduler.layout = dst
         logger.info("switching %s -> %s at step %d (KV %s, weights %s; %d of %d cached chains "
                     "move along)", src.name, dst.name, step, manifest.kv_op, manifest.weight_op,
@@ -100,13 +106,6 @@ class SwitchController:
             self._last_switch = None
         if manifest is None:
             return
-        prefix = eng.scheduler.prefix
-        for req in eng.scheduler.running:  # pages received this step become hits from now on
-            prefix.register_moved(req, manifest.dst)
-        for chain in manifest.cached:
-            chain.tables = manifest.new_tables[chain.request_id]
-            chain.owner = manifest.new_owners[chain.request_id]
-            prefix.register_moved(chain, manifest.dst)
         for rank, pages in enumerate(manifest.discard):
             eng.allocators[rank].free(pages)
         for rank, pages in enumerate(manifest.release):

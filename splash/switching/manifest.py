@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from splash.core.allocator import RankAllocators
-from splash.core.prefix_cache import CachedHistory
 from splash.core.ownership import (
     KVPlacement,
     Layout,
@@ -19,6 +18,7 @@ from splash.core.ownership import (
     local_page_index,
     page_holders,
 )
+from splash.core.prefix_cache import CachedHistory
 from splash.core.protocol import KVMove, WeightMove
 from splash.core.request import Request
 
@@ -77,8 +77,9 @@ def _balanced_owners(histories: list[History], world: int) -> dict[str, int]:
     cached chains are balanced among themselves. Requests sharing pages may land on different
     owners: each then holds its own copy (balance first)."""
     owners: dict[str, int] = {}
-    for part in ([h for h in histories if not isinstance(h, CachedHistory)],
-                 [h for h in histories if isinstance(h, CachedHistory)]):
+    requests: list[History] = [h for h in histories if not isinstance(h, CachedHistory)]
+    chains: list[History] = [h for h in histories if isinstance(h, CachedHistory)]
+    for part in (requests, chains):
         load = [0] * world
         for h in sorted(part, key=lambda h: (-h.num_computed, h.request_id)):
             rank = min(range(world), key=lambda r: (load[r], r))
@@ -156,11 +157,11 @@ def _build(src: Layout, dst: Layout, histories: list[History], allocators: RankA
                     plans.append((h, i, d, None, h.tables[d][local_page_index(src, i, world)]))
                     continue
                 s = src_h[0]
-                source = (s, h.tables[s][local_page_index(src, i, world)])
-                if (*source, d) not in moved:  # a page shared by k histories moves once
-                    moved[(*source, d)] = need[d]
+                src_page = h.tables[s][local_page_index(src, i, world)]
+                if (s, src_page, d) not in moved:  # a page shared by k histories moves once
+                    moved[(s, src_page, d)] = need[d]
                     need[d] += 1
-                plans.append((h, i, d, source, -1))
+                plans.append((h, i, d, (s, src_page), -1))
     if not allocators.can_allocate(need):
         return None
     fresh = allocators.allocate(need)
