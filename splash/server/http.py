@@ -16,12 +16,14 @@ import hmac
 import json
 import threading
 import time
+from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from splash.client import Client
 from splash.errors import InvalidRequestError, SplashError
 from splash.logging_utils import get_logger
+from splash.outputs import CompletionOutput, Logprobs
 from splash.sampling_params import SamplingParams
 from splash.server import protocol as P
 from splash.server.metrics import CONTENT_TYPE, render_metrics
@@ -31,7 +33,7 @@ logger = get_logger(__name__)
 _STATUS = {"invalid_request": 400, "config": 400, "layout_infeasible": 400, "protocol": 400,
            "unauthorized": 401, "not_found": 404, "worker_died": 503, "timeout": 504}
 _PARAM_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids",
-               "ignore_eos")
+               "ignore_eos", "stop", "min_tokens", "n", "prompt_logprobs")
 
 
 class OpenAIHTTPServer(ThreadingHTTPServer):
@@ -120,26 +122,42 @@ class _Handler(BaseHTTPRequestHandler):
     def _complete(self, chat: bool) -> None:
         body = self._read_json()
         prompt_ids = self._chat_prompt(body) if chat else self._text_prompt(body.get("prompt"))
-        if body.get("n", 1) != 1:
-            raise InvalidRequestError("only n=1 is supported")
         params = {k: body[k] for k in _PARAM_KEYS if body.get(k) is not None}
+        k = _logprobs_k(body, chat)
+        if k is not None:
+            params["logprobs"] = k
         sampling = P.parse_params(params)
+        if body.get("stream") and sampling.n > 1:
+            raise InvalidRequestError("streaming n > 1 samples is not supported; send "
+                                      "\"stream\": false")
         created, kind = int(time.time()), "chat.completion" if chat else "text_completion"
         with self.server.client() as c:
             if not body.get("stream"):
                 out = c.generate(prompt_ids, sampling)
-                choice = self._choice(chat, out.token_ids, out.finish_reason, final=True)
-                self._json(200, {"id": f"cmpl-{out.request_id}", "object": kind,
-                                 "created": created, "model": self.server.model_name,
-                                 "choices": [choice], "usage": {
-                                     "prompt_tokens": len(prompt_ids),
-                                     "completion_tokens": len(out.token_ids),
-                                     "total_tokens": len(prompt_ids) + len(out.token_ids)}})
+                samples = out.outputs or [CompletionOutput(  # an engine reporting one sample
+                    0, out.token_ids, finish_reason=out.finish_reason, text=out.text,
+                    stop_reason=out.stop_reason, logprobs=out.logprobs)]
+                choices = [self._choice(chat, o.token_ids, o.finish_reason, final=True,
+                                        text=self._final_text(o.token_ids, o.text, o.stop_reason),
+                                        logprobs=o.logprobs, index=o.index)
+                           for o in samples]
+                completion = sum(len(o.token_ids) for o in samples)
+                reply = {"id": f"cmpl-{out.request_id}", "object": kind, "created": created,
+                         "model": self.server.model_name, "choices": choices, "usage": {
+                             "prompt_tokens": len(prompt_ids), "completion_tokens": completion,
+                             "total_tokens": len(prompt_ids) + completion}}
+                if out.prompt_logprobs is not None:  # vLLM's extension
+                    reply["prompt_logprobs"] = [None if d is None else {str(t): v for t, v in
+                                                                        d.items()}
+                                                for d in out.prompt_logprobs]
+                self._json(200, reply)
                 return
             self._stream(c, prompt_ids, sampling, chat, created, kind + ("" if not chat else ".chunk"))
 
     def _stream(self, c: Client, prompt_ids: list[int], sampling: SamplingParams, chat: bool,
                 created: int, kind: str) -> None:
+        # text that could still turn out to begin a stop string is held back (it is cut off)
+        hold = max((len(s) for s in sampling.stop or []), default=1) - 1
         with c.stream(prompt_ids, sampling) as stream:
             first = next(stream, None)  # errors before the first token still get a JSON status
             self.send_response(200)
@@ -147,19 +165,29 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Cache-Control", "no-cache")
             self.end_headers()
             ids: list[int] = []
+            sent = ""
             deltas = [] if first is None else [first]
             head = {"id": f"cmpl-{stream.request_id}", "object": kind, "created": created,
                     "model": self.server.model_name}
             try:
                 for delta in _chain(deltas, stream):
-                    prev = self._decode(ids)
+                    logprobs = stream.logprobs[len(ids):len(ids) + len(delta)]
                     ids += delta
-                    choice = self._choice(chat, delta, None, final=False,
-                                          text=self._decode(ids)[len(prev):])
+                    text = self._decode(ids).rstrip("\ufffd")  # a character may be incomplete
+                    text = text[:max(len(text) - hold, len(sent))]
+                    if stream.output is not None:  # the last tokens: the final text follows
+                        text = sent
+                    choice = self._choice(chat, delta, None, final=False, text=text[len(sent):],
+                                          logprobs=logprobs if sampling.logprobs is not None
+                                          else None)
+                    sent = text
                     self._sse({**head, "choices": [choice]})
-                reason = stream.output.finish_reason if stream.output else None
+                out = stream.output
+                reason = out.finish_reason if out else None
+                rest = "" if out is None else self._final_text(out.token_ids, out.text,
+                                                                out.stop_reason)[len(sent):]
                 self._sse({**head, "choices": [self._choice(chat, [], reason, final=False,
-                                                             text="")]})
+                                                             text=rest)]})
             except SplashError as e:  # headers are out: report in-band
                 self._sse({"error": {"message": str(e), "code": P.error_code(e)}})
             self.wfile.write(b"data: [DONE]\n\n")
@@ -185,22 +213,49 @@ class _Handler(BaseHTTPRequestHandler):
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("`messages` must be a non-empty list")
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        try:
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # a message the template cannot render (missing keys, roles)
+            raise InvalidRequestError(f"the chat template cannot render `messages`: "
+                                      f"{type(e).__name__}: {e}") from None
+        # transformers 5 returns a BatchEncoding (a mapping); older versions a list of ids
+        return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
 
     def _decode(self, ids: list[int]) -> str:
         tok = self.server.tokenizer
         return "" if tok is None or not ids else tok.decode(ids, skip_special_tokens=True)
 
+    def _final_text(self, ids: list[int], text: str | None, stop_reason: object) -> str:
+        """The whole text of a finished sample: the engine's, cut before its stop string."""
+        return text if isinstance(stop_reason, str) and text is not None else self._decode(ids)
+
+    def _token_text(self, token: int) -> str:
+        return self._decode([token]) if self.server.tokenizer is not None else f"token_id:{token}"
+
     def _choice(self, chat: bool, ids: list[int], reason: str | None, final: bool,
-                text: str | None = None) -> dict[str, Any]:
+                text: str | None = None, logprobs: list[Logprobs] | None = None,
+                index: int = 0) -> dict[str, Any]:
         text = self._decode(ids) if text is None else text
+        lp = None if logprobs is None else self._logprobs(chat, ids, logprobs)
         if chat:
             body = {"role": "assistant", "content": text}
-            return {"index": 0, ("message" if final else "delta"): body, "token_ids": ids,
-                    "finish_reason": reason}
-        return {"index": 0, "text": text, "token_ids": ids, "logprobs": None,
+            return {"index": index, ("message" if final else "delta"): body, "token_ids": ids,
+                    "logprobs": lp, "finish_reason": reason}
+        return {"index": index, "text": text, "token_ids": ids, "logprobs": lp,
                 "finish_reason": reason}
+
+    def _logprobs(self, chat: bool, ids: list[int], logprobs: list[Logprobs]) -> dict[str, Any]:
+        """OpenAI's logprobs object: per token its logprob and the top alternatives (the
+        chosen token first in each mapping, then the top-k)."""
+        name = self._token_text
+        if chat:
+            return {"content": [{"token": name(t), "logprob": d[t], "top_logprobs": [
+                {"token": name(a), "logprob": v} for a, v in _top(d, t)]}
+                for t, d in zip(ids, logprobs)]}
+        return {"tokens": [name(t) for t in ids],
+                "token_logprobs": [d[t] for t, d in zip(ids, logprobs)],
+                "top_logprobs": [dict((name(a), v) for a, v in _top(d, t))
+                                 for t, d in zip(ids, logprobs)]}
 
     def _read_json(self) -> dict[str, Any]:
         length = int(self.headers.get("Content-Length") or 0)
@@ -233,6 +288,33 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+
+
+def _top(d: Logprobs, chosen: int) -> list[tuple[int, float]]:
+    """The top-k of a position's mapping (chosen token first, then the top-k): the chosen
+    token counts only when it is one of them."""
+    rest = list(d.items())[1:]
+    if rest and d[chosen] < min(v for _, v in rest):
+        return rest
+    return sorted(d.items(), key=lambda kv: -kv[1])
+
+
+def _logprobs_k(body: dict[str, Any], chat: bool) -> int | None:
+    """Top-k logprobs asked for: completions' integer ``logprobs``; chat's ``logprobs: true``
+    with ``top_logprobs`` (default 0)."""
+    if not chat:
+        k = body.get("logprobs")
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int)):
+            raise InvalidRequestError("`logprobs` must be an integer (top-k) for completions")
+        return k
+    if not body.get("logprobs"):
+        if body.get("top_logprobs"):
+            raise InvalidRequestError("`top_logprobs` needs `logprobs: true`")
+        return None
+    k = body.get("top_logprobs") or 0
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise InvalidRequestError("`top_logprobs` must be an integer")
+    return k
 
 
 def _chain(first: list[list[int]], rest: Any) -> Any:

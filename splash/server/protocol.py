@@ -28,7 +28,7 @@ from splash.errors import (
     SplashError,
     WorkerDiedError,
 )
-from splash.outputs import RequestOutput
+from splash.outputs import Logprobs, RequestOutput
 from splash.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
@@ -83,7 +83,8 @@ class Reply(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, kw_onl
 
 
 class Delta(Reply, tag="delta"):
-    token_ids: list[int]  # tokens produced by one engine step
+    token_ids: list[int]  # tokens produced by one engine step (sample 0 when n > 1)
+    logprobs: list[Logprobs] | None = None  # theirs, when the request asked for logprobs
 
 
 class Final(Reply, tag="final"):

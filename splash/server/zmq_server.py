@@ -169,7 +169,9 @@ class ZmqServer:
             self._counters.requests_finished += 1
             self._send(lease.identity, P.Final(id=out.request_id, output=out))
         elif lease.stream and out.new_token_ids:
-            self._send(lease.identity, P.Delta(id=out.request_id, token_ids=out.new_token_ids))
+            lps = None if out.logprobs is None else out.logprobs[-len(out.new_token_ids):]
+            self._send(lease.identity, P.Delta(id=out.request_id, token_ids=out.new_token_ids,
+                                               logprobs=lps))
 
     def _fail_all(self, reason: str) -> None:
         logger.error("%s; failing %d in-flight requests and exiting", reason, len(self._leases))
