@@ -94,6 +94,12 @@ class AsyncClient(_Base):
     async def switch_layout(self, layout: str) -> None:
         await self._call(self._msg(P.SwitchLayout, layout=layout))
 
+    async def update_weights(self, path: str) -> str:
+        """Load a checkpoint directory (on the server's host) in place, between rounds: the
+        server refuses while requests are in flight."""
+        reply = await self._call(self._msg(P.UpdateWeights, path=str(path)))
+        return reply.detail  # type: ignore[attr-defined]
+
     async def health(self) -> bool:
         return bool((await self._call(self._msg(P.Health))).healthy)  # type: ignore[attr-defined]
 

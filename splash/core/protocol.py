@@ -69,6 +69,13 @@ class SwitchPlan(msgspec.Struct, frozen=True):
     blocking: bool = False  # move everything first (baseline) instead of layer-pipelined
 
 
+class WeightLoad(msgspec.Struct, frozen=True):
+    """New values for model tensors, copied in place (no request runs meanwhile)."""
+
+    path: str  # checkpoint directory (safetensors) holding them
+    names: list[str]  # HF tensor names to load from it
+
+
 class StepPlan(msgspec.Struct, frozen=True):
     version: int
     step: int
@@ -88,6 +95,7 @@ class StepPlan(msgspec.Struct, frozen=True):
     page_copies: list[list[int]] = []  # [src, dst] pages on this rank, copied (all layers)
     #                                    before the step computes: copy-on-write of shared pages
     switch: SwitchPlan | None = None
+    load_weights: WeightLoad | None = None  # a weight update instead of a step
     shutdown: bool = False
 
 

@@ -6,8 +6,11 @@ One step reads like the design: (switch plan) → schedule → execute → updat
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -20,8 +23,10 @@ from splash.engine.output_processor import OutputProcessor
 from splash.engine.plans import build_plans, prompt_logprob_rows
 from splash.engine.setup import EngineSetup
 from splash.engine.switches import SwitchController
-from splash.errors import InvalidRequestError, WorkerDiedError
+from splash.errors import ConfigError, InvalidRequestError, WorkerDiedError
 from splash.logging_utils import get_logger
+from splash.model.config import ModelConfig
+from splash.model.loader import checkpoint_shapes, with_expert_aliases
 from splash.outputs import RequestOutput
 from splash.sampling_params import SamplingParams, sample_seed
 
@@ -50,6 +55,7 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []
         self._tokens_total = 0
         self._prompt_tokens_computed = 0
+        self.weight_version = 0  # in-place weight updates so far
         self._graph_steps = 0
         self._step_ms_ema: float | None = None
         self._started = time.monotonic()
@@ -211,6 +217,69 @@ class LLMEngine:
             self.scheduler.finish(req, "error", message)
         raise WorkerDiedError(message)
 
+    # -- weights --------------------------------------------------------------------------
+    def update_weights(self, source: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
+        """Load new weights of the same architecture in place: a checkpoint directory (every
+        tensor) or a mapping of HF tensor names to tensors (only those; the rest keep their
+        values). Only between rounds: with requests in flight this raises and changes nothing.
+        Every rank copies its slices into the tensors it holds now (CUDA graphs stay valid);
+        the prefix cache is flushed (its KV came from the old weights)."""
+        in_flight = len(self.scheduler.running) + len(self.scheduler.waiting)
+        if in_flight or self._pending_outputs:
+            raise InvalidRequestError(
+                f"{in_flight} requests in flight: weights are updated between rollout rounds, "
+                "when no request runs (let them finish or abort them first)")
+        t0 = time.perf_counter()
+        names, payload = self._weight_names(source)
+        self.executor.load_weights(payload, names, self.step_count)
+        self.scheduler.prefix.clear()
+        self.weight_version += 1
+        ms = (time.perf_counter() - t0) * 1e3
+        what = source if isinstance(source, (str, os.PathLike)) else f"{len(names)} tensors"
+        logger.info("weights updated in place from %s (%d tensors, %.0f ms); prefix cache "
+                    "flushed; weight version %d", what, len(names), ms, self.weight_version)
+        return {"tensors": len(names), "ms": round(ms, 3), "weight_version": self.weight_version}
+
+    def _weight_names(self, source: Any) -> tuple[list[str], Any]:
+        """The HF names to load and what the executor reads them from; a mismatch with the
+        running checkpoint (architecture, unknown names, shapes) is an error here."""
+        shapes, known = checkpoint_shapes(self.cfg.model, self.model_cfg)
+        if isinstance(source, (str, os.PathLike)):
+            path = str(source)
+            if not os.path.isfile(os.path.join(path, "config.json")):
+                raise ConfigError(f"{path!r} is not a checkpoint dir (no config.json)")
+            other = ModelConfig.from_hf(path)
+            differ = [f.name for f in dataclasses.fields(other)
+                      if getattr(other, f.name) != getattr(self.model_cfg, f.name)]
+            if differ:
+                raise ConfigError(f"{path!r} has a different architecture ({', '.join(differ)} "
+                                  "differ): only weights of the same architecture load in place")
+            new, _ = checkpoint_shapes(path, self.model_cfg)
+            for name, shape in shapes.items():
+                if new.get(name) != shape:
+                    raise ConfigError(f"{path!r}: tensor {name!r} is "
+                                      f"{new.get(name, 'missing')}, the model has {shape}")
+            return sorted(shapes), path
+        if not isinstance(source, Mapping):
+            raise InvalidRequestError("update_weights takes a checkpoint directory or a mapping "
+                                      "of tensor names to tensors")
+        shapes = with_expert_aliases(shapes)
+        known |= set(shapes)
+        names = []
+        for name, t in source.items():
+            if name not in known:
+                raise InvalidRequestError(f"the model has no tensor {name!r}")
+            if name not in shapes:
+                continue  # in the checkpoint, not served (MTP layers, DSA indexer)
+            if tuple(getattr(t, "shape", ())) != shapes[name]:
+                raise InvalidRequestError(f"tensor {name!r} has shape "
+                                          f"{tuple(getattr(t, 'shape', ()))}, the model has "
+                                          f"{shapes[name]}")
+            names.append(name)
+        if not names:
+            raise InvalidRequestError("none of the given tensors is one the model is built from")
+        return names, {n: source[n] for n in names}
+
     # -- control and introspection ----------------------------------------------------------
     def switch_layout(self, name: str) -> None:
         self.switches.request(name)
@@ -244,6 +313,7 @@ class LLMEngine:
             "prefix_cache_queried_tokens": self.scheduler.prefix.queried_tokens,
             "prefix_cache_pages": [a.num_cached for a in self.allocators.ranks],
             "prompt_tokens_computed": self._prompt_tokens_computed,
+            "weight_version": self.weight_version,
             "cuda_graphs": self.setup.cuda_graphs,
             "graph_steps": self._graph_steps,  # steps replayed from CUDA graphs
             "step_time_ms_ema": self._step_ms_ema,

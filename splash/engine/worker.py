@@ -8,6 +8,7 @@ Runs in-process (T=1) or as a spawned process talking to the controller over Zer
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ from splash.kernels_triton import set_value_checks
 from splash.layouts.base import AttentionLayout, KVStore, StepMeta
 from splash.layouts.registry import make_layouts
 from splash.model.config import ModelConfig
+from splash.model.loader import CheckpointWeights
 from splash.model.mlp import MoE
 from splash.model.model import MLAModel
 from splash.switching.executor import SwitchExecutor
@@ -100,8 +102,21 @@ class Worker:
             table.extend(up.pages)
 
     @torch.inference_mode()
+    def load_weights(self, weights: Mapping[str, torch.Tensor], names: list[str]) -> None:
+        """Copy new values of ``names`` into the model in place (every placement it holds)."""
+        unused = self.model.load_weights(weights, names)
+        if unused:
+            raise ValueError(f"the model holds no tensor {unused[0]!r}")
+        self.backend.synchronize()
+
+    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
+        if plan.load_weights is not None:
+            weights = CheckpointWeights(plan.load_weights.path, self.model.cfg)
+            self.load_weights(weights, plan.load_weights.names)
+            return StepResult(version=WORKER_PROTOCOL_VERSION, step=plan.step, rank=self.cfg.rank,
+                              elapsed_ms=(time.perf_counter() - t0) * 1e3)
         self._apply_tables(plan)
         if plan.switch is None:  # before anything writes into the copies
             self.store.copy_pages(plan.page_copies)

@@ -243,6 +243,10 @@ class ZmqServer:
         if isinstance(msg, P.SwitchLayout):
             self.engine.switch_layout(msg.layout)
             return P.Ok(id=msg.id, detail=f"switch to {msg.layout} requested")
+        if isinstance(msg, P.UpdateWeights):  # refused while requests are in flight
+            info = self.engine.update_weights(msg.path)
+            return P.Ok(id=msg.id, detail=f"weights updated from {msg.path} ({info['tensors']} "
+                        f"tensors, version {info['weight_version']})")
         raise ProtocolError(f"unhandled message type {type(msg).__name__}")
 
     def _generate(self, identity: bytes, msg: P.Generate) -> P.Reply | None:

@@ -1,21 +1,25 @@
-"""The OpenAI API's rollout parameters against the real engine (T=1, a checkpoint with a
-byte-level tokenizer, in-process server): stop strings cut the text the same way streamed and
-not (the stop string never reaches a stream), chat logprobs have OpenAI's shape and the
-offline engine's values, n > 1 answers n choices and refuses to stream."""
+"""Rollout features through the servers against the real engine (T=1, a checkpoint with a
+byte-level tokenizer, in-process servers). OpenAI API: stop strings cut the text the same way
+streamed and not (the stop string never reaches a stream), chat logprobs have OpenAI's shape
+and the engine's values, n > 1 answers n choices and refuses to stream. ZeroMQ: a weight update
+is refused while a request streams, then changes the outputs to the new checkpoint's."""
 
 from __future__ import annotations
 
 import json
+import tempfile
+import time
 import urllib.error
 import urllib.request
 
 import pytest
 from serve_helpers import thread_server
-from tiny_models import checkpoint, mixed_prompts
+from tiny_models import checkpoint, hf_greedy, mixed_prompts
 from tiny_tokenizer import add_tokenizer
 
 from splash.client import Client
 from splash.engine.llm_engine import LLMEngine
+from splash.errors import InvalidRequestError
 from splash.sampling_params import SamplingParams
 from splash.server.http import OpenAIHTTPServer
 
@@ -91,6 +95,40 @@ def test_chat_logprobs_match_the_engine(http):
         assert len(entry["top_logprobs"]) == 3
         tops = [t["logprob"] for t in entry["top_logprobs"]]
         assert tops == sorted(tops, reverse=True) and tops[0] >= entry["logprob"] - 1e-6
+
+
+def test_update_weights_message(http):
+    import transformers
+    import torch
+
+    url, endpoint, engine = http
+    model = transformers.AutoModelForCausalLM.from_pretrained(engine.cfg.model,
+                                                              dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-1.0)
+    new_dir = tempfile.mkdtemp(prefix="splash-new-weights-")
+    model.save_pretrained(new_dir)
+    params = SamplingParams(max_tokens=5, temperature=0.0, min_tokens=5)
+    with Client(endpoint, timeout=120) as c:
+        before = c.generate([9, 8, 7], params).token_ids
+        with c.stream([9, 8, 7], SamplingParams(max_tokens=200, ignore_eos=True)) as s:
+            next(s)
+            with pytest.raises(InvalidRequestError, match="in flight"):
+                c.update_weights(new_dir)
+        _wait_idle(c)
+        assert "version 1" in c.update_weights(new_dir)
+        after = c.generate([9, 8, 7], params).token_ids
+        assert c.stats()["weight_version"] == 1
+        c.update_weights(engine.cfg.model)
+        assert c.generate([9, 8, 7], params).token_ids == before
+    assert after == hf_greedy(new_dir, [[9, 8, 7]], 5)[0] != before
+
+
+def _wait_idle(c: Client) -> None:
+    deadline = time.monotonic() + 60
+    while c.stats()["num_running"] + c.stats()["num_waiting"] and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def test_n_choices_and_no_streamed_n(http):
