@@ -98,8 +98,8 @@ def test_chat_logprobs_match_the_engine(http):
 
 
 def test_update_weights_message(http):
-    import transformers
     import torch
+    import transformers
 
     url, endpoint, engine = http
     model = transformers.AutoModelForCausalLM.from_pretrained(engine.cfg.model,
