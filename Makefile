@@ -11,11 +11,25 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# torch is pinned to the CPU wheel through constraints-cpu.txt; pyproject keeps a wide range.
+# torch is pinned through constraints-cpu.txt; pyproject keeps a wide range. Without an NVIDIA or
+# AMD GPU, the CPU build from PyTorch's CPU index (as PyTorch documents for CPU-only machines),
+# falling back to the default index when that cannot be reached (10 s timeout). torch is large:
+# its step shows progress.
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+HAS_GPU := $(shell (command -v nvidia-smi || command -v rocm-smi || ls /dev/kfd) >/dev/null 2>&1 && echo 1)
+
 $(STAMP): $(BIN)/python pyproject.toml constraints-cpu.txt
-	$(BIN)/pip install -q -c constraints-cpu.txt torch==2.13.0
+ifeq ($(HAS_GPU),)
+	@echo "no GPU found: installing the CPU build of torch"
+	$(BIN)/pip install --timeout 10 --retries 0 --index-url $(TORCH_CPU_INDEX) \
+		-c constraints-cpu.txt torch==2.13.0 \
+	|| $(BIN)/pip install -c constraints-cpu.txt torch==2.13.0
+else
+	$(BIN)/pip install -c constraints-cpu.txt torch==2.13.0
+endif
 	$(BIN)/pip install -q -c constraints-cpu.txt -e '.[test,plot,dev]'
 	touch $(STAMP)
+	@echo "installed into $(VENV): run '. $(VENV)/bin/activate' to put 'splash' on your PATH"
 
 venv: $(STAMP)
 

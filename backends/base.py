@@ -8,11 +8,17 @@ from typing import Any, ClassVar
 import torch
 
 from splash.backends.profiles import HardwareProfile, load_profile
+from splash.errors import ConfigError
 from splash.logging_utils import get_logger
 
 logger = get_logger("splash.backends")
 
 _REGISTRY: dict[str, type[BaseBackend]] = {}
+
+# accepted spellings -> canonical short names; torch dtypes of the canonical names
+DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16",
+               "half": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class BaseBackend(ABC):
@@ -20,7 +26,8 @@ class BaseBackend(ABC):
 
     - ``device(local_rank)``: the torch device a worker of that local rank uses.
     - ``dist_backend``: torch.distributed backend name (gloo / nccl; nccl on ROCm is RCCL).
-    - ``kv_dtypes``: KV-cache dtypes the hardware supports; ``fp8_dtype`` the fp8 flavour or None.
+    - ``dtypes``: activation/weight dtypes it computes correctly; ``kv_dtypes``: KV-cache dtypes
+      (those, plus ``fp8_dtype``, the fp8 flavour, or None); ``check_dtypes`` validates a pair.
     - ``wave_size``: threads per warp/wavefront (32 NVIDIA, 64 AMD/DCU).
     - ``tuning``: per-kernel launch parameters (``kernel_config``), so tuning never lives in
       kernel code.
@@ -54,9 +61,42 @@ class BaseBackend(ABC):
         return None
 
     @property
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        return (torch.float32, torch.float16, torch.bfloat16)
+
+    #: why a dtype this backend leaves out of ``dtypes`` is left out (shown in the error)
+    dtype_note: ClassVar[str] = ""
+
+    @property
     def kv_dtypes(self) -> tuple[torch.dtype, ...]:
-        base = (torch.float32, torch.float16, torch.bfloat16)
-        return base + ((self.fp8_dtype,) if self.fp8_dtype is not None else ())
+        return self.dtypes + ((self.fp8_dtype,) if self.fp8_dtype is not None else ())
+
+    def check_dtypes(self, dtype: str, kv_dtype: str | None = None) -> tuple[str, str]:
+        """Canonical names (fp32, fp16, bf16, fp8) of an activation dtype and a KV dtype this
+        backend runs, or a ConfigError saying what it runs. The KV cache holds the activation
+        dtype (the attention kernels read both alike) or fp8 where the hardware has it."""
+        ok = [n for n, t in TORCH_DTYPES.items() if t in self.dtypes]
+        name = DTYPE_NAMES.get(str(dtype).lower())
+        if name is None:
+            raise ConfigError(f"unknown dtype {dtype!r}; use one of {', '.join(ok)}")
+        if TORCH_DTYPES[name] not in self.dtypes:
+            note = f" ({self.dtype_note})" if self.dtype_note else ""
+            raise ConfigError(f"dtype {name} is not supported on the {self.name} backend{note}; "
+                              f"use {' or '.join(ok)}")
+        kv_ok = [name] + (["fp8"] if self.fp8_dtype is not None else [])
+        if kv_dtype is None:
+            return name, name
+        kv = "fp8" if str(kv_dtype).lower() == "fp8" else DTYPE_NAMES.get(str(kv_dtype).lower())
+        if kv is None:
+            raise ConfigError(f"unknown kv_dtype {kv_dtype!r}; use {' or '.join(kv_ok)}")
+        if kv == "fp8" and self.fp8_dtype is None:
+            raise ConfigError(f"kv_dtype fp8 is not supported on the {self.name} backend "
+                              f"({self.profile_name} has no fp8 type); use {' or '.join(kv_ok)}")
+        if kv not in kv_ok:
+            raise ConfigError(f"kv_dtype {kv} does not match dtype {name}: the KV cache holds "
+                              f"the activation dtype{' or fp8' if len(kv_ok) > 1 else ''}; use "
+                              f"{' or '.join(kv_ok)} (or change --dtype)")
+        return name, kv
 
     def kernel_config(self, kernel: str) -> dict[str, Any]:
         """Launch parameters for ``kernel`` on this backend's profile."""
@@ -100,9 +140,9 @@ def get_backend(
         logger.info("backend=auto chose %s (profile %s)", name, backend.profile_name)
         return backend
     if name not in _REGISTRY:
-        raise ValueError(f"unknown backend {name!r}; choose from {sorted(_REGISTRY)} or 'auto'")
+        raise ConfigError(f"unknown backend {name!r}; choose from {sorted(_REGISTRY)} or 'auto'")
     if not _REGISTRY[name].is_available():
-        raise RuntimeError(
+        raise ConfigError(
             f"backend {name!r} is not available on this machine; available: {available_backends()}"
         )
     return _REGISTRY[name](profile, calibration)

@@ -12,6 +12,7 @@ class CPUBackend(BaseBackend):
     name = "cpu"
     dist_backend = "gloo"
     wave_size = 1
+    dtype_note = "the Triton interpreter computes bf16 wrongly"
     TUNING = {
         # small tiles keep the interpreter fast (= the launchers' CPU defaults; the split
         # count is left to the launcher's wave model, which the cost model's CPU profile fits)
@@ -27,6 +28,10 @@ class CPUBackend(BaseBackend):
     @classmethod
     def is_available(cls) -> bool:
         return True
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        return (torch.float32, torch.float16)  # no bf16: see dtype_note
 
     def device(self, local_rank: int = 0) -> torch.device:
         return torch.device("cpu")

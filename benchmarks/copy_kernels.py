@@ -1,6 +1,6 @@
 """Exchange-pack and repack kernels (DOP row gather/scatter, head transposes over ranks, KV
 page gather/write) at >= 64 MiB payloads, as (read + write) bytes / time against the same-run
-copy ceiling. Run as part of ``benchmarks/kernels.py``."""
+copy ceiling. Run as part of ``benchmarks/kernel_bench.py``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from _timing import bench  # noqa: E402  (benchmarks/ is on sys.path)
 
 import splash.kernels_triton as K
 
-D, PAGE = 576, 64  # latent row width L + R of DeepSeek-V3 and the GPU page size, as kernels.py
+D, PAGE = 576, 64  # latent row width L + R of DeepSeek-V3 and the GPU page size, as kernel_bench.py
 
 
 def copy_records(dev, ceil) -> list[dict]:

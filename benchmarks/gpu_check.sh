@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_check.sh [PART ...]
 #
 # PART: tests (GPU kernel + CUDA-graph tests, then the multi-rank tests with CUDA tensors over
-# gloo), engine (bf16 / fp8 KV vs fp32 transformers), kernels (benchmarks/kernels.py, no sweep),
+# gloo), engine (bf16 / fp8 KV vs fp32 transformers), kernels (benchmarks/kernel_bench.py, no sweep),
 # moe (fused MoE, default config), offline (throughput vs transformers), profile (ncu).
 # Default: tests engine kernels moe offline (about 8 minutes on an H200).
 set -uo pipefail
@@ -32,7 +32,7 @@ for p in $PARTS; do
       part dist_tests 150 env SPLASH_TEST_GPU=1 SPLASH_TEST_BACKEND=cuda SPLASH_DIST_BACKEND=gloo \
         SPLASH_TEST_DTYPE=fp32 python3 -m pytest -q -n 8 tests/dist -k "not dead" ;;
     engine) part engine 120 python3 benchmarks/gpu_engine_check.py --out "$OUT/engine_bf16.json" ;;
-    kernels) part kernels 300 python3 benchmarks/kernels.py --out "$OUT/kernels.json" --no-sweep ;;
+    kernels) part kernels 300 python3 benchmarks/kernel_bench.py --out "$OUT/kernels.json" --no-sweep ;;
     moe) part moe 120 python3 benchmarks/moe_kernel.py --out "$OUT/moe_kernel.json" --no-sweep ;;
     offline) part offline 240 python3 benchmarks/offline_throughput.py \
       --out "$OUT/offline_throughput.json" ;;

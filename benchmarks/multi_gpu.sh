@@ -15,7 +15,7 @@ OUT=${OUT:-benchmarks/results/multi-gpu}
 RUN_TIMEOUT=${RUN_TIMEOUT:-560}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
-CKPT=/tmp/splash-v3-8l
+CKPT=/tmp/splash-v3-8l-o1
 
 ckpt() {  # the DeepSeek-V3-shaped checkpoint every GPU run uses (written once per machine)
   python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import multi_gpu; \

@@ -1,13 +1,21 @@
-"""Switch overhead per direction, live (layer-pipelined) vs blocking.
+"""Switch overhead per direction, measured as the paper does (its App. F.2).
 
-Overhead = the switching step's time − the destination's ready step time on the same batch
-(the step right after, which computes in the destination without switching; DESIGN §3).
-A batch of decoding requests walks an Eulerian circuit of the 12 directions ``--rounds`` times,
-switching every other step, once with live and once with blocking switches.
+Overhead = the measured time of the interval from the switch decision to one step after the
+handoff, minus the same interval in a run that was already in the destination layout
+(target-ready) with the same batch: n steps of the interval x that run's median decode step.
 
-    python benchmarks/switch_overhead.py --tp 2 --out benchmarks/results/cpu/switch_overhead.json
+A batch of ``--batch`` requests with ``--prompt-len``-token prompts decodes while the engine
+walks an Eulerian circuit of the 12 directions ``--rounds`` times, a new switch two steps after
+the previous one completes; once per mode (``background`` — pre-copy while serving, then hand
+off — and ``blocking``, the baseline). The target-ready runs serve the same batch fixed in
+each layout. Per direction: p50/p95 overhead, as % of the matched ready interval, the
+reduction against blocking, bytes received, decision-to-handoff time and the blocking
+transfer's GB/s.
 
-On CPU (interpreter + gloo) figures are recorded, not claimed; on GPUs pass --backend cuda.
+    python benchmarks/switch_overhead.py --backend cuda --tp 2 \
+        --out benchmarks/results/h200x2/switch_overhead_tp2.json
+
+On CPU (interpreter + gloo) figures are recorded, not claimed.
 """
 
 from __future__ import annotations
@@ -18,9 +26,12 @@ import os
 import platform
 import statistics
 import sys
+import time
 
 import torch
 from _results import save_json  # noqa: E402  (benchmarks/ is on sys.path)
+
+from splash import LLM, SamplingParams
 
 CIRCUIT = ["tp", "dp", "tp", "cp", "tp", "dop", "dp", "cp", "dp", "dop", "cp", "dop", "tp"]
 
@@ -30,76 +41,141 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(int(round(q * (len(xs) - 1))), len(xs) - 1)] if xs else float("nan")
 
 
-def measure(path: str, tp: int, backend: str, mode: str, rounds: int, batch: int,
-            prompt_len: int, dtype: str) -> list[dict]:
-    from splash import LLM, SamplingParams
-
+def _prompts(batch: int, length: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(2, 200, (batch, prompt_len), generator=g).tolist()
-    plan = []
-    step = 4  # let the prefill finish first
-    for _ in range(rounds):
-        for dst in CIRCUIT[1:]:
-            plan.append((step, dst))
-            step += 2
-    params = SamplingParams(max_tokens=step + 4, temperature=0.0, ignore_eos=True)
-    with LLM(path, tp_size=tp, backend=backend, layout=CIRCUIT[0], switch_mode=mode,
-             dtype=dtype, max_num_batched_tokens=batch * prompt_len) as llm:
-        llm.generate(prompts, params, layout_plan=plan)
-        return llm.stats()["switches"]
+    return torch.randint(2, 200, (batch, length), generator=g).tolist()
+
+
+def _engine(args, layout: str, mode: str = "auto") -> LLM:
+    return LLM(args.ckpt, tp_size=args.tp, backend=args.backend, layout=layout,
+               switch_mode=mode, dtype=args.dtype, max_num_batched_tokens=args.chunk)
+
+
+def _prefill(eng, args, max_tokens: int) -> None:
+    for p in _prompts(args.batch, args.prompt_len):
+        eng.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                          ignore_eos=True))
+    while not all(r.output_token_ids for r in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()
+
+
+def ready_step_ms(args, layout: str) -> float:
+    """Median decode step of the batch served in ``layout`` from the start."""
+    with _engine(args, layout) as llm:
+        eng = llm.engine
+        _prefill(eng, args, 4 + 2 * args.ready_steps)
+        times = []
+        for _ in range(args.ready_steps):
+            t0 = time.perf_counter()
+            eng.step()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times[2:])
+
+
+def circuit(args, mode: str) -> list[dict]:
+    """Walk the circuit; per switch: the interval's wall time and steps, and its history."""
+    per_switch = len(CIRCUIT) - 1
+    with _engine(args, CIRCUIT[0], mode) as llm:
+        eng = llm.engine
+        _prefill(eng, args, 10 + args.rounds * per_switch * 12)
+        out = []
+        for r in range(args.rounds):
+            for dst in CIRCUIT[1:]:
+                n_hist = len(eng.switches.history)
+                eng.switch_layout(dst)
+                t0, steps = time.perf_counter(), 0
+                while len(eng.switches.history) == n_hist:  # decision ... handoff
+                    eng.step()
+                    steps += 1
+                eng.step()  # one step after the handoff
+                steps += 1
+                entry = dict(eng.switches.history[-1])
+                entry.update(interval_ms=(time.perf_counter() - t0) * 1e3, steps=steps, round=r)
+                out.append(entry)
+                for _ in range(2):  # let the destination settle
+                    eng.step()
+        return out
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=96)
-    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=4096)
+    ap.add_argument("--chunk", type=int, default=None, help="max_num_batched_tokens")
+    ap.add_argument("--ready-steps", type=int, default=12)
+    ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--ckpt", default=None)
+    ap.add_argument("--modes", default="background,blocking")
     ap.add_argument("--out", default="benchmarks/results/cpu/switch_overhead.json")
     args = ap.parse_args()
-    if args.backend == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    from splash.model.presets import make_model
+    if args.ckpt is None:
+        if args.backend == "cuda":
+            sys.path.insert(0, os.path.dirname(__file__))
+            import multi_gpu
 
-    path = args.ckpt or f"/tmp/splash-switch-bench-{args.layers}"
-    if not os.path.exists(os.path.join(path, "config.json")):
-        make_model(path, "deepseek-v3", layers=args.layers, seed=0, scale="tiny")
-    dtype = args.dtype or ("fp32" if args.backend == "cpu" else "bf16")
-    runs = {mode: measure(path, args.tp, args.backend, mode, args.rounds, args.batch,
-                          args.prompt_len, dtype) for mode in ("live", "blocking")}
+            args.ckpt = multi_gpu.build(f"/tmp/splash-v3-{args.layers}l-o1", args.layers, 32)
+        else:
+            from splash.model.presets import make_model
+
+            args.ckpt = f"/tmp/splash-switch-bench-{args.layers}"
+            if not os.path.exists(os.path.join(args.ckpt, "config.json")):
+                make_model(args.ckpt, "deepseek-v3", layers=args.layers, seed=0, scale="tiny")
+    args.dtype = args.dtype or ("fp32" if args.backend == "cpu" else "bf16")
+    ready = {lay: ready_step_ms(args, lay) for lay in ("tp", "dp", "cp", "dop")}
+    modes = args.modes.split(",")
+    runs = {mode: circuit(args, mode) for mode in modes}
     directions = []
     for src, dst in zip(CIRCUIT, CIRCUIT[1:]):
-        rec: dict = {"from": src, "to": dst}
+        rec: dict = {"from": src, "to": dst, "ready_step_ms": ready[dst]}
         for mode, entries in runs.items():
-            mine = [e for e in entries if (e["from"], e["to"]) == (src, dst) and "ready_step_ms" in e]
-            over = [e["overhead_ms"] for e in mine]
-            ready = [e["ready_step_ms"] for e in mine]
+            mine = [e for e in entries if (e["from"], e["to"]) == (src, dst)]
+            over = [e["interval_ms"] - e["steps"] * ready[dst] for e in mine]
+            pct = [100 * o / (e["steps"] * ready[dst]) for o, e in zip(over, mine)]
             rec[mode] = {"overhead_p50_ms": _pct(over, 0.5), "overhead_p95_ms": _pct(over, 0.95),
-                         "ready_step_p50_ms": _pct(ready, 0.5), "samples": len(mine)}
+                         "pct_of_ready_interval_p50": _pct(pct, 0.5),
+                         "steps_p50": _pct([e["steps"] for e in mine], 0.5),
+                         "decision_to_handoff_ms_p50": _pct(
+                             [e.get("decision_to_handoff_ms", e["interval_ms"]) for e in mine],
+                             0.5),
+                         "worker_switch_ms_p50": _pct([e["overhead_ms"] for e in mine], 0.5),
+                         "samples": len(mine)}
             if mine:
                 rec["kv_bytes_received"] = mine[0]["kv_bytes_received"]
                 rec["weight_bytes_received"] = mine[0]["weight_bytes_received"]
+                rec["kv_bytes_received_per_rank"] = mine[0]["kv_bytes_received_per_rank"]
                 rec["kv_op"], rec["weight_op"] = mine[0]["kv_op"], mine[0]["weight_op"]
-        live, block = rec["live"]["overhead_p50_ms"], rec["blocking"]["overhead_p50_ms"]
-        rec["live_p50_pct_of_ready_step"] = 100 * live / rec["live"]["ready_step_p50_ms"]
-        rec["live_vs_blocking_reduction_pct"] = 100 * (1 - live / block) if block > 0 else None
+        if "background" in rec and "blocking" in rec:
+            live, block = rec["background"]["overhead_p50_ms"], rec["blocking"]["overhead_p50_ms"]
+            rec["live_p50_pct_of_ready_step"] = rec["background"]["pct_of_ready_interval_p50"]
+            rec["live_vs_blocking_reduction_pct"] = 100 * (1 - live / block) if block > 0 else None
+            moved = max(k + w for k, w in zip(
+                rec.get("kv_bytes_received_per_rank", [0]),
+                [rec.get("weight_bytes_received", 0) // args.tp] * args.tp))
+            ms = rec["blocking"]["worker_switch_ms_p50"]
+            rec["transfer_GBps"] = moved / ms / 1e6 if ms > 0 and moved else None
+            print(f"{src:>3} -> {dst:<3}  background p50 {live:8.2f} ms "
+                  f"({rec['live_p50_pct_of_ready_step']:.2f}% of ready)  blocking p50 "
+                  f"{block:8.2f} ms", flush=True)
         directions.append(rec)
-        print(f"{src:>3} -> {dst:<3}  live p50 {live:8.2f} ms  blocking p50 {block:8.2f} ms  "
-              f"({rec['live_p50_pct_of_ready_step']:.1f}% of the ready step)")
     result = {
-        "benchmark": "switch_overhead", "tp": args.tp, "backend": args.backend, "dtype": dtype,
+        "benchmark": "switch_overhead", "method": "paper App. F.2 (interval vs target-ready)",
+        "tp": args.tp, "backend": args.backend, "dtype": args.dtype, "layers": args.layers,
         "batch": args.batch, "prompt_len": args.prompt_len, "rounds": args.rounds,
         "date": datetime.date.today().isoformat(), "machine": platform.node(),
         "cpu_count": os.cpu_count(), "torch": torch.__version__,
-        "note": "CPU figures (Triton interpreter + gloo) are recorded, not claimed",
-        "directions": directions,
-        "median_live_overhead_pct_of_step": statistics.median(
-            d["live_p50_pct_of_ready_step"] for d in directions),
+        "gpu": torch.cuda.get_device_name(0) if args.backend == "cuda" else "cpu",
+        "ready_step_ms": ready, "directions": directions,
     }
+    if args.backend == "cpu":
+        result["note"] = "CPU figures (Triton interpreter + gloo) are recorded, not claimed"
+    if all("live_p50_pct_of_ready_step" in d for d in directions):
+        result["median_live_overhead_pct"] = statistics.median(
+            d["live_p50_pct_of_ready_step"] for d in directions)
     save_json(args.out, result)
     return 0
 

@@ -110,6 +110,7 @@ class Client(_Base):
         return self._call(self._msg(P.Stats)).stats  # type: ignore[attr-defined]
 
     def switch_layout(self, layout: str) -> None:
+        """Switch live at the next step; under auto it stays pinned until "auto" releases it."""
         self._call(self._msg(P.SwitchLayout, layout=layout))
 
     def update_weights(self, path: str) -> str:

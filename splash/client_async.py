@@ -92,6 +92,7 @@ class AsyncClient(_Base):
         return (await self._call(self._msg(P.Stats))).stats  # type: ignore[attr-defined]
 
     async def switch_layout(self, layout: str) -> None:
+        """Switch live at the next step; under auto it stays pinned until "auto" releases it."""
         await self._call(self._msg(P.SwitchLayout, layout=layout))
 
     async def update_weights(self, path: str) -> str:

@@ -2,6 +2,11 @@
 that says what was wrong; the engine and the server keep serving after raising one."""
 
 
+# text prompts without a tokenizer: what is missing and how to get it
+NO_TOKENIZER = ("this model has no usable tokenizer (no tokenizer files in the checkpoint, or "
+                "transformers is not installed: pip install 'splash-serve[tokenizer]')")
+
+
 class SplashError(Exception):
     """Base class of every error SPLASH raises on purpose."""
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from splash.engine.config import EngineConfig
 from splash.engine.llm_engine import LLMEngine
-from splash.errors import InvalidRequestError
+from splash.errors import NO_TOKENIZER, InvalidRequestError
 from splash.outputs import RequestOutput
 from splash.sampling_params import SamplingParams
 
@@ -55,7 +55,7 @@ class LLM:
     def _tokens(self, prompt: Sequence[int] | str) -> list[int]:
         if isinstance(prompt, str):
             if self.engine.tokenizer is None:
-                raise InvalidRequestError("this checkpoint has no tokenizer: pass token ids")
+                raise InvalidRequestError(f"{NO_TOKENIZER}: pass token ids")
             return list(self.engine.tokenizer.encode(prompt))
         return list(prompt)
 
@@ -66,6 +66,8 @@ class LLM:
         return self.engine.update_weights(source)
 
     def switch_layout(self, name: str) -> None:
+        """Switch live at the next step. Under layout="auto" the layout stays pinned until
+        ``switch_layout("auto")`` hands the choice back to the policy."""
         self.engine.switch_layout(name)
 
     def stats(self) -> dict[str, Any]:

@@ -83,7 +83,7 @@ def _table(auto: dict, fixed: list[dict]) -> str:
     for s in auto["switches"]:
         lines.append(f"  step {s['step']:3d}  {s['from']:>3} -> {s['to']:<3}  KV {s['kv_op']:<10} "
                      f"weights {s['weight_op']:<10} received {s['kv_bytes_received'] + s['weight_bytes_received']:>8} B"
-                     f"  overhead {s['overhead_ms']:.1f} ms")
+                     f"  switch cost {s['overhead_ms']:.1f} ms")
     if not auto["switches"]:
         lines.append("  (none: the policy kept its first layout)")
     lines.append("throughput on the same trace (CPU interpreter figures, not GPU claims):")

@@ -6,20 +6,25 @@ import json
 import sys
 from typing import Any
 
+from splash.core.ownership import LAYOUT_NAMES
 from splash.errors import InvalidRequestError
 from splash.llm import LLM
 from splash.sampling_params import SamplingParams
 
 
 def parse_layout_plan(text: str | None) -> list[tuple[int, str]]:
-    """'3:dop,6:tp' -> [(3, 'dop'), (6, 'tp')]."""
+    """'3:dop,6:tp' -> [(3, 'dop'), (6, 'tp')]; checked before any model is loaded."""
     if not text:
         return []
     plan = []
+    layouts = list(LAYOUT_NAMES)
     for item in text.split(","):
         step, _, name = item.partition(":")
         if not step.strip().isdigit() or not name:
             raise InvalidRequestError(f"bad --layout-plan item {item!r}; expected STEP:LAYOUT")
+        if name.strip() not in layouts:
+            raise InvalidRequestError(f"bad --layout-plan item {item!r}: unknown layout "
+                                      f"{name.strip()!r}; choose from {', '.join(layouts)}")
         plan.append((int(step), name.strip()))
     return plan
 
@@ -35,7 +40,7 @@ def parse_prompt_ids(items: list[str]) -> list[list[int]]:
 
 
 def generate_main(args: Any) -> int:
-    prompts = parse_prompt_ids(args.prompt_ids) or [[1, 2, 3]]
+    prompts = parse_prompt_ids(args.prompt_ids or []) or [[1, 2, 3]]
     plan = parse_layout_plan(args.layout_plan)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     engine_kw = {k: getattr(args, k) for k in ("dtype", "kv_dtype", "page_size", "max_model_len",

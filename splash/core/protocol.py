@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-WORKER_PROTOCOL_VERSION = 1
+WORKER_PROTOCOL_VERSION = 2
 
 
 class SeqSampling(msgspec.Struct, frozen=True):
@@ -54,19 +54,41 @@ class WeightMove(msgspec.Struct, frozen=True):
 
 
 class KVMove(msgspec.Struct, frozen=True):
-    """KV rows moved by one all-to-all per layer. Slots index this rank's page pool; the
-    order of rows sent to rank d equals the order rank d expects from this rank."""
+    """KV rows moved by one all-to-all per layer group. Rows are given as runs of consecutive
+    slots of this rank's page pool, flat ``[first_slot, rows, first_slot, rows, ...]`` (a page
+    is one run: the message stays small whatever the context); the order of rows sent to rank
+    d equals the order rank d expects from this rank."""
 
-    send_slots: list[list[int]]  # per destination rank
-    recv_slots: list[list[int]]  # per source rank
+    send_runs: list[list[int]]  # per destination rank
+    recv_runs: list[list[int]]  # per source rank
+
+
+def run_rows(runs: list[int]) -> int:
+    """Rows covered by a flat run list."""
+    return sum(runs[1::2])
+
+
+SWITCH_MODES = ("live", "blocking", "precopy", "handoff", "cancel")
 
 
 class SwitchPlan(msgspec.Struct, frozen=True):
-    src: str  # layout before the step
-    dst: str  # layout the step computes in
+    """A rank's part of a switch. ``live``: the step computes in ``dst`` and each layer's state
+    moves while the layer before it computes; ``blocking``: everything moves first (baseline).
+    Background switches take three steps' plans: ``precopy`` starts moving the state on the
+    transfer group while the step still computes in ``src``; ``handoff`` (a later step)
+    completes it, moves the rows written since (the delta) and computes in ``dst``; ``cancel``
+    drops a pre-copy the engine abandoned."""
+
+    src: str  # layout before the switch
+    dst: str  # layout after it
     weights: WeightMove
     kv: KVMove
-    blocking: bool = False  # move everything first (baseline) instead of layer-pipelined
+    mode: str = "live"
+
+    @property
+    def in_step(self) -> bool:
+        """The step itself computes in ``dst`` (and runs eagerly)."""
+        return self.mode in ("live", "blocking", "handoff")
 
 
 class WeightLoad(msgspec.Struct, frozen=True):
@@ -111,6 +133,7 @@ class StepResult(msgspec.Struct, tag=True):
     graph_replay: bool = False  # the step was replayed from a CUDA graph
     kv_bytes_received: int = 0
     weight_bytes_received: int = 0
+    precopy_done: bool = True  # no background transfer of this rank is still in flight
     error: str | None = None  # a worker-side failure, reported instead of tokens
 
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from splash.core.ownership import LAYOUT_NAMES
 from splash.errors import ConfigError
 
+SWITCH_MODES = ("auto", "background", "live", "blocking")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -24,7 +26,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # prefill chunk budget (default 256 CPU, 2048 GPU)
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True  # reuse the KV pages of cached prefixes (hashed pages)
-    switch_mode: str = "live"  # live (layer-pipelined) | blocking (baseline)
+    # auto | background (pre-copy while serving, then hand off) | live (layer-pipelined within
+    # one step) | blocking (move everything, then compute: the baseline)
+    switch_mode: str = "auto"
     policy_margin: float = 0.1  # auto: switch when the best layout leads by this fraction
     worker_addr: str | None = None  # bind here and wait for torchrun-started workers
     enforce_eager: bool = False  # no CUDA graphs for decode steps (they are on by default on CUDA)
@@ -40,5 +44,6 @@ class EngineConfig:
             raise ConfigError("kv_pages_per_rank must be >= 1")
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ConfigError("memory_fraction must lie in (0, 1]")
-        if self.switch_mode not in ("live", "blocking"):
-            raise ConfigError("switch_mode must be 'live' or 'blocking'")
+        if self.switch_mode not in SWITCH_MODES:
+            raise ConfigError(f"switch_mode must be one of {SWITCH_MODES}, got "
+                              f"{self.switch_mode!r}")

@@ -1,11 +1,19 @@
-"""How the controller reaches its workers: in-process (T=1) or spawned processes over ZeroMQ.
+"""How the controller reaches its workers: in-process (T=1 on a GPU) or spawned processes over
+ZeroMQ (T>1, and always on the CPU backend).
 
 Both take one StepPlan per rank and return one StepResult per rank. A dead or silent worker
 raises WorkerDiedError within seconds; nothing waits forever.
+
+Spawned workers start with SIGINT ignored (Ctrl-C in a terminal reaches the whole process
+group; the controller alone handles it and stops its workers) and, on the CPU backend, with
+TRITON_INTERPRET=1 in their environment before anything is imported: Triton fixes a kernel's
+interpreter mode when the kernel is defined, so a CPU worker in a process that imported Triton
+earlier (directly or through torch._dynamo) would mix compiled and interpreted kernels.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import multiprocessing as mp
@@ -14,8 +22,9 @@ import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 
 import msgspec
@@ -45,7 +54,7 @@ logger = get_logger("splash.executor")
 
 
 class InprocExecutor:
-    """T=1: the worker lives in the controller's process; plans still go through msgspec."""
+    """T=1 on a GPU: the worker lives in the controller's process; plans still go through msgspec."""
 
     def __init__(self, cfg: WorkerConfig) -> None:
         self.worker: Worker | None = Worker(cfg)
@@ -104,12 +113,14 @@ class MPExecutor:
         dist_port = envs.get_int("SPLASH_MASTER_PORT") or _free_port()
         spawn = mp.get_context("spawn")
         self.procs = []
-        for rank in range(cfg.world):
-            wcfg = replace(cfg, rank=rank, dist_init=f"tcp://127.0.0.1:{dist_port}")
-            proc = spawn.Process(target=worker_main, args=(wcfg, addr), daemon=True,
-                                 name=f"splash-worker-{rank}")
-            proc.start()
-            self.procs.append(proc)
+        env = {"TRITON_INTERPRET": "1"} if cfg.backend == "cpu" else {}
+        with _child_environment(env), _sigint_ignored():
+            for rank in range(cfg.world):
+                wcfg = replace(cfg, rank=rank, dist_init=f"tcp://127.0.0.1:{dist_port}")
+                proc = spawn.Process(target=worker_main, args=(wcfg, addr), daemon=True,
+                                     name=f"splash-worker-{rank}")
+                proc.start()
+                self.procs.append(proc)
         self.pids = [p.pid for p in self.procs]
         ready = self._gather(start_timeout_s, "start")
         for msg in ready:
@@ -200,6 +211,37 @@ class MPExecutor:
                 proc.join(1)
         self.sock.close()
         self.ctx.term()
+
+
+@contextlib.contextmanager
+def _child_environment(env: dict[str, str]) -> Iterator[None]:
+    """os.environ plus ``env`` while children are spawned (they copy it), then as before."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored while children are spawned: an ignored signal stays ignored across exec,
+    and Python then installs no KeyboardInterrupt handler, so a worker never sees Ctrl-C, even
+    while it imports. (Off the main thread signals cannot be changed; workers also ignore
+    SIGINT first thing, in worker_main.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _shutdown_plan() -> StepPlan:

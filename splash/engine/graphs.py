@@ -125,7 +125,8 @@ class DecodeGraphs:
     def pad(self, plan: StepPlan, impl: AttentionLayout) -> StepPlan | None:
         """The plan with ghost requests appended up to the batch bucket (per owner for
         owner-held layouts); None when the step is not graph-eligible."""
-        if self.disabled or plan.switch is not None or not plan.query_lens:
+        if self.disabled or (plan.switch is not None and plan.switch.in_step) or \
+                not plan.query_lens:
             return None
         if any(n != 1 for n in plan.query_lens):
             return None

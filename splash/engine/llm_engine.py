@@ -134,18 +134,19 @@ class LLMEngine:
         outputs, self._pending_outputs = self._pending_outputs, []
         for out in outputs:
             self._forget(out.request_id)
-        manifest = self.switches.prepare(self.step_count)
-        batch = self.scheduler.schedule(allow_preemption=manifest is None)
-        if not batch.entries and manifest is None:
+        switch = self.switches.prepare(self.step_count)
+        batch = self.scheduler.schedule(
+            allow_preemption=switch is None and self.switches.inflight is None)
+        if not batch.entries and switch is None and self.switches.inflight is None:
             return outputs
-        plans = build_plans(self, batch, manifest)
+        plans = build_plans(self, batch, switch)
         t0 = time.perf_counter()
         try:
             results = self.executor.execute(plans)
         except WorkerDiedError as e:
             return outputs + self._fail_all(str(e))
         step_ms = (time.perf_counter() - t0) * 1e3
-        self.switches.finish(manifest, results, step_ms, self.step_count)
+        self.switches.finish(switch, results, step_ms, self.step_count, batch)
         self._step_ms_ema = step_ms if self._step_ms_ema is None else (
             0.9 * self._step_ms_ema + 0.1 * step_ms)
         self.step_count += 1
@@ -229,6 +230,9 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"{in_flight} requests in flight: weights are updated between rollout rounds, "
                 "when no request runs (let them finish or abort them first)")
+        if self.switches.inflight is not None:
+            raise InvalidRequestError("a layout switch is moving weights in the background: "
+                                      "update the weights once it has completed")
         t0 = time.perf_counter()
         names, payload = self._weight_names(source)
         self.executor.load_weights(payload, names, self.step_count)
@@ -281,6 +285,11 @@ class LLMEngine:
         return names, {n: source[n] for n in names}
 
     # -- control and introspection ----------------------------------------------------------
+    @property
+    def step_ms_ema(self) -> float | None:
+        """Moving average of the step time (ms), None before the first step."""
+        return self._step_ms_ema
+
     def switch_layout(self, name: str) -> None:
         self.switches.request(name)
 
@@ -297,8 +306,14 @@ class LLMEngine:
         elapsed = max(time.monotonic() - self._started, 1e-9)
         return {
             "layout": self.layout,
+            "layout_pinned": self.switches.pinned,  # under auto: held by a manual switch
             "switches": self.switches.history,
             "deferred_switches": self.switches.deferred,
+            "cancelled_switches": self.switches.cancelled,
+            "switch_in_flight": None if self.switches.inflight is None else {
+                "from": self.switches.inflight.manifest.src.name,
+                "to": self.switches.inflight.manifest.dst.name,
+                "decision_step": self.switches.inflight.step},
             "policy_decisions": self.switches.decisions[-50:],
             "kv_capacity_tokens": self.setup.kv_capacity_tokens(),
             "kv_pages_used": self.allocators.used(),

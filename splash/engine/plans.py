@@ -40,7 +40,7 @@ def prompt_logprob_rows(req: Request, index: int, start: int, n: int) -> PromptL
     return PromptLogprobs(index, first - start, prompt[first + 1:stop + 1], req.params.prompt_logprobs)
 
 
-def build_plans(engine: Any, batch: Any, manifest: Any) -> list[StepPlan]:
+def build_plans(engine: Any, batch: Any, action: Any) -> list[StepPlan]:
     sched = engine.scheduler
     eos = engine.model_cfg.eos_token_ids
     ids: list[str] = []
@@ -72,9 +72,10 @@ def build_plans(engine: Any, batch: Any, manifest: Any) -> list[StepPlan]:
     for rank in range(engine.world):
         updates = [TableUpdate(rid, s, pages) for rid, s, pages in sched.take_table_updates(rank)]
         switch = None
-        if manifest is not None:
-            switch = SwitchPlan(manifest.src.name, manifest.dst.name, manifest.weights[rank],
-                                manifest.kv[rank], blocking=engine.cfg.switch_mode == "blocking")
+        if action is not None:
+            m = action.manifest
+            switch = SwitchPlan(m.src.name, m.dst.name, m.weights[rank], m.kv[rank],
+                                mode=action.mode)
         plans.append(StepPlan(
             version=WORKER_PROTOCOL_VERSION, step=engine.step_count, layout=engine.layout,
             request_ids=ids, query_lens=query_lens, context_lens=context_lens, owners=owners,

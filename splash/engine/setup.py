@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 
 from splash import envs
 from splash.backends import get_backend
@@ -34,21 +33,18 @@ class EngineSetup:
         self.model_cfg = ModelConfig.from_hf(cfg.model)
         backend = get_backend(cfg.backend)
         self.backend_name = backend.name
+        self.link_gbps = backend.profile.link_gbps  # predicts switch transfer times
         on_cpu = backend.name == "cpu"
-        if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
-            # CPU kernels run under the Triton interpreter; spawned workers inherit this
-            if "splash.kernels_triton.mla_decode" in sys.modules:
-                logger.warning("Triton kernels were imported before TRITON_INTERPRET=1 was set; "
-                               "set it in the environment to run them on the CPU")
-            os.environ["TRITON_INTERPRET"] = "1"
-        self.dtype = cfg.dtype or ("fp32" if on_cpu else "bf16")
-        self.kv_dtype = cfg.kv_dtype or self.dtype
+        # refused here, before any worker starts: a dtype the backend computes wrongly, a KV
+        # dtype the kernels cannot read beside the activations
+        default = "fp32" if on_cpu else "bf16"
+        self.dtype, self.kv_dtype = backend.check_dtypes(cfg.dtype or default, cfg.kv_dtype)
         self.page_size = cfg.page_size or (16 if on_cpu else 64)
         world = cfg.tp_size
         fits = fitting_layouts(self.model_cfg.num_attention_heads, world)
         self.fitting = fits
         self.initial_layout = self._initial_layout(fits)
-        self.memory = MemoryModel(self.model_cfg, world, _short(self.dtype), _short(self.kv_dtype),
+        self.memory = MemoryModel(self.model_cfg, world, self.dtype, self.kv_dtype,
                                   self.page_size)
         self.num_pages = cfg.kv_pages_per_rank or self._pages_from_memory(backend, on_cpu)
         extra = self.memory.projection_bytes_per_rank(LAYOUTS["dp"]) - \
@@ -153,7 +149,11 @@ class EngineSetup:
         wcfg = self.worker_config()
         if self.cfg.worker_addr:
             return ExternalExecutor(wcfg, self.cfg.worker_addr)
-        return InprocExecutor(wcfg) if self.cfg.tp_size == 1 else MPExecutor(wcfg)
+        # CPU workers always get their own process, where the Triton interpreter is switched on
+        # before anything imports Triton (splash.engine.executor says why)
+        if self.cfg.tp_size == 1 and self.backend_name != "cpu":
+            return InprocExecutor(wcfg)
+        return MPExecutor(wcfg)
 
     def load_tokenizer(self):
         if not any(os.path.exists(os.path.join(self.cfg.model, f))
@@ -161,12 +161,14 @@ class EngineSetup:
             return None
         try:
             from transformers import AutoTokenizer
-
+        except ImportError:
+            logger.warning("the checkpoint has a tokenizer, but transformers is not installed: "
+                           "token-id prompts only (pip install 'splash-serve[tokenizer]' for "
+                           "text prompts and chat)")
+            return None
+        try:
             return AutoTokenizer.from_pretrained(self.cfg.model)
         except Exception as e:  # a checkpoint without a usable tokenizer: token ids only
             logger.warning("tokenizer files present but not loadable (%s); token ids only", e)
             return None
 
-
-def _short(dtype: str) -> str:
-    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)

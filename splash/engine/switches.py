@@ -1,18 +1,71 @@
 """When and how the engine switches layout: forced plans, explicit requests, the policy;
-manifests, deferral under memory pressure, and the switch history in stats()."""
+manifests, deferral under memory pressure, and the switch history in stats().
+
+Under layout="auto" a manual choice (switch_layout, or a layout_plan entry when its step comes)
+pins that layout: the policy is not consulted until switch_layout("auto") releases the pin.
+
+How a switch runs (``switch_mode``):
+
+- ``background``: the step that decides it starts a pre-copy — the destination's missing
+  weights and every KV row written so far move on the transfer group while the source layout
+  keeps serving prefills and decodes, for as many steps as the transfer takes. Once every rank
+  reports its transfer done, the next step hands off: the rows written since the pre-copy
+  began (and whole requests admitted meanwhile) move as a small delta, the tables and owners
+  change, and that step computes in the destination. A changed target cancels the pre-copy
+  (its pages are freed; nothing changes for requests). Preemption waits while a pre-copy is in
+  flight (a preempted request would free pages the pre-copy is filling).
+- ``live``: one step computes in the destination while each layer's state moves behind the
+  layer before it (hides a transfer only behind a step at least as long).
+- ``blocking``: everything moves, then the step computes (the baseline).
+- ``auto`` (default): ``live`` when the running step time covers the predicted transfer at
+  the profile's link bandwidth twice over, else ``background``.
+
+Prefix caching: a switch that completes in one step (live, blocking, the handoff) also moves
+the cached pages no request holds any more (``cached_histories``), when they fit, and every
+page received is registered in the prefix cache of its new holder, so cached prefixes stay hits
+in the destination. A pre-copy moves only the requests' pages.
+
+Cost of a switch (``overhead_ms`` in the history): the time the workers spent on its work in
+the step that completes it — issuing, waiting for and installing transfers — on the slowest
+rank. When the next step decodes the same requests (a matched interval), ``step_minus_ready_ms``
+also gives the switching step's time minus that destination-ready step's time."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from splash.core.ownership import get_layout
-from splash.core.prefix_cache import cached_histories
-from splash.errors import LayoutInfeasibleError
+from splash.core.prefix_cache import CachedHistory, cached_histories
+from splash.errors import ConfigError, LayoutInfeasibleError
 from splash.logging_utils import get_logger
 from splash.switching.manifest import SwitchManifest, build_manifest
 
 logger = get_logger("splash.switch")
+
+MAX_PRECOPY_STEPS = 256  # hand off after this many steps even if a rank still reports work
+
+
+@dataclass
+class SwitchStep:
+    """This step's part of a switch: the manifest the plans carry and the workers' mode."""
+
+    manifest: SwitchManifest
+    mode: str  # live | blocking | precopy | handoff | cancel
+    precopy: SwitchManifest | None = None  # handoff: the pre-copy it completes
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _InFlight:
+    manifest: SwitchManifest  # the pre-copy's
+    copied: dict[str, int]  # rows moved per request
+    step: int  # decided at
+    t0: float  # monotonic time of the decision
+    steps: int = 0  # steps served in the source since
+    ready: bool = False  # every rank reported its transfer done
 
 
 class SwitchController:
@@ -20,38 +73,69 @@ class SwitchController:
         self.engine = engine
         self.forced: dict[int, str] = {}  # engine step -> layout
         self.requested: str | None = None
+        self.pinned: str | None = None  # under auto: the layout a manual choice holds
         self.history: list[dict[str, Any]] = []
         self.deferred: list[dict[str, Any]] = []
         self.decisions: list[dict[str, Any]] = []
         self._last_switch: dict[str, Any] | None = None
+        self._last_rows: tuple | None = None  # the switching step's decode rows, if only decode
         self.policy: Callable[[Any], str | None] | None = None  # set in layout="auto"
+        self.inflight: _InFlight | None = None  # a background pre-copy
+        self.cancelled: list[dict[str, Any]] = []
 
     def request(self, name: str) -> None:
+        """Switch at the next step; under auto this pins ``name``; "auto" releases the pin."""
+        if name == "auto":
+            if self.policy is None:
+                raise ConfigError("switch_layout('auto') releases a layout pinned under "
+                                  "layout='auto'; this engine runs a fixed layout")
+            if self.pinned is not None:
+                logger.info("layout %s released: the policy chooses again", self.pinned)
+            self.pinned = self.requested = None
+            return
+        self.requested = self._checked(name)
+        self._pin(self.requested)
+
+    def _checked(self, name: str) -> str:
         layout = get_layout(name)
         if layout.name not in self.engine.setup.fitting:
             raise LayoutInfeasibleError(
                 f"layout {name!r} does not fit this model/group; layouts that fit: "
                 f"{self.engine.setup.fitting}")
-        self.requested = layout.name
+        return layout.name
+
+    def _pin(self, name: str) -> None:
+        if self.policy is not None and self.pinned != name:
+            self.pinned = name
+            logger.info("layout %s pinned by a manual switch; the policy waits until "
+                        "switch_layout('auto') releases it", name)
 
     def force_at(self, step: int, name: str) -> None:
-        self.request(name)  # validates
-        self.requested = None
-        self.forced[step] = get_layout(name).name
+        self.forced[step] = self._checked(name)
 
     def _target(self, step: int) -> str | None:
         if step in self.forced:
             self.requested = self.forced.pop(step)
+            self._pin(self.requested)
         if self.requested is not None:
             return self.requested
+        if self.pinned is not None:
+            return self.pinned
         if self.policy is not None:
             return self.policy(self.engine)
         return None
 
-    def prepare(self, step: int) -> SwitchManifest | None:
-        """Plan the switch for this step, or None (no switch, or deferred)."""
+    def prepare(self, step: int) -> SwitchStep | None:
+        """This step's part of a switch, or None (no switch, deferred, or a pre-copy that is
+        still moving)."""
         eng = self.engine
         target = self._target(step)
+        if self.inflight is not None:
+            if target is not None and target != self.inflight.manifest.dst.name:
+                return self._cancel(step, f"the target changed to {target}")
+            if self.inflight.ready or self.inflight.steps >= MAX_PRECOPY_STEPS:
+                return self._handoff(step)
+            return None
         if target is None or target == eng.layout:
             self.requested = None
             return None
@@ -59,10 +143,14 @@ class SwitchController:
         setup, alloc = eng.setup, eng.allocators
         alloc.set_reserved(max(setup.reserved_pages(src), setup.reserved_pages(dst)))
         running = list(eng.scheduler.running)
-        prefix = eng.scheduler.prefix
-        cached = cached_histories(alloc, src, eng.world, setup.page_size) if prefix.enabled else []
         manifest = build_manifest(src, dst, running, alloc, eng.world, setup.page_size,
-                                  eng.model_cfg.num_attention_heads, cached)
+                                  eng.model_cfg.num_attention_heads)
+        if manifest is not None and self._mode(manifest) != "background":
+            cached = self._cached()
+            if cached:  # rebuilt with the cached chains (or without them if they do not fit)
+                manifest.give_back(alloc)
+                manifest = build_manifest(src, dst, running, alloc, eng.world, setup.page_size,
+                                          eng.model_cfg.num_attention_heads, cached=cached)
         if manifest is None:
             alloc.set_reserved(setup.reserved_pages(src))
             reason = (f"switch {src.name}->{dst.name} deferred at step {step}: the destination "
@@ -79,33 +167,123 @@ class SwitchController:
             self.deferred[-1]["resolved"] = step
         eng.scheduler.hold_admission = False
         self.requested = None
+        mode = self._mode(manifest)
+        if mode == "background":
+            self.inflight = _InFlight(manifest, {r.request_id: r.num_computed for r in running},
+                                      step, time.monotonic())
+            logger.info("switch %s -> %s: pre-copy started at step %d (KV %s, weights %s); "
+                        "the source layout keeps serving", src.name, dst.name, step,
+                        manifest.kv_op, manifest.weight_op)
+            return SwitchStep(manifest, "precopy")
+        self._apply(manifest, running)
+        logger.info("switching %s -> %s at step %d (%s; KV %s, weights %s)", src.name, dst.name,
+                    step, mode, manifest.kv_op, manifest.weight_op)
+        return SwitchStep(manifest, mode)
+
+    def _mode(self, manifest: SwitchManifest) -> str:
+        mode = self.engine.cfg.switch_mode
+        if mode != "auto":
+            return mode
+        eng = self.engine
+        mem, mcfg = eng.setup.memory, eng.model_cfg
+        head_bytes = mem.projection_bytes_per_layer // mcfg.num_attention_heads
+        moved = manifest.predicted_bytes(mem.kv_bytes_per_token_per_layer, head_bytes,
+                                         mcfg.num_hidden_layers)
+        per_rank = max(k + w for k, w in zip(moved["kv_bytes_received"],
+                                             moved["weight_bytes_received"]))
+        transfer_ms = per_rank / (eng.setup.link_gbps * 1e9) * 1e3
+        step_ms = eng.step_ms_ema or 0.0
+        return "live" if step_ms >= 2 * transfer_ms else "background"
+
+    def _cached(self) -> list[CachedHistory]:
+        eng = self.engine
+        if not eng.scheduler.prefix.enabled:
+            return []
+        return cached_histories(eng.allocators, eng.scheduler.layout, eng.world,
+                                eng.setup.page_size)
+
+    def _apply(self, manifest: SwitchManifest, running: list) -> None:
+        """The destination's tables and owners become the requests' own; the layout flips.
+        Pages received in this step are hits from now on: a request admitted into this very
+        step reads them in each layer only after that layer's transfer has landed."""
+        eng = self.engine
         for req in running:
             req.tables = manifest.new_tables.get(req.request_id, [[] for _ in range(eng.world)])
             req.owner = manifest.new_owners.get(req.request_id, req.owner)
             for rank in range(eng.world):
                 eng.scheduler.mark_dirty(req, rank, 0)
-        # pages received in this step are hits from now on: a request admitted into this very
-        # step reads them in each layer only after that layer's transfer has landed
+        for chain in manifest.cached:
+            chain.tables = manifest.new_tables[chain.request_id]
+            chain.owner = manifest.new_owners[chain.request_id]
         for hist in [*running, *manifest.cached]:
-            hist.tables = manifest.new_tables.get(hist.request_id, hist.tables)
-            hist.owner = manifest.new_owners.get(hist.request_id, hist.owner)
-            prefix.register_moved(hist, dst)
-        eng.scheduler.layout = dst
-        logger.info("switching %s -> %s at step %d (KV %s, weights %s; %d of %d cached chains "
-                    "move along)", src.name, dst.name, step, manifest.kv_op, manifest.weight_op,
-                    len(manifest.cached), len(cached))
-        return manifest
+            eng.scheduler.prefix.register_moved(hist, manifest.dst)
+        eng.scheduler.layout = manifest.dst
 
-    def finish(self, manifest: SwitchManifest | None, results: list, step_ms: float,
-               step: int) -> None:
+    def _free_placed(self, placed: dict, keep: set[str]) -> None:
+        for (rid, _, rank), page in placed.items():
+            if rid not in keep:
+                self.engine.allocators[rank].free([page])
+
+    def _handoff(self, step: int) -> SwitchStep | None:
+        eng, pc = self.engine, self.inflight
+        assert pc is not None
+        self.inflight = None
+        pre = pc.manifest
+        running = list(eng.scheduler.running)
+        live = {r.request_id for r in running}
+        self._free_placed(pre.placed, keep=live)  # pages of requests that finished meanwhile
+        staged = {k: p for k, p in pre.placed.items() if k[0] in live}
+        owners = {rid: o for rid, o in pre.new_owners.items() if rid in live}
+        delta = build_manifest(pre.src, pre.dst, running, eng.allocators, eng.world,
+                               eng.setup.page_size, eng.model_cfg.num_attention_heads,
+                               owners=owners, rows_from=pc.copied, staged=staged,
+                               cached=self._cached())
+        if delta is None:
+            self._free_placed(staged, keep=set())
+            self._cancelled(pc, step, "no free pages for the delta")
+            return SwitchStep(pre, "cancel")
+        self._apply(delta, running)
+        info = {"decision_step": pc.step, "precopy_steps": pc.steps,
+                "decision_to_handoff_ms": round((time.monotonic() - pc.t0) * 1e3, 3),
+                "delta_kv_rows": sum(x.kv_rows_received for x in delta.summary)}
+        logger.info("switch %s -> %s: handoff at step %d after %d steps of pre-copy (delta "
+                    "%d KV rows)", pre.src.name, pre.dst.name, step, pc.steps,
+                    info["delta_kv_rows"])
+        return SwitchStep(delta, "handoff", precopy=pre, info=info)
+
+    def _cancel(self, step: int, why: str) -> SwitchStep:
+        pc = self.inflight
+        assert pc is not None
+        self.inflight = None
+        self._free_placed(pc.manifest.placed, keep=set())
+        self._cancelled(pc, step, why)
+        return SwitchStep(pc.manifest, "cancel")
+
+    def _cancelled(self, pc: _InFlight, step: int, why: str) -> None:
+        eng, pre = self.engine, pc.manifest
+        eng.allocators.set_reserved(eng.setup.reserved_pages(eng.scheduler.layout))
+        logger.info("switch %s -> %s: pre-copy cancelled at step %d (%s); nothing changes "
+                    "for requests", pre.src.name, pre.dst.name, step, why)
+        self.cancelled.append({"step": step, "from": pre.src.name, "to": pre.dst.name,
+                               "decision_step": pc.step, "reason": why})
+
+    def finish(self, action: SwitchStep | None, results: list, step_ms: float,
+               step: int, batch: Any = None) -> None:
         eng = self.engine
-        if self._last_switch is not None and manifest is None:
-            entry = self._last_switch  # the destination's ready step: overhead = difference
+        rows = _decode_rows(batch)
+        if self.inflight is not None:
+            self.inflight.ready = all(r.precopy_done for r in results)
+            self.inflight.steps += 1
+        if self._last_switch is not None and (action is None or action.mode != "handoff"):
+            entry = self._last_switch  # the destination's ready step
             entry["ready_step_ms"] = round(step_ms, 3)
-            entry["overhead_ms"] = round(max(entry["step_ms"] - step_ms, 0.0), 3)
+            if rows is not None and rows == self._last_rows:  # a matched interval
+                entry["step_minus_ready_ms"] = round(entry["step_ms"] - step_ms, 3)
             self._last_switch = None
-        if manifest is None:
+        if action is None or action.mode in ("precopy", "cancel"):
             return
+        manifest = action.manifest
+        self._last_rows = rows
         for rank, pages in enumerate(manifest.discard):
             eng.allocators[rank].free(pages)
         for rank, pages in enumerate(manifest.release):
@@ -114,21 +292,35 @@ class SwitchController:
         mcfg = eng.model_cfg
         mem = eng.setup.memory
         head_bytes = mem.projection_bytes_per_layer // mcfg.num_attention_heads
-        predicted = manifest.predicted_bytes(mem.kv_bytes_per_token_per_layer, head_bytes,
-                                             mcfg.num_hidden_layers)
+        args = (mem.kv_bytes_per_token_per_layer, head_bytes, mcfg.num_hidden_layers)
+        predicted = manifest.predicted_bytes(*args)
+        if action.precopy is not None:  # handoff: the pre-copy moved the weights and most KV
+            pre = action.precopy.predicted_bytes(*args)
+            predicted = {"kv_bytes_received": [a + b for a, b in zip(
+                pre["kv_bytes_received"], predicted["kv_bytes_received"])],
+                "weight_bytes_received": pre["weight_bytes_received"]}
         entry = {
             "step": step, "from": manifest.src.name, "to": manifest.dst.name,
-            "kv_op": manifest.kv_op, "weight_op": manifest.weight_op,
+            "kv_op": (action.precopy or manifest).kv_op,
+            "weight_op": (action.precopy or manifest).weight_op,
             "kv_bytes_received": sum(r.kv_bytes_received for r in results),
             "weight_bytes_received": sum(r.weight_bytes_received for r in results),
             "kv_bytes_received_per_rank": [r.kv_bytes_received for r in results],
             "weight_bytes_received_per_rank": [r.weight_bytes_received for r in results],
             "predicted_kv_bytes_per_rank": predicted["kv_bytes_received"],
             "predicted_weight_bytes_per_rank": predicted["weight_bytes_received"],
-            "transfer_wait_ms": round(max(r.switch_ms for r in results), 3),
             "step_ms": round(step_ms, 3),
-            "overhead_ms": round(max(r.switch_ms for r in results), 3),
-            "mode": eng.cfg.switch_mode,
+            "overhead_ms": round(max(r.switch_ms for r in results), 3),  # the switch work
+            "mode": "background" if action.mode == "handoff" else action.mode,
+            **action.info,
         }
         self.history.append(entry)
         self._last_switch = entry
+
+
+def _decode_rows(batch: Any) -> tuple | None:
+    """The request ids of a decode-only batch (one row each), else None."""
+    entries = getattr(batch, "entries", None)
+    if not entries or any(n != 1 for _, n in entries):
+        return None
+    return tuple(req.request_id for req, _ in entries)

@@ -7,6 +7,7 @@ Runs in-process (T=1) or as a spawned process talking to the controller over Zer
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
 
@@ -28,7 +29,7 @@ from splash.model.config import ModelConfig
 from splash.model.loader import CheckpointWeights
 from splash.model.mlp import MoE
 from splash.model.model import MLAModel
-from splash.switching.executor import SwitchExecutor
+from splash.switching.executor import PreCopy, SwitchExecutor
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
            "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
@@ -56,6 +57,9 @@ class Worker:
             # which read tensors back to the host and would sync the device every layer
             set_value_checks(False)
         if cfg.world > 1:
+            # liveness comes from the controller's step timeouts; torch's heartbeat monitor only
+            # prints C++ stacks when rank 0 (the rendezvous store) exits first at shutdown
+            os.environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "0")
             dist.init_process_group(envs.get("SPLASH_DIST_BACKEND") or self.backend.dist_backend,
                                     init_method=cfg.dist_init,
                                     rank=cfg.rank, world_size=cfg.world)
@@ -81,6 +85,7 @@ class Worker:
                                               for k in ("mla_decode", "mla_extend")})
         self.layouts = make_layouts(self.comm, self.store, mcfg.kv_lora_rank)
         self.tables: dict[str, list[int]] = {}
+        self.precopy: PreCopy | None = None  # a background switch's transfer in flight
         self.graphs: DecodeGraphs | None = None
         capture = cfg.cuda_graphs and self.device.type == "cuda"
         if capture or envs.get("SPLASH_PAD_DECODE") == "1":
@@ -118,13 +123,9 @@ class Worker:
             return StepResult(version=WORKER_PROTOCOL_VERSION, step=plan.step, rank=self.cfg.rank,
                               elapsed_ms=(time.perf_counter() - t0) * 1e3)
         self._apply_tables(plan)
-        if plan.switch is None:  # before anything writes into the copies
+        switch = self._switch(plan)
+        if switch is None:  # before anything writes into the copies (else layer by layer)
             self.store.copy_pages(plan.page_copies)
-        switch = None
-        if plan.switch is not None:
-            switch = SwitchExecutor(plan.switch, self.comm, self.store, self.model.attn_layers,
-                                    self.device)
-            switch.start()
         tokens: list[int] = []
         logprobs: list[TokenLogprobs] = []
         prompt_logprobs: list[list[TokenLogprobs]] = []
@@ -139,9 +140,34 @@ class Worker:
             version=WORKER_PROTOCOL_VERSION, step=plan.step, rank=self.cfg.rank, tokens=tokens,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             elapsed_ms=(time.perf_counter() - t0) * 1e3,
-            switch_ms=switch.wait_ms if switch else 0.0, graph_replay=self.graph_step,
+            switch_ms=switch.busy_ms if switch else 0.0, graph_replay=self.graph_step,
             kv_bytes_received=switch.kv_bytes if switch else 0,
-            weight_bytes_received=switch.weight_bytes if switch else 0)
+            weight_bytes_received=switch.weight_bytes if switch else 0,
+            precopy_done=self.precopy is None or self.precopy.done())
+
+    def _switch(self, plan: StepPlan) -> SwitchExecutor | None:
+        """Start this step's part of a switch; the executor when the step computes in the
+        destination, None when it computes in the source (no switch, pre-copy, cancel)."""
+        sp = plan.switch
+        if sp is None:
+            return None
+        attns = self.model.attn_layers
+        if sp.mode == "precopy":
+            if self.precopy is not None:
+                raise RuntimeError("a pre-copy is already in flight")
+            self.precopy = PreCopy(sp, self.comm, self.store, attns, self.device)
+            return None
+        staged, self.precopy = self.precopy, None
+        if sp.mode == "cancel":
+            if staged is not None:
+                staged.cancel()
+            return None
+        if (sp.mode == "handoff") != (staged is not None):
+            raise RuntimeError(f"switch {sp.mode} {'without' if staged is None else 'during'} "
+                               "a pre-copy")
+        switch = SwitchExecutor(sp, self.comm, self.store, attns, self.device, staged=staged)
+        switch.start()
+        return switch
 
     def _model_forward(self, ids: torch.Tensor, meta: StepMeta, impl: AttentionLayout,
                        switch: SwitchExecutor | None = None) -> torch.Tensor:

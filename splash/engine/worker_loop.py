@@ -95,6 +95,7 @@ def _serve(cfg, ctx, sock) -> None:
 def worker_main(cfg: WorkerConfig, controller_addr: str) -> None:
     """Process entry: connect to the controller, report ready, serve step plans until told
     to stop or the controller goes away."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     serve_plans(cfg, controller_addr)

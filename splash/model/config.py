@@ -232,7 +232,12 @@ class ModelConfig:
             path = path / "config.json" if path.is_dir() else path
             if not path.is_file():
                 raise ConfigError(f"no HF config.json at {path}")
-            d = json.loads(path.read_text())
+            try:
+                d = json.loads(path.read_text())
+            except (ValueError, OSError) as e:
+                raise ConfigError(f"cannot read {path} as JSON: {e}") from None
+            if not isinstance(d, dict):
+                raise ConfigError(f"{path} must hold a JSON object")
         mt = d.get("model_type")
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"unsupported model_type {mt!r}; supported: "

@@ -75,7 +75,7 @@ class CheckpointWeights(Mapping[str, torch.Tensor]):
     def _handle(self, name: str) -> Any:
         fname = self._file_of[name]
         if fname not in self._handles:
-            self._handles[fname] = safe_open(str(self.path / fname), framework="pt")
+            self._handles[fname] = _open(self.path / fname)
         return self._handles[fname]
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -176,7 +176,10 @@ def _index_files(path: Path) -> dict[str, str]:
         raise ConfigError(f"checkpoint directory {path} does not exist")
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+        except (ValueError, OSError, AttributeError) as e:
+            raise ConfigError(f"cannot read {index}: {e}") from None
         missing = sorted({f for f in weight_map.values() if not (path / f).is_file()})
         if missing:
             raise ConfigError(f"{index} lists missing shard files: {', '.join(missing[:4])}")
@@ -186,9 +189,17 @@ def _index_files(path: Path) -> dict[str, str]:
         raise ConfigError(f"no *.safetensors files in {path}")
     out: dict[str, str] = {}
     for f in files:
-        with safe_open(str(path / f), framework="pt") as h:
+        with _open(path / f) as h:
             out.update({k: f for k in h.keys()})
     return out
+
+
+def _open(file: Path) -> Any:
+    """safe_open, with a truncated or corrupt file as a ConfigError naming it."""
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as e:
+        raise ConfigError(f"cannot read {file} (truncated or corrupt?): {e}") from None
 
 
 def from_pretrained_dir(path: str | Path, dtype: torch.dtype | str | None = None,

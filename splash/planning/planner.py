@@ -51,8 +51,10 @@ def resolve_hardware(hardware, calibration: str | None = None) -> HardwareProfil
 def plan(cfg, hardware, tp: int, batch: int = 16, input_len: int = 4096,
          memory_fraction: float = 0.85, kv_dtype: str = "bf16", weight_dtype: str = "bf16",
          calibration: str | None = None, page_size: int = 64,
-         max_num_batched_tokens: int = 8192, reserve_bytes: int | None = None) -> dict:
-    """The plan as a JSON-serialisable dict (see module docstring)."""
+         max_num_batched_tokens: int = 8192, reserve_bytes: int | None = None,
+         suggest: bool = True) -> dict:
+    """The plan as a JSON-serialisable dict (see module docstring). When no layout holds even
+    one request, ``chosen`` is None and ``reason`` says why and (``suggest``) what would fit."""
     if tp < 1 or batch < 1 or input_len < 1:
         raise ConfigError("tp, batch and input_len must be >= 1")
     cfg, name = resolve_model(cfg)
@@ -81,7 +83,8 @@ def plan(cfg, hardware, tp: int, batch: int = 16, input_len: int = 4096,
         }
         tok_s[lay] = decode_tok_s(cm, lay, batch, input_len, resident) if lay in fit else 0.0
         layouts[lay]["decode_tok_s"] = round(tok_s[lay], 1)
-    chosen = max(tok_s, key=lambda n: tok_s[n])
+    best = max(tok_s, key=lambda n: tok_s[n])
+    chosen = best if tok_s[best] > 0 else None  # None: not one request fits anywhere
     switches = {}
     for src in fit:
         for dst in fit:
@@ -108,10 +111,45 @@ def plan(cfg, hardware, tp: int, batch: int = 16, input_len: int = 4096,
         "aux_kv_bytes_per_token_per_layer": feas.aux_kv_bytes_per_token_per_layer,
         "common_bytes_per_rank": mem.common_bytes_per_rank,
         "layouts": layouts, "chosen": chosen,
-        "reason": f"{chosen}: {tok_s[chosen]:.0f} decode tok/s for {batch} x {input_len} "
-                  f"(resident {layouts[chosen]['max_resident_requests']})",
+        "reason": (f"{best}: {tok_s[best]:.0f} decode tok/s for {batch} x {input_len} "
+                   f"(resident {layouts[best]['max_resident_requests']})" if chosen else
+                   _why_nothing_fits(layouts, fit, policy.budget_bytes, input_len) +
+                   (_what_fits(dict(cfg=cfg, hardware=profile, tp=tp, batch=batch,
+                                    input_len=input_len, memory_fraction=memory_fraction,
+                                    kv_dtype=kv_dtype, weight_dtype=weight_dtype,
+                                    page_size=page_size,
+                                    max_num_batched_tokens=max_num_batched_tokens,
+                                    reserve_bytes=reserve_bytes)) if suggest else "")),
         "switches": switches,
     }
+
+
+def _why_nothing_fits(layouts: dict, fit: list[str], budget: int, input_len: int) -> str:
+    best = min(fit, key=lambda n: layouts[n]["static_bytes"])
+    static = layouts[best]["static_bytes"]
+    if static >= budget:
+        return (f"no layout fits: weights and fixed buffers alone take {static / GIB:.1f} GiB "
+                f"per rank even in {best}, over the {budget / GIB:.1f} GiB budget")
+    room = max(layouts[n]["kv_capacity_tokens"] for n in fit)
+    return (f"no layout fits: the KV room left after the weights holds {room:,} tokens, "
+            f"less than one request of {input_len:,}")
+
+
+def _what_fits(base: dict) -> str:
+    """The first of a few one-flag changes under which some layout holds a request."""
+    tries = [("--weight-dtype fp8", {"weight_dtype": "fp8"}),
+             ("--kv-dtype fp8", {"kv_dtype": "fp8"}),
+             *((f"--tp {k * base['tp']}", {"tp": k * base["tp"]}) for k in (2, 4, 8))]
+    for flag, change in tries:
+        if all(base[k] == v for k, v in change.items()):
+            continue
+        try:
+            alt = plan(**{**base, **change}, suggest=False)
+        except ConfigError:
+            continue
+        if alt["chosen"]:
+            return f"; {flag} would fit ({alt['reason']})"
+    return "; no single change of dtypes or rank count makes it fit"
 
 
 def plan_main(args) -> int:
@@ -134,7 +172,7 @@ def plan_main(args) -> int:
         print(f"{name:7}{lay['per_rank_bytes'] / GIB:>10.2f}{lay['kv_capacity_tokens']:>13,}"
               f"{lay['max_resident_requests']:>10}{lay['step_time_ms']:>10.3f}"
               f"{lay['decode_tok_s']:>10.0f}  {lay['feasible']}")
-    print(f"\nchosen: {p['reason']}")
+    print(f"\nchosen: {p['reason']}" if p["chosen"] else f"\n{p['reason']}")
     print(f"\n{'switch':10}{'W MiB/rank/layer':>18}{'KV MiB/rank/layer':>19}{'live ms':>10}"
           f"{'blocking ms':>13}  primitives")
     for key, s in p["switches"].items():

@@ -17,6 +17,7 @@ import argparse
 import ipaddress
 import os
 import signal
+import socket
 import sys
 import threading
 from typing import Any
@@ -63,6 +64,21 @@ def check_bind(host: str, token: str | None) -> None:
             "127.0.0.1")
 
 
+def check_ports_free(host: str, ports: list[int | None]) -> None:
+    """Fail before the model loads when a port cannot be listened on (in use, bad host)."""
+    bare = host.strip("[]")
+    family = socket.AF_INET6 if ":" in bare else socket.AF_INET
+    for port in ports:
+        if not port:
+            continue  # None: not served; 0: any free port
+        with socket.socket(family) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((bare, port))
+            except OSError as e:
+                raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 def zmq_endpoint(host: str, port: int) -> str:
     host = host.strip("[]")
     if ":" in host:
@@ -75,6 +91,7 @@ def serve_main(args: argparse.Namespace) -> int:
     the process with 3 after a fatal engine error."""
     token = resolve_token(args.token, args.token_file)
     check_bind(args.host, token)
+    check_ports_free(args.host, [args.port, getattr(args, "http_port", None)])
     engine = LLMEngine.from_args(
         model=args.model, tp_size=args.tp_size, backend=args.backend, layout=args.layout,
         dtype=args.dtype, kv_dtype=args.kv_dtype, page_size=args.page_size,

@@ -21,7 +21,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from splash.client import Client
-from splash.errors import InvalidRequestError, SplashError
+from splash.detokenize import IncrementalDetokenizer
+from splash.errors import NO_TOKENIZER, InvalidRequestError, SplashError
 from splash.logging_utils import get_logger
 from splash.outputs import CompletionOutput, Logprobs
 from splash.sampling_params import SamplingParams
@@ -34,6 +35,11 @@ _STATUS = {"invalid_request": 400, "config": 400, "layout_infeasible": 400, "pro
            "unauthorized": 401, "not_found": 404, "worker_died": 503, "timeout": 504}
 _PARAM_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids",
                "ignore_eos", "stop", "min_tokens", "n", "prompt_logprobs")
+# OpenAI parameters the engine does not implement: a request setting one to anything but its
+# neutral value gets a 400 instead of being silently ignored
+_UNSUPPORTED = ("echo", "best_of", "logit_bias", "presence_penalty", "frequency_penalty",
+                "suffix")
+_NEUTRAL: tuple[Any, ...] = (None, False, 0, "", [], {})
 
 
 class OpenAIHTTPServer(ThreadingHTTPServer):
@@ -121,6 +127,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _complete(self, chat: bool) -> None:
         body = self._read_json()
+        unsupported = [k for k in _UNSUPPORTED
+                       if k in body and not any(body[k] is v or body[k] == v for v in _NEUTRAL)]
+        if unsupported:
+            raise InvalidRequestError(
+                f"{', '.join(unsupported)} {'is' if len(unsupported) == 1 else 'are'} not "
+                "supported yet")
         prompt_ids = self._chat_prompt(body) if chat else self._text_prompt(body.get("prompt"))
         params = {k: body[k] for k in _PARAM_KEYS if body.get(k) is not None}
         k = _logprobs_k(body, chat)
@@ -164,30 +176,32 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Cache-Control", "no-cache")
             self.end_headers()
-            ids: list[int] = []
-            sent = ""
+            tok = self.server.tokenizer
+            detok = None if tok is None else IncrementalDetokenizer(tok, prompt_ids)
+            num_tokens, text, sent = 0, "", 0
             deltas = [] if first is None else [first]
             head = {"id": f"cmpl-{stream.request_id}", "object": kind, "created": created,
                     "model": self.server.model_name}
             try:
                 for delta in _chain(deltas, stream):
-                    logprobs = stream.logprobs[len(ids):len(ids) + len(delta)]
-                    ids += delta
-                    text = self._decode(ids).rstrip("\ufffd")  # a character may be incomplete
-                    text = text[:max(len(text) - hold, len(sent))]
-                    if stream.output is not None:  # the last tokens: the final text follows
-                        text = sent
-                    choice = self._choice(chat, delta, None, final=False, text=text[len(sent):],
+                    logprobs = stream.logprobs[num_tokens:num_tokens + len(delta)]
+                    num_tokens += len(delta)
+                    text += "" if detok is None else detok.push(delta)
+                    # the last tokens (output set) wait for the final text, cut at its stop
+                    upto = max(len(text) - hold, sent) if stream.output is None else sent
+                    choice = self._choice(chat, delta, None, final=False, text=text[sent:upto],
                                           logprobs=logprobs if sampling.logprobs is not None
                                           else None)
-                    sent = text
+                    sent = upto
                     self._sse({**head, "choices": [choice]})
                 out = stream.output
+                if out is not None and isinstance(out.stop_reason, str) and out.text is not None:
+                    text = out.text  # cut before the stop string
+                elif detok is not None:
+                    text += detok.finish()
                 reason = out.finish_reason if out else None
-                rest = "" if out is None else self._final_text(out.token_ids, out.text,
-                                                                out.stop_reason)[len(sent):]
                 self._sse({**head, "choices": [self._choice(chat, [], reason, final=False,
-                                                             text=rest)]})
+                                                             text=text[sent:])]})
             except SplashError as e:  # headers are out: report in-band
                 self._sse({"error": {"message": str(e), "code": P.error_code(e)}})
             self.wfile.write(b"data: [DONE]\n\n")
@@ -200,16 +214,17 @@ class _Handler(BaseHTTPRequestHandler):
         if isinstance(prompt, str):
             tok = self.server.tokenizer
             if tok is None:
-                raise InvalidRequestError("this model has no tokenizer: send `prompt` as a list "
-                                          "of token ids")
+                raise InvalidRequestError(f"{NO_TOKENIZER}: send `prompt` as a list of token ids")
             return list(tok.encode(prompt))
         raise InvalidRequestError("`prompt` must be one string or one non-empty list of token ids")
 
     def _chat_prompt(self, body: dict[str, Any]) -> list[int]:
         tok = self.server.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
-            raise InvalidRequestError("chat completions need a tokenizer with a chat template; "
-                                      "this model has none: use /v1/completions with token ids")
+            raise InvalidRequestError(
+                "chat completions need a tokenizer with a chat template" +
+                (f"; {NO_TOKENIZER}" if tok is None else "; this tokenizer has none") +
+                ": use /v1/completions with token ids")
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("`messages` must be a non-empty list")

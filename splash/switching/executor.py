@@ -1,20 +1,28 @@
-"""Worker side of a live switch (DESIGN §3): move each layer's missing state while the step
-computes in the destination layout.
+"""Worker side of a switch: move the destination's missing state over the transfer group.
 
-Layer-pipelined: before layer l computes, layer l+1's transfer is issued on the transfer process
-group (its own NCCL communicator and stream on GPU; gloo's background thread on CPU — the
-transfer is issued before the compute it overlaps), then layer l waits for its own transfer
-only. Blocking mode issues and waits for every layer first: the baseline for measurement.
+Three ways, all on the transfer process group (its own NCCL communicator, hence its own stream,
+on GPU; gloo's background threads on CPU):
 
-Per layer, one uneven all-to-all carries KV rows (as raw bytes: latent, rope keys and fp8
-scales move exactly, no requantisation) and one carries projection heads (the four placed
-tensors of a head flattened into one row). Rows are packed and unpacked with the Triton
-exchange kernels.
+- **Background** (``PreCopy``): the whole transfer is issued when a ``precopy`` plan arrives and
+  runs while the step, and the steps after it, still compute in the source layout; it packs on
+  a stream of its own. The ``handoff`` plan completes it (unpacks the rows into the destination
+  pages and installs the received projection heads), then moves the delta (rows written since)
+  and the step computes in the destination.
+- **Live** (``SwitchExecutor``, layer-pipelined): before layer l computes, layer l+1's transfer
+  is issued, then layer l waits for its own only; the step computes in the destination.
+- **Blocking**: everything moves first (the baseline for measurement).
+
+KV rows move as raw bytes (latent, rope keys and fp8 scales move exactly, no requantisation),
+projection heads as rows of the four placed tensors flattened. Rows are packed with the Triton
+exchange kernels into one contiguous buffer per layer group (up to ``GROUP_BYTES`` per
+message, the size at which a collective reaches the link), so a switch issues a few large
+collectives instead of one per layer and kind.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -25,6 +33,7 @@ from splash.kernels_triton import gather_rows, scatter_rows
 from splash.layouts.base import KVStore
 
 _PLACED = ("q_b", "w_uk", "w_uv", "w_o")
+GROUP_BYTES = 1 << 30  # largest message per collective (send side, one rank)
 
 
 def _byte_rows(t: torch.Tensor) -> torch.Tensor:
@@ -33,113 +42,250 @@ def _byte_rows(t: torch.Tensor) -> torch.Tensor:
     return rows.view(torch.uint8)
 
 
-class LayerTransfer:
-    def __init__(self, kv_recv, kv_work, w_recv, w_work, scale_recv, scale_work) -> None:
-        self.kv_recv, self.kv_work = kv_recv, kv_work
-        self.w_recv, self.w_work = w_recv, w_work
-        self.scale_recv, self.scale_work = scale_recv, scale_work
+def slots_from_runs(runs: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Flat ``[slot, n, ...]`` runs per peer -> the slot of every row, peers in order."""
+    flat = [x for r in runs for x in r]
+    if not flat:
+        return torch.empty(0, dtype=torch.long, device=device)
+    t = torch.tensor(flat, dtype=torch.long).view(-1, 2)
+    starts, counts = t[:, 0], t[:, 1]
+    first = torch.cumsum(counts, 0) - counts  # row index where each run begins
+    slots = torch.repeat_interleave(starts - first, counts) + torch.arange(int(counts.sum()))
+    return slots.to(device)
+
+
+def _flat_heads(attn: Any) -> torch.Tensor:
+    placed = attn.placed_weights()
+    return torch.cat([placed[k].reshape(placed[k].shape[0], -1) for k in _PLACED], dim=1)
+
+
+def install_heads(attn: Any, plan: SwitchPlan, received: torch.Tensor,
+                  received_heads: list[int]) -> None:
+    """Assemble the destination head range from kept local heads and received rows."""
+    mv = plan.weights
+    old = range(attn.head_start, attn.head_start + attn.num_heads)
+    if old.start == mv.head_start and old.stop == mv.head_stop:
+        return
+    placed = attn.placed_weights()
+    flat = _flat_heads(attn)
+    recv_pos = {h: i for i, h in enumerate(received_heads)}
+    rows = [flat[h - old.start] if h in old else received[recv_pos[h]]
+            for h in range(mv.head_start, mv.head_stop)]
+    new_flat = torch.stack(rows)  # (h_new, E)
+    tensors, col = {}, 0
+    for k in _PLACED:
+        shape = placed[k].shape[1:]
+        width = int(torch.Size(shape).numel())
+        tensors[k] = new_flat[:, col: col + width].reshape(len(rows), *shape).contiguous()
+        col += width
+    attn.set_placed(mv.head_start, tensors)
+
+
+class _Moves:
+    """One plan's row and head indices, resolved on the device once."""
+
+    def __init__(self, plan: SwitchPlan, device: torch.device) -> None:
+        kv, w = plan.kv, plan.weights
+        self.send_counts = [sum(r[1::2]) for r in kv.send_runs]
+        self.recv_counts = [sum(r[1::2]) for r in kv.recv_runs]
+        self.send_slots = slots_from_runs(kv.send_runs, device)
+        self.recv_slots = slots_from_runs(kv.recv_runs, device)
+        self.w_send_counts = [len(s) for s in w.send_to]
+        self.w_recv_counts = [len(s) for s in w.recv_from]
+        self.sent_heads = [h for s in w.send_to for h in s]
+        self.received_heads = [h for s in w.recv_from for h in s]
+
+
+class _Group:
+    """In-flight collectives of one layer group: received buffers and work handles."""
+
+    def __init__(self, layers: list[int]) -> None:
+        self.layers = layers
+        self.kv: torch.Tensor | None = None
+        self.scale: torch.Tensor | None = None
+        self.heads: torch.Tensor | None = None
+        self.works: list[Any] = []
+
+    def done(self) -> bool:
+        return all(w is None or w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        for w in self.works:
+            if w is not None:
+                w.wait()
+        self.works = []
+
+
+class _Transfer:
+    """Packs, issues and unpacks one plan's moves, a layer group per collective."""
+
+    def __init__(self, plan: SwitchPlan, comm: Comm, store: KVStore, attns: list[Any],
+                 device: torch.device, move_weights: bool = True) -> None:
+        self.plan, self.comm, self.store, self.attns = plan, comm, store, attns
+        self.device = device
+        self.moves = _Moves(plan, device)
+        self.move_weights = move_weights
+        self.kv_bytes = 0
+        self.weight_bytes = 0
+
+    def groups(self, per_layer: bool) -> list[list[int]]:
+        """Layers per collective: one each (live), else as many as fit ``GROUP_BYTES``."""
+        layers = list(range(len(self.attns)))
+        if per_layer:
+            return [[layer] for layer in layers]
+        cache, scale = self.store.layer(0)
+        row = _byte_rows(cache).shape[1] + (_byte_rows(scale).shape[1] if scale is not None else 0)
+        per = max(len(self.moves.send_slots), len(self.moves.recv_slots), 1) * row
+        if self.move_weights and self.moves.sent_heads:
+            placed = self.attns[0].placed_weights()
+            head = sum(placed[k][0].numel() * placed[k].element_size() for k in _PLACED)
+            per += len(self.moves.sent_heads) * head
+        size = max(GROUP_BYTES // per, 1)
+        return [layers[i: i + size] for i in range(0, len(layers), size)]
+
+    def issue(self, layers: list[int]) -> _Group:
+        m, group, g = self.moves, self.comm.xfer_group, _Group(layers)
+        if sum(m.send_counts) or sum(m.recv_counts):
+            pools = [self.store.layer(layer) for layer in layers]
+            send = torch.cat([gather_rows(_byte_rows(c), m.send_slots) for c, _ in pools], dim=1)
+            g.kv, work = self.comm.all_to_all_rows(send, m.send_counts, m.recv_counts,
+                                                   group=group, async_op=True)
+            g.works.append(work)
+            scales = [s for _, s in pools if s is not None]
+            if scales:
+                send = torch.cat([gather_rows(_byte_rows(s), m.send_slots) for s in scales],
+                                 dim=1)
+                g.scale, work = self.comm.all_to_all_rows(send, m.send_counts, m.recv_counts,
+                                                          group=group, async_op=True)
+                g.works.append(work)
+        if self.move_weights and (m.sent_heads or m.received_heads):
+            parts = []
+            for layer in layers:
+                attn = self.attns[layer]
+                idx = torch.tensor([h - attn.head_start for h in m.sent_heads], dtype=torch.long,
+                                   device=self.device)
+                parts.append(gather_rows(_flat_heads(attn), idx))
+            g.heads, work = self.comm.all_to_all_rows(
+                torch.cat(parts, dim=1), m.w_send_counts, m.w_recv_counts, group=group,
+                async_op=True)
+            g.works.append(work)
+        return g
+
+    def unpack(self, g: _Group) -> dict[int, torch.Tensor]:
+        """Scatter a completed group's KV rows into the pools; its heads per layer."""
+        m = self.moves
+        heads: dict[int, torch.Tensor] = {}
+        for j, layer in enumerate(g.layers):
+            cache, scale = self.store.layer(layer)
+            if g.kv is not None and m.recv_slots.numel():
+                width = _byte_rows(cache).shape[1]
+                scatter_rows(_byte_rows(cache), m.recv_slots,
+                             g.kv[:, j * width:(j + 1) * width].contiguous())
+                if scale is not None and g.scale is not None:
+                    sw = _byte_rows(scale).shape[1]
+                    scatter_rows(_byte_rows(scale), m.recv_slots,
+                                 g.scale[:, j * sw:(j + 1) * sw].contiguous())
+            if g.heads is not None:
+                width = g.heads.shape[1] // len(g.layers)
+                heads[layer] = g.heads[:, j * width:(j + 1) * width]
+        for t in (g.kv, g.scale):
+            if t is not None:
+                self.kv_bytes += t.numel() * t.element_size()
+        if g.heads is not None:
+            self.weight_bytes += g.heads.numel() * g.heads.element_size()
+        return heads
+
+
+class PreCopy:
+    """A background transfer: issued now, completed at the handoff (or dropped on cancel)."""
+
+    def __init__(self, plan: SwitchPlan, comm: Comm, store: KVStore, attns: list[Any],
+                 device: torch.device) -> None:
+        self.xfer = _Transfer(plan, comm, store, attns, device)
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        if self.stream is not None:  # pack beside the step's compute, after what came before
+            self.stream.wait_stream(torch.cuda.current_stream(device))
+        ctx = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
+        with ctx:
+            self.groups = [self.xfer.issue(layers) for layers in self.xfer.groups(per_layer=False)]
+
+    def done(self) -> bool:
+        return all(g.done() for g in self.groups)
+
+    def complete(self) -> tuple[dict[int, torch.Tensor], float]:
+        """Wait, unpack every row into its destination page; (heads per layer, wait ms)."""
+        t0 = time.perf_counter()
+        heads: dict[int, torch.Tensor] = {}
+        for g in self.groups:
+            g.wait()
+        wait_ms = (time.perf_counter() - t0) * 1e3
+        if self.stream is not None:
+            torch.cuda.current_stream(self.xfer.device).wait_stream(self.stream)
+        for g in self.groups:
+            heads.update(self.xfer.unpack(g))
+        self.groups = []
+        return heads, wait_ms
+
+    def cancel(self) -> None:
+        for g in self.groups:  # collectives must complete on every rank before anything else
+            g.wait()
+        self.groups = []
 
 
 class SwitchExecutor:
+    """A switch completed within one step: ``live`` (layer-pipelined), ``blocking``, or the
+    ``handoff`` of a pre-copy (``staged``; only the delta moves here, heads came with it)."""
+
     def __init__(self, plan: SwitchPlan, comm: Comm, store: KVStore, attns: list[Any],
-                 device: torch.device) -> None:
-        self.plan, self.comm, self.store, self.attns = plan, comm, store, attns
-        self.device = device
-        self.num_layers = len(attns)
-        self.pending: dict[int, LayerTransfer] = {}
-        self.wait_ms = 0.0
-        self.kv_bytes = 0
-        self.weight_bytes = 0
-        kv = plan.kv
-        self.send_counts = [len(s) for s in kv.send_slots]
-        self.recv_counts = [len(s) for s in kv.recv_slots]
-        self.send_slots = self._index([x for s in kv.send_slots for x in s])
-        self.recv_slots = self._index([x for s in kv.recv_slots for x in s])
-        w = plan.weights
-        self.w_send_counts = [len(s) for s in w.send_to]
-        self.w_recv_counts = [len(s) for s in w.recv_from]
-        self.received_heads = [h for s in w.recv_from for h in s]
+                 device: torch.device, staged: PreCopy | None = None) -> None:
+        self.plan, self.attns, self.device = plan, attns, device
+        self.xfer = _Transfer(plan, comm, store, attns, device, move_weights=staged is None)
+        self.staged = staged
+        self.heads_from = (staged.xfer if staged is not None else self.xfer).moves
+        self.pending: dict[int, _Group] = {}
+        self.heads: dict[int, torch.Tensor] = {}
+        self.wait_ms = 0.0  # waiting for transfers
+        self.busy_ms = 0.0  # all switch work: packing, issuing, waiting, installing
 
-    def _index(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+    @property
+    def kv_bytes(self) -> int:
+        return self.xfer.kv_bytes + (self.staged.xfer.kv_bytes if self.staged else 0)
 
-    # -- per layer ------------------------------------------------------------------------
-    def _issue(self, layer: int) -> None:
-        group = self.comm.xfer_group
-        cache, scale = self.store.layer(layer)
-        kv_send = gather_rows(_byte_rows(cache), self.send_slots)  # (M, row bytes)
-        kv_recv, kv_work = self.comm.all_to_all_rows(
-            kv_send, self.send_counts, self.recv_counts, group=group, async_op=True)
-        scale_recv = scale_work = None
-        if scale is not None:
-            s_send = gather_rows(_byte_rows(scale), self.send_slots)
-            scale_recv, scale_work = self.comm.all_to_all_rows(
-                s_send, self.send_counts, self.recv_counts, group=group, async_op=True)
-        attn = self.attns[layer]
-        flat = self._flat_heads(attn)  # (h_old, E)
-        w_idx = self._index([h - attn.head_start for s in self.plan.weights.send_to for h in s])
-        w_send = gather_rows(flat, w_idx)
-        w_recv, w_work = self.comm.all_to_all_rows(
-            w_send, self.w_send_counts, self.w_recv_counts, group=group, async_op=True)
-        self.pending[layer] = LayerTransfer(kv_recv, kv_work, w_recv, w_work,
-                                            scale_recv, scale_work)
+    @property
+    def weight_bytes(self) -> int:
+        return self.xfer.weight_bytes + (self.staged.xfer.weight_bytes if self.staged else 0)
 
-    def _complete(self, layer: int) -> None:
-        t0 = time.perf_counter()
-        xfer = self.pending.pop(layer)
-        for work in (xfer.kv_work, xfer.scale_work, xfer.w_work):
-            if work is not None:
-                work.wait()
-        self.wait_ms += (time.perf_counter() - t0) * 1e3
-        cache, scale = self.store.layer(layer)
-        if self.recv_slots.numel():
-            scatter_rows(_byte_rows(cache), self.recv_slots, xfer.kv_recv)
-            if scale is not None:
-                scatter_rows(_byte_rows(scale), self.recv_slots, xfer.scale_recv)
-        self.kv_bytes += xfer.kv_recv.numel() * xfer.kv_recv.element_size()
-        if xfer.scale_recv is not None:
-            self.kv_bytes += xfer.scale_recv.numel() * xfer.scale_recv.element_size()
-        self.weight_bytes += xfer.w_recv.numel() * xfer.w_recv.element_size()
-        self._install_heads(self.attns[layer], xfer.w_recv)
-
-    def _flat_heads(self, attn: Any) -> torch.Tensor:
-        placed = attn.placed_weights()
-        return torch.cat([placed[k].reshape(placed[k].shape[0], -1) for k in _PLACED], dim=1)
-
-    def _install_heads(self, attn: Any, received: torch.Tensor) -> None:
-        """Assemble the destination head range from kept local heads and received ones."""
-        mv = self.plan.weights
-        old = range(attn.head_start, attn.head_start + attn.num_heads)
-        if old.start == mv.head_start and old.stop == mv.head_stop:
-            return
-        placed = attn.placed_weights()
-        flat = self._flat_heads(attn)
-        rows = []
-        recv_pos = {h: i for i, h in enumerate(self.received_heads)}
-        for h in range(mv.head_start, mv.head_stop):
-            rows.append(flat[h - old.start] if h in old else received[recv_pos[h]])
-        new_flat = torch.stack(rows)  # (h_new, E)
-        tensors, col = {}, 0
-        for k in _PLACED:
-            shape = placed[k].shape[1:]
-            width = int(torch.Size(shape).numel())
-            tensors[k] = new_flat[:, col: col + width].reshape(len(rows), *shape).contiguous()
-            col += width
-        attn.set_placed(mv.head_start, tensors)
-
-    # -- hooks used by the worker's forward ------------------------------------------------
     def start(self) -> None:
-        if self.plan.blocking:
-            for layer in range(self.num_layers):
-                self._issue(layer)
-            for layer in range(self.num_layers):
-                self._complete(layer)
-        else:
-            self._issue(0)
+        t0 = time.perf_counter()
+        if self.plan.mode == "live":
+            self.pending[0] = self.xfer.issue([0])
+            self.busy_ms += (time.perf_counter() - t0) * 1e3
+            return
+        if self.staged is not None:
+            self.heads, _ = self.staged.complete()
+        for layers in self.xfer.groups(per_layer=False):
+            g = self.xfer.issue(layers)
+            g.wait()
+            self.heads.update(self.xfer.unpack(g))
+        self._install(range(len(self.attns)))
+        self.wait_ms = self.busy_ms = (time.perf_counter() - t0) * 1e3
 
     def before_layer(self, layer: int) -> None:
-        if self.plan.blocking:
+        if self.plan.mode != "live":
             return
-        if layer + 1 < self.num_layers:
-            self._issue(layer + 1)
-        self._complete(layer)
+        t0 = time.perf_counter()
+        if layer + 1 < len(self.attns):
+            self.pending[layer + 1] = self.xfer.issue([layer + 1])
+        t1 = time.perf_counter()
+        g = self.pending.pop(layer)
+        g.wait()
+        self.wait_ms += (time.perf_counter() - t1) * 1e3
+        self.heads.update(self.xfer.unpack(g))
+        self._install([layer])
+        self.busy_ms += (time.perf_counter() - t0) * 1e3
+
+    def _install(self, layers) -> None:
+        empty = torch.empty(0, device=self.device)
+        for layer in layers:
+            install_heads(self.attns[layer], self.plan, self.heads.pop(layer, empty),
+                          self.heads_from.received_heads)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from splash.backends import PROFILES, available_backends, get_backend, load_profile
+from splash.errors import ConfigError
 
 
 def test_auto_picks_cpu_here_and_logs(caplog):
@@ -20,7 +21,31 @@ def test_auto_picks_cpu_here_and_logs(caplog):
 def test_cpu_backend_facts():
     b = get_backend("cpu")
     assert b.dist_backend == "gloo" and b.device().type == "cpu"
-    assert b.fp8_dtype is None and torch.bfloat16 in b.kv_dtypes
+    assert b.fp8_dtype is None and b.kv_dtypes == (torch.float32, torch.float16)
+
+
+def test_cpu_dtypes_checked() -> None:
+    """bf16 is refused on CPU (the Triton interpreter computes it wrongly); the KV cache holds
+    the activation dtype."""
+    b = get_backend("cpu")
+    assert b.check_dtypes("fp32") == ("fp32", "fp32")
+    assert b.check_dtypes("float16", "fp16") == ("fp16", "fp16")
+    for dtype, kv, words in (("bf16", None, "interpreter"), ("fp64", None, "unknown dtype"),
+                             ("fp32", "int4", "unknown kv_dtype"), ("fp32", "fp16", "match"),
+                             ("fp32", "fp8", "fp8")):
+        with pytest.raises(ConfigError, match=words):
+            b.check_dtypes(dtype, kv)
+
+
+def test_gpu_kv_may_be_fp8() -> None:
+    from splash.backends.cuda import CUDABackend
+
+    cuda = CUDABackend.__new__(CUDABackend)
+    cuda.profile_name = "h200"
+    assert cuda.check_dtypes("bf16", "fp8") == ("bf16", "fp8")
+    assert cuda.check_dtypes("bf16") == ("bf16", "bf16")
+    with pytest.raises(ConfigError, match="match"):
+        cuda.check_dtypes("bf16", "fp16")
 
 
 def test_gpu_backends_describe_their_hardware():
@@ -42,7 +67,7 @@ def test_unknown_or_unavailable_backend_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown backend"):
         get_backend("tpu")
     if not torch.cuda.is_available():
-        with pytest.raises(RuntimeError, match="not available"):
+        with pytest.raises(ConfigError, match="not available"):
             get_backend("cuda")
 
 

@@ -192,7 +192,7 @@ def test_shared_pages_move_once_and_cached_chains_follow_the_switch():
     assert b.owner == a.owner and b.num_computed == 20  # 19 prompt tokens + 1 decoded
     # a's and b's 5 full pages (4 shared) and c's 3, as chains
     assert sorted(len(c.block_hashes) for c in chains) == [3, 5, 5]
-    m = build_manifest(dp, tp, sched.running, alloc, 2, PS, 8, chains)
+    m = build_manifest(dp, tp, sched.running, alloc, 2, PS, 8, cached=chains)
     assert m is not None and len(m.cached) == 3
     # a and b share 4 pages: each moves once to the other rank, as does b's own 5th page;
     # the unreferenced chain's 3 pages move the other way

@@ -1,8 +1,10 @@
 """Live layout switches among all four layouts (T=2 and T=4 over gloo): every one of the 12
 directions while requests decode, a chunked prefill is in flight, two histories share cached
 pages and a 3-sample prompt's samples share its pages gives the tokens of the run without
-switches and without prefix caching; bytes received equal the manifest's prediction; a switch
-that does not fit is deferred, then completes; requests admitted after a switch complete."""
+switches and without prefix caching, in each switch mode (background pre-copy + handoff, live,
+blocking); bytes received equal the manifest's prediction; a switch that does not fit is
+deferred, then completes; requests admitted after a switch, or during a pre-copy, complete; a
+cancelled pre-copy changes nothing."""
 
 from __future__ import annotations
 
@@ -20,8 +22,11 @@ def _params(n):
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-# blocking mode is the measurement baseline: T=2 covers its correctness
-@pytest.mark.parametrize("world,mode", [(2, "live"), (4, "live"), (2, "blocking")])
+# blocking mode is the measurement baseline: T=2 covers its correctness. A background switch
+# hands off at the earliest on the step after its pre-copy: the circuit then takes two steps a
+# switch, with decodes and the chunked prefill writing rows between pre-copy and handoff.
+@pytest.mark.parametrize("world,mode", [(2, "live"), (4, "live"), (2, "blocking"),
+                                        (2, "background"), (4, "background")])
 def test_all_twelve_directions_token_identical(world, mode):
     path = checkpoint("v3")
     # short prompts decode while the 90-token prompt is prefilled in chunks across the
@@ -30,10 +35,11 @@ def test_all_twelve_directions_token_identical(world, mode):
     # share its pages (its last page partly filled: copy-on-write)
     prompts = mixed_prompts(seed=11, lengths=(3, 5, 2, 90, 10))
     prompts.insert(4, prompts[3][:40] + [7, 8, 9])
-    params = [_params(16)] * 3 + [_params(4), _params(6),
-                                  SamplingParams(max_tokens=12, temperature=0.8, seed=3, n=3,
-                                                 ignore_eos=True)]
-    plan = [(1 + i, dst) for i, dst in enumerate(CIRCUIT[1:])]
+    gap = 3 if mode == "background" else 1
+    params = [_params(16 * gap)] * 3 + [_params(4), _params(6),
+                                        SamplingParams(max_tokens=12 * gap, temperature=0.8,
+                                                       seed=3, n=3, ignore_eos=True)]
+    plan = [(1 + gap * i, dst) for i, dst in enumerate(CIRCUIT[1:])]
     with LLM(path, tp_size=world, layout=CIRCUIT[0], switch_mode=mode, **KW) as llm:
         switched = llm.generate(prompts, params, layout_plan=plan)
         stats = llm.stats()
@@ -45,6 +51,7 @@ def test_all_twelve_directions_token_identical(world, mode):
     assert stats["prefix_cache_hit_tokens"] >= 36  # the shared history's 9 full pages
     directions = [(s["from"], s["to"]) for s in stats["switches"]]
     assert directions == list(zip(CIRCUIT, CIRCUIT[1:]))
+    assert {s["mode"] for s in stats["switches"]} == {mode}
     for s in stats["switches"]:
         assert s["kv_bytes_received_per_rank"] == s["predicted_kv_bytes_per_rank"], s
         assert s["weight_bytes_received_per_rank"] == s["predicted_weight_bytes_per_rank"], s
@@ -86,3 +93,49 @@ def test_deferred_switch_completes_and_admits_after():
     for i, rid in enumerate(ids):
         assert outs[rid].token_ids == want[i][: lengths[i]]
     assert [o.token_ids for o in after] == hf_greedy(path, late, 5)
+
+
+def _late_admission_run(path: str, switches: bool) -> tuple[list[list[int]], dict]:
+    prompts = mixed_prompts(seed=5, lengths=(6, 9, 30))
+    late = mixed_prompts(seed=6, lengths=(7,))
+    with LLM(path, tp_size=2, layout="tp", switch_mode="background", **KW) as llm:
+        eng = llm.engine
+        ids = [eng.add_request(p, _params(12)) for p in prompts]
+        outs: dict = {}
+
+        def step():
+            for o in eng.step():
+                outs[o.request_id] = o
+
+        for _ in range(3):
+            step()
+        if switches:
+            eng.switch_layout("dop")  # pre-copy starts in the next step ...
+        ids.append(eng.add_request(late[0], _params(8)))  # ... which also admits this one
+        step()
+        if switches:
+            assert eng.stats()["switch_in_flight"]["to"] == "dop"
+        step()  # handoff
+        if switches:
+            assert eng.layout == "dop" and eng.stats()["switch_in_flight"] is None
+            eng.switch_layout("cp")  # pre-copy ...
+        step()
+        if switches:
+            eng.switch_layout("dp")  # ... abandoned for another target: cancelled, then dp
+        step()
+        while eng.has_unfinished():
+            step()
+        return [outs[r].token_ids for r in ids], eng.stats()
+
+
+def test_background_switch_admits_during_precopy_and_cancels_cleanly():
+    """A request admitted in the pre-copy step reaches the destination through the delta; a
+    pre-copy whose target changes is cancelled (pages freed, tokens unchanged). The oracle is
+    the same run without switches."""
+    path = checkpoint("v3")
+    got, stats = _late_admission_run(path, switches=True)
+    want, _ = _late_admission_run(path, switches=False)
+    assert got == want and [len(g) for g in got] == [12, 12, 12, 8]
+    assert [c["to"] for c in stats["cancelled_switches"]] == ["cp"]
+    assert [(s["from"], s["to"]) for s in stats["switches"]] == [("tp", "dop"), ("dop", "dp")]
+    assert stats["kv_pages_used"] == [0, 0]

@@ -32,9 +32,10 @@ class FakeEngine:
     step; pages = ceil(tokens / page_size) on each of 2 ranks."""
 
     def __init__(self, vocab_size: int = 1000, max_model_len: int = 512, page_size: int = 4,
-                 step_delay_s: float = 0.0) -> None:
+                 step_delay_s: float = 0.0, script: list[int] | None = None) -> None:
         self.vocab_size, self.max_model_len, self.page_size = vocab_size, max_model_len, page_size
         self.step_delay_s = step_delay_s
+        self.script = script  # when set: output token i is script[i] for every prompt
         self.tokenizer = None
         self._reqs: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
         self._aborted: list[str] = []
@@ -77,7 +78,8 @@ class FakeEngine:
                 for r in self._aborted]
         self._aborted = []
         for rid, (prompt, params, toks) in list(self._reqs.items()):
-            tok = fake_tokens(prompt, len(toks) + 1, self.vocab_size)[-1]
+            tok = (self.script[len(toks) % len(self.script)] if self.script else
+                   fake_tokens(prompt, len(toks) + 1, self.vocab_size)[-1])
             toks.append(tok)
             stop = tok in (params.stop_token_ids or [])
             done = stop or len(toks) >= params.max_tokens
@@ -134,7 +136,8 @@ def thread_server(engine: object, **config: object) -> Iterator[ZmqServer]:
 
 
 class ServeProcess:
-    """`splash serve` in a subprocess; stderr goes to a log file the tests can read."""
+    """`splash serve` in a subprocess (its own process group, as in a terminal); stderr goes to
+    a log file the tests can read."""
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None,
                  start_timeout_s: float = 180.0) -> None:
@@ -142,7 +145,8 @@ class ServeProcess:
         self._log = open(log_path, "w")
         cmd = [sys.executable, "-m", "splash.cli", "serve", *args]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=self._log,
-                                     text=True, env={**os.environ, **(env or {})})
+                                     text=True, env={**os.environ, **(env or {})},
+                                     start_new_session=True)
         self.zmq_addr, self.http_url = "", ""
         deadline = time.monotonic() + start_timeout_s
         want_http = "--http-port" in args

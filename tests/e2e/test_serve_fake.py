@@ -11,6 +11,7 @@ import urllib.request
 import msgspec
 import pytest
 from serve_helpers import FakeEngine, RawPeer, fake_tokens, thread_server
+from tiny_tokenizer import load_tokenizer
 
 from splash.client import AsyncClient, Client
 from splash.errors import (
@@ -170,7 +171,7 @@ def test_http_endpoints() -> None:
             assert err.value.code == 400 and b"chat template" in err.value.read()
             with pytest.raises(urllib.error.HTTPError) as err:
                 _post(url + "/v1/completions", {"prompt": "text needs a tokenizer"})
-            assert err.value.code == 400
+            assert err.value.code == 400 and b"splash-serve[tokenizer]" in err.value.read()
             assert json.loads(urllib.request.urlopen(url + "/health", timeout=5).read()) == \
                 {"status": "ok"}
             text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
@@ -212,46 +213,95 @@ def test_fuzzed_frames_never_break_the_server() -> None:
             assert c.generate([9], GREEDY).token_ids == fake_tokens([9], 5, 1000)
 
 
-class _CharTokenizer:
-    """Stand-in HF tokenizer: one token per character (ord % 1000)."""
-
-    chat_template = "{{ messages }}"
-
-    def encode(self, text: str) -> list[int]:
-        return [ord(ch) % 1000 for ch in text]
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return "".join(chr(97 + i % 26) for i in ids)
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool,
-                            tokenize: bool) -> list[int]:
-        return self.encode("".join(m["content"] for m in messages) + ">")
-
-
-def test_http_text_and_chat_with_tokenizer() -> None:
+def _http(server, token: str | None = None, tokenizer=None):
     from splash.server.http import OpenAIHTTPServer
 
-    tok = _CharTokenizer()
-    with thread_server(FakeEngine()) as server:
-        http = OpenAIHTTPServer("127.0.0.1", 0, server.inproc_endpoint, server.context,
-                                "tkn", tok, "fake")
-        http.start()
-        url = f"http://127.0.0.1:{http.server_address[1]}"
+    http = OpenAIHTTPServer("127.0.0.1", 0, server.inproc_endpoint, server.context, token,
+                            tokenizer, "fake")
+    http.start()
+    return http, f"http://127.0.0.1:{http.server_address[1]}"
+
+
+def test_http_text_and_chat_with_a_real_tokenizer() -> None:
+    """A real HF tokenizer with a real chat template (transformers 5 returns a BatchEncoding
+    from apply_chat_template)."""
+    tok = load_tokenizer()
+    messages = [{"role": "user", "content": "hello world"}]
+    rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    chat_ids = tok.encode(rendered, add_special_tokens=False)
+    with thread_server(FakeEngine(vocab_size=len(tok))) as server:
+        http, url = _http(server, "tkn", tok)
         try:
             with pytest.raises(urllib.error.HTTPError) as err:
                 _post(url + "/v1/completions", {"prompt": "hi"})
             assert err.value.code == 401
             auth = {"Authorization": "Bearer tkn"}
-            got = _post(url + "/v1/completions", {"prompt": "hi", "max_tokens": 3}, auth)
-            ids = fake_tokens(tok.encode("hi"), 3, 1000)
-            assert got["choices"][0]["text"] == tok.decode(ids)
-            chat = {"messages": [{"role": "user", "content": "yo"}], "max_tokens": 3}
+            got = _post(url + "/v1/completions", {"prompt": "the fox", "max_tokens": 3}, auth)
+            ids = fake_tokens(tok.encode("the fox"), 3, len(tok))
+            assert got["choices"][0]["token_ids"] == ids
+            assert got["choices"][0]["text"] == tok.decode(ids, skip_special_tokens=True)
+            chat = {"messages": messages, "max_tokens": 3}
             got = _post(url + "/v1/chat/completions", chat, auth)
-            ids = fake_tokens(tok.apply_chat_template(chat["messages"], True, True), 3, 1000)
-            assert got["choices"][0]["message"]["content"] == tok.decode(ids)
+            ids = fake_tokens(chat_ids, 3, len(tok))
+            assert got["usage"]["prompt_tokens"] == len(chat_ids)
+            assert got["choices"][0]["token_ids"] == ids
+            assert got["choices"][0]["message"]["content"] == tok.decode(ids,
+                                                                         skip_special_tokens=True)
             events = _post_sse(url + "/v1/chat/completions", {**chat, "stream": True}, auth)
             assert "".join(e["choices"][0]["delta"]["content"] for e in events) == \
-                tok.decode(ids)
+                tok.decode(ids, skip_special_tokens=True)
+        finally:
+            http.shutdown()
+            http.server_close()
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_http_stream_keeps_multibyte_characters_whole(chat: bool) -> None:
+    """Byte-level tokens of '中文' streamed one per step arrive as whole characters."""
+    tok = load_tokenizer()
+    text = "中文 hello 中文"
+    script = tok.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in tok.decode(script[:i]) for i in range(1, len(script)))  # splits
+    with thread_server(FakeEngine(vocab_size=len(tok), script=script)) as server:
+        http, url = _http(server, tokenizer=tok)
+        try:
+            body = {"max_tokens": len(script), "stream": True}
+            if chat:
+                body["messages"] = [{"role": "user", "content": "hi"}]
+            else:
+                body["prompt"] = "hi"
+            events = _post_sse(url + ("/v1/chat/completions" if chat else "/v1/completions"),
+                               body)
+            pieces = [e["choices"][0]["delta"]["content"] if chat else e["choices"][0]["text"]
+                      for e in events]
+            assert "".join(pieces) == text
+            assert not any("\ufffd" in p for p in pieces), pieces
+            assert sum((e["choices"][0]["token_ids"] for e in events), []) == script
+        finally:
+            http.shutdown()
+            http.server_close()
+
+
+@pytest.mark.parametrize("extra", [{"stop": ["\n"]}, {"stop": "x"}, {"logprobs": 2},
+                                   {"logprobs": True}, {"top_logprobs": 3}, {"echo": True},
+                                   {"presence_penalty": 0.5}, {"logit_bias": {"5": 1}}])
+def test_http_rejects_unsupported_openai_params(extra: dict) -> None:
+    """Parameters the engine does not implement are a 400 naming them, never silently
+    ignored; their neutral values (null, false, 0) are accepted."""
+    tok = load_tokenizer()
+    with thread_server(FakeEngine(vocab_size=len(tok))) as server:
+        http, url = _http(server, tokenizer=tok)
+        try:
+            for path, body in (("/v1/completions", {"prompt": [1, 2]}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                                       "content": "hi"}]})):
+                with pytest.raises(urllib.error.HTTPError) as err:
+                    _post(url + path, {**body, "max_tokens": 2, **extra})
+                assert err.value.code == 400
+                assert next(iter(extra)) in json.loads(err.value.read())["error"]["message"]
+            neutral = {"stop": None, "logprobs": None, "echo": False, "presence_penalty": 0}
+            got = _post(url + "/v1/completions", {"prompt": [1, 2], "max_tokens": 2, **neutral})
+            assert got["choices"][0]["token_ids"] == fake_tokens([1, 2], 2, len(tok))
         finally:
             http.shutdown()
             http.server_close()

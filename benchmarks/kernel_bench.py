@@ -1,6 +1,6 @@
 """Kernel benchmark: SPLASH's Triton kernels against ceilings measured in the same run.
 
-    python benchmarks/kernels.py --out benchmarks/results/h200/kernels.json [--no-sweep]
+    python benchmarks/kernel_bench.py --out benchmarks/results/h200/kernels.json [--no-sweep]
         [--sweep-configs] [--only-decode] [--shapes 16x64x4096,128x8x32768] [--kinds bf16,fp8]
 
 Measures, on the current GPU:
@@ -323,7 +323,7 @@ def main() -> None:
     if not kinds or any(k not in ("bf16", "fp8") for k in kinds):
         sys.exit(f"--kinds: {args.kinds!r}; expected bf16 and/or fp8")
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/kernels.py needs a GPU")
+        sys.exit("benchmarks/kernel_bench.py needs a GPU")
     if args.verify_one:  # one config in its own process: a faulting kernel cannot stop the run
         kind, heads, cfg = json.loads(args.verify_one)
         sys.exit(0 if verify_config(torch.device("cuda"), kind, heads, cfg) else 1)

@@ -1,0 +1,62 @@
+"""Ctrl-C in a terminal sends SIGINT to the whole process group: the controller and every
+worker. Workers ignore it; the controller stops them. `splash serve` exits 0 (its documented
+clean stop), `splash generate` exits 130 (interrupted), neither prints a traceback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from serve_helpers import REPO, ServeProcess
+from tiny_models import checkpoint
+
+from splash.client import Client
+from splash.errors import SplashError
+from splash.sampling_params import SamplingParams
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+CPU_TP2 = ["--tp", "2", "--backend", "cpu", "--layout", "tp"]
+
+
+def _clean(log: str) -> None:
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-3000:]
+
+
+def test_ctrl_c_stops_serve_during_a_stream(tmp_path: Path) -> None:
+    server = ServeProcess([*CPU_TP2, "--port", "0", "--model", checkpoint("v3")],
+                          tmp_path / "serve.log")
+    try:
+        with Client(server.zmq_addr, timeout=60) as c:
+            stream = c.stream([2, 7], SamplingParams(max_tokens=200, ignore_eos=True))
+            assert next(stream)
+            os.killpg(server.proc.pid, signal.SIGINT)
+            with pytest.raises(SplashError, match="shutting down"):
+                list(stream)
+        assert server.proc.wait(60) == 0
+        _clean(server.log())
+    finally:
+        server.stop()
+
+
+def test_ctrl_c_stops_generate() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "splash.cli", "generate", "--model", checkpoint("v3"), *CPU_TP2,
+         "--prompt-ids", "2,7", "--max-tokens", "200"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True, env={**os.environ, "SPLASH_LOG_LEVEL": "DEBUG"})
+    assert proc.stderr is not None
+    seen = []
+    for line in proc.stderr:  # interrupt once the workers run steps
+        seen.append(line)
+        if "workers ready" in line:
+            break
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    log = "".join(seen) + err
+    assert proc.returncode == 130, log[-3000:]
+    _clean(log)
+    assert err.strip().splitlines()[-1] == "splash generate: interrupted"
