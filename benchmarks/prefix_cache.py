@@ -17,12 +17,12 @@ finished, with that turn's output in its context — with the cache off and on.
 
     python benchmarks/prefix_cache.py --out benchmarks/results/cpu/prefix_cache.json
     python benchmarks/prefix_cache.py --backend cuda --preset deepseek-v2-lite --scale full \\
-        --layers 2 --prompts 64 --template 1024 --question 512 --output 1024 --page-size 64 \\
+        --layers 2 --prompts 64 --n 8 --template 1024 --question 512 --output 1024 --page-size 64 \\
         --batch-tokens 8192 --sessions 32 --turns 6 --context 8192 --turn-len 1024 \\
         --out benchmarks/results/h200/prefix_cache.json
 
-On CPU (Triton interpreter) the model is tiny and lengths are short: the prefill ratios are
-the engine's, the times are not GPU claims.
+The defaults are the CPU run (Triton interpreter: a tiny model, 16 prompts, short lengths, pages
+of 4 tokens): the prefill ratios are the engine's, the times are not GPU claims.
 """
 
 from __future__ import annotations
@@ -143,8 +143,14 @@ def run_agentic(path: str, trace, cache: bool, args: Any) -> dict:
 
 
 def _checkpoint(args: Any) -> str:
+    from offline_throughput import build_checkpoint
+
     from splash.model.presets import make_model
 
+    if args.full_dims:
+        path = args.model or f"/tmp/splash-prefix-bench-v2lite-{args.layers}"
+        build_checkpoint(path, args.layers, torch.bfloat16)
+        return path
     path = args.model or f"/tmp/splash-prefix-bench-{args.preset}-{args.scale}-{args.layers}"
     if not os.path.exists(os.path.join(path, "config.json")):
         make_model(path, args.preset, layers=args.layers, seed=0, scale=args.scale)
@@ -162,20 +168,21 @@ def main() -> int:
     ap.add_argument("--preset", default="deepseek-v3")
     ap.add_argument("--scale", default="tiny")
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--full-dims", action="store_true", help="DeepSeek-V2-Lite dimensions")
     ap.add_argument("--vocab", type=int, default=250, help="prompt token ids drawn below this")
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--batch-tokens", type=int, default=1024)
+    ap.add_argument("--page-size", type=int, default=4)
+    ap.add_argument("--batch-tokens", type=int, default=256)
     ap.add_argument("--max-seqs", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--template", type=int, default=192, help="tokens every prompt shares")
-    ap.add_argument("--question", type=int, default=64, help="median question tokens")
-    ap.add_argument("--output", type=int, default=16, help="median output tokens")
-    ap.add_argument("--sessions", type=int, default=8)
-    ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--context", type=int, default=128, help="median first-turn context")
-    ap.add_argument("--turn-len", type=int, default=32, help="median new tokens per turn")
+    ap.add_argument("--template", type=int, default=32, help="tokens every prompt shares")
+    ap.add_argument("--question", type=int, default=16, help="median question tokens")
+    ap.add_argument("--output", type=int, default=8, help="median output tokens")
+    ap.add_argument("--sessions", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--context", type=int, default=48, help="median first-turn context")
+    ap.add_argument("--turn-len", type=int, default=12, help="median new tokens per turn")
     ap.add_argument("--skip-agentic", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/cpu/prefix_cache.json")
     args = ap.parse_args()

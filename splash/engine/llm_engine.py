@@ -226,7 +226,7 @@ class LLMEngine:
         Every rank copies its slices into the tensors it holds now (CUDA graphs stay valid);
         the prefix cache is flushed (its KV came from the old weights)."""
         in_flight = len(self.scheduler.running) + len(self.scheduler.waiting)
-        if in_flight or self._pending_outputs:
+        if in_flight:
             raise InvalidRequestError(
                 f"{in_flight} requests in flight: weights are updated between rollout rounds, "
                 "when no request runs (let them finish or abort them first)")

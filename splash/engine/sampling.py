@@ -62,7 +62,8 @@ def sample_step(model: MLAModel, hidden: torch.Tensor,
     logprobs: list[TokenLogprobs] = []
     if rows:
         unique = sorted(set(rows))  # a row drawn n times computes its logits once
-        where = [unique.index(r) for r in rows] if len(unique) < len(rows) else None
+        at = {r: i for i, r in enumerate(unique)}
+        where = [at[r] for r in rows] if len(unique) < len(rows) else None
         logits = model.compute_logits(hidden[torch.tensor(unique, device=hidden.device)])
         if where is not None:
             logits = logits[torch.tensor(where, device=logits.device)]  # (draws, V)
