@@ -8,7 +8,7 @@ feeds the cost model. Model, scheduler and layouts reach a backend only through 
 from splash.backends import cpu as _cpu  # noqa: F401  (registers)
 from splash.backends import cuda as _cuda  # noqa: F401  (registers)
 from splash.backends import rocm as _rocm  # noqa: F401  (registers)
-from splash.backends.base import BaseBackend, available_backends, get_backend
+from splash.backends.base import BaseBackend, available_backends, device_tuning, get_backend
 from splash.backends.base import register_backend as register_backend
 from splash.backends.profiles import PROFILES, HardwareProfile, load_profile
 
@@ -17,6 +17,7 @@ __all__ = [
     "HardwareProfile",
     "PROFILES",
     "available_backends",
+    "device_tuning",
     "get_backend",
     "load_profile",
 ]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 import torch
 
+from splash.backends.dtypes import TORCH_DTYPES, dtype_name
 from splash.backends.profiles import HardwareProfile, load_profile
 from splash.errors import ConfigError
 from splash.logging_utils import get_logger
@@ -14,12 +16,6 @@ from splash.logging_utils import get_logger
 logger = get_logger("splash.backends")
 
 _REGISTRY: dict[str, type[BaseBackend]] = {}
-
-# accepted spellings -> canonical short names; torch dtypes of the canonical names
-DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16",
-               "half": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
-TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
 
 class BaseBackend(ABC):
     """Contract: one accelerator family.
@@ -29,8 +25,9 @@ class BaseBackend(ABC):
     - ``dtypes``: activation/weight dtypes it computes correctly; ``kv_dtypes``: KV-cache dtypes
       (those, plus ``fp8_dtype``, the fp8 flavour, or None); ``check_dtypes`` validates a pair.
     - ``wave_size``: threads per warp/wavefront (32 NVIDIA, 64 AMD/DCU).
-    - ``tuning``: per-kernel launch parameters (``kernel_config``), so tuning never lives in
-      kernel code.
+    - ``TUNING``: per-kernel launch parameters (``kernel_config``), so tuning never lives in
+      kernel code: a launcher called without a config reads its device's table
+      (``device_tuning``).
     - ``profile``: the hardware profile feeding the cost model.
     """
 
@@ -76,8 +73,8 @@ class BaseBackend(ABC):
         backend runs, or a ConfigError saying what it runs. The KV cache holds the activation
         dtype (the attention kernels read both alike) or fp8 where the hardware has it."""
         ok = [n for n, t in TORCH_DTYPES.items() if t in self.dtypes]
-        name = DTYPE_NAMES.get(str(dtype).lower())
-        if name is None:
+        name = dtype_name(dtype)
+        if name not in TORCH_DTYPES:  # unknown, or fp8 (a KV dtype only)
             raise ConfigError(f"unknown dtype {dtype!r}; use one of {', '.join(ok)}")
         if TORCH_DTYPES[name] not in self.dtypes:
             note = f" ({self.dtype_note})" if self.dtype_note else ""
@@ -86,7 +83,7 @@ class BaseBackend(ABC):
         kv_ok = [name] + (["fp8"] if self.fp8_dtype is not None else [])
         if kv_dtype is None:
             return name, name
-        kv = "fp8" if str(kv_dtype).lower() == "fp8" else DTYPE_NAMES.get(str(kv_dtype).lower())
+        kv = dtype_name(kv_dtype)
         if kv is None:
             raise ConfigError(f"unknown kv_dtype {kv_dtype!r}; use {' or '.join(kv_ok)}")
         if kv == "fp8" and self.fp8_dtype is None:
@@ -116,6 +113,14 @@ class BaseBackend(ABC):
             "wave_size": self.wave_size,
             "kv_dtypes": [str(d).replace("torch.", "") for d in self.kv_dtypes],
         }
+
+
+def device_tuning(device: torch.device, kernel: str) -> dict[str, Any]:
+    """The "default" entry of ``kernel`` in the tuning table of the backend that drives
+    ``device`` (CPU, CUDA, or ROCm under a HIP build of torch): what a launcher uses when its
+    caller passes no config of its own."""
+    name = "cpu" if device.type == "cpu" else ("rocm" if torch.version.hip is not None else "cuda")
+    return copy.deepcopy(_REGISTRY[name].TUNING.get(kernel, {}).get("default", {}))
 
 
 def register_backend(cls: type[BaseBackend]) -> type[BaseBackend]:

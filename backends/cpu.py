@@ -14,15 +14,19 @@ class CPUBackend(BaseBackend):
     wave_size = 1
     dtype_note = "the Triton interpreter computes bf16 wrongly"
     TUNING = {
-        # small tiles keep the interpreter fast (= the launchers' CPU defaults; the split
-        # count is left to the launcher's wave model, which the cost model's CPU profile fits)
+        # small tiles keep the interpreter fast; the split count is left to the launcher's
+        # wave model, which the cost model's CPU profile fits
         "mla_decode": {
-            "default": {"BLOCK_N": 16, "BLOCK_H": 16, "num_warps": 4, "num_stages": 1}
+            "default": {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "max_block_h": 16,
+                        "programs_per_sm": 1, "split_overhead_tokens": 16,
+                        "min_split_tokens": 32,
+                        "fp8_fp16": False}  # the interpreter widens fp8 exactly to any q dtype
         },
-        "mla_extend": {"default": {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}},
-        "kv_write": {"default": {"BLOCK_M": 16, "num_warps": 4}},
-        "kv_gather": {"default": {"BLOCK_M": 16, "num_warps": 4}},
-        "exchange": {"default": {"BLOCK_M": 4, "BLOCK_W": 1024, "num_warps": 4}},
+        "mla_extend": {"default": {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1,
+                                   "fp8_fp16": False}},
+        "fused_moe": {"default": {"BLOCK_M": 16, "BLOCK_K": 32, "GROUP_M": 4, "num_warps": 4,
+                                  "num_stages": 1, "gate_up": {"BLOCK_N": 32},
+                                  "down": {"BLOCK_N": 32}}},
     }
 
     @classmethod

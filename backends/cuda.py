@@ -16,12 +16,15 @@ class CUDABackend(BaseBackend):
         # mla_decode (measured on H200, benchmarks/results/h200/kernels.json): bf16 with H <= 32
         # uses the tokens-on-M kernel ("transposed", value product heads-on-M: "pv_heads_m")
         # with 32-token tiles, 3 stages, 2 programs per SM in the launcher's wave model; H > 32
-        # ("many_heads") uses 64-head groups on M with 8 warps and 64-token tiles; fp8 KV with
-        # H <= 32 keeps the heads-on-M kernel (the tokens-on-M one was slower there) with
-        # 32-token tiles, 2 stages, 2 programs per SM in the wave model (it then picks the
-        # measured-best split at all six anchor shapes).
+        # ("many_heads") uses 64-head groups on M: 64 heads x 512 fp32 accumulators need 8
+        # warps, and 64-token tiles (2 stages fit shared memory) lifted 128 heads from 177 to
+        # 276-281 TFLOP/s. fp8 KV with H <= 32 keeps the heads-on-M kernel (0.26 vs 0.34 ms at
+        # 64 x 4K for tokens-on-M) with 32-token tiles and 2 stages (0.965 vs 1.31 ms at
+        # 64 x 32K), 2 programs per SM in the wave model (it then picks the measured-best split
+        # at all six anchor shapes).
         # fp8 KV: "fp8_fp16" runs the products on fp16 operands (native fp8 -> fp16
-        # conversion; q clamped to fp16's range), off for many heads (measured slower there).
+        # conversion; q clamped to fp16's range), off for many heads (0.61 vs 0.75 ms with it:
+        # compute-bound, where the fp16 casts cost more than they save).
         "mla_decode": {
             "default": {
                 "transposed": True, "pv_heads_m": True, "BLOCK_N": 32, "BLOCK_H": 16,
@@ -40,9 +43,6 @@ class CUDABackend(BaseBackend):
         # bf16 products (185 vs 145 TFLOP/s with fp16 products)
         "mla_extend": {"default": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2,
                                    "fp8_fp16": False}},
-        "kv_write": {"default": {"BLOCK_M": 16, "num_warps": 4}},
-        "kv_gather": {"default": {"BLOCK_M": 16, "num_warps": 4}},
-        "exchange": {"default": {"BLOCK_M": 4, "BLOCK_W": 1024, "num_warps": 4}},
         # fused_moe (benchmarks/results/h200/moe_kernel.json, DeepSeek-V2-Lite experts, 4K
         # tokens, bf16): BLOCK_M is the expert alignment shared by both grouped GEMMs; "gate_up"
         # / "down" override per GEMM (gate_up's BLOCK_N counts gate and up columns each). The

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from splash.backends.base import BaseBackend, register_backend
+from splash.backends.cuda import CUDABackend
 
 
 def _gfx_arch() -> str:
@@ -30,9 +31,7 @@ class ROCmBackend(BaseBackend):
             },
         },
         "mla_extend": {"default": {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}},
-        "kv_write": {"default": {"BLOCK_M": 16, "num_warps": 4}},
-        "kv_gather": {"default": {"BLOCK_M": 16, "num_warps": 4}},
-        "exchange": {"default": {"BLOCK_M": 4, "BLOCK_W": 1024, "num_warps": 4}},
+        "fused_moe": CUDABackend.TUNING["fused_moe"],  # not yet tuned on ROCm: CUDA's
     }
 
     @classmethod

@@ -1,7 +1,8 @@
 """Kernel benchmark: SPLASH's Triton kernels against ceilings measured in the same run.
 
     python benchmarks/kernel_bench.py --out benchmarks/results/h200/kernels.json [--no-sweep]
-        [--sweep-configs] [--only-decode] [--shapes 16x64x4096,128x8x32768] [--kinds bf16,fp8]
+        [--sweep-configs] [--only-decode] [--only-dsa] [--shapes 16x64x4096,128x8x32768]
+        [--kinds bf16,fp8]
 
 Measures, on the current GPU:
 - ceilings: device copy bandwidth (read + write of a large clone) and bf16 8192^3 matmul TFLOP/s;
@@ -11,7 +12,11 @@ Measures, on the current GPU:
   fp16 products, ``fp8_fp16``, on both kernels, and without it as the reference);
 - ``mla_extend``: one 8K-row chunk x 128 heads, causal, prefix 0 and 24K;
 - exchange / repack copies (gather_rows, scatter_rows, split/merge heads, kv_gather, kv_write)
-  at >= 64 MiB, as read + write bandwidth.
+  at >= 64 MiB, as read + write bandwidth;
+- DSA decode (``dsa_kernels.py``): indexer scores, top-k, sparse MLA and the three together at
+  batch 16, 16 / 128 heads, 32K / 128K, index_topk 2048, as % of the bytes roofline (indexer
+  keys of the history + the selected latent rows). ``--only-dsa`` runs just these and merges
+  them into an existing ``--out`` file.
 
 Decode FLOPs are 2·H·(D + L) per KV token per query; effective bandwidth counts the KV bytes
 (rows + fp8 scales) read once. Peer figures: the Triton MLA decode kernel SGLang/vLLM ship, best
@@ -46,6 +51,7 @@ import torch
 import triton
 from _timing import bench_both, ceilings  # noqa: E402  (benchmarks/ is on sys.path)
 from copy_kernels import copy_records  # noqa: E402
+from dsa_kernels import dsa_records  # noqa: E402
 
 import splash.kernels_triton as K
 
@@ -311,6 +317,8 @@ def main() -> None:
     parser.add_argument("--shapes", default="",
                         help="decode shapes HxNxT, comma-separated (default: all six)")
     parser.add_argument("--kinds", default="bf16,fp8", help="KV kinds: bf16, fp8 (comma-separated)")
+    parser.add_argument("--only-dsa", action="store_true",
+                        help="DSA records only, merged into an existing --out file")
     parser.add_argument("--verify-one", help=argparse.SUPPRESS)  # internal: kind,heads,config
     args = parser.parse_args()
     shapes = DECODE_SHAPES
@@ -329,6 +337,9 @@ def main() -> None:
         sys.exit(0 if verify_config(torch.device("cuda"), kind, heads, cfg) else 1)
     K.set_value_checks(False)  # no host syncs inside the timed loops
     dev = torch.device("cuda")
+    if args.only_dsa:
+        merge_dsa(args.out, dev)
+        return
     props = torch.cuda.get_device_properties(dev)
     ceil = ceilings(dev)
     print(json.dumps(ceil), flush=True)
@@ -374,7 +385,26 @@ def main() -> None:
     save()
     result["records"] += copy_records(dev, ceil)
     save()
+    result["records"] += dsa_records(dev, ceil)
+    save()
     print("wrote", args.out)
+
+
+def merge_dsa(path: str, dev: torch.device) -> None:
+    """Replace the DSA records of the results file ``path`` (kept otherwise) with new ones."""
+    try:
+        with open(path) as f:
+            result = json.load(f)
+    except FileNotFoundError:
+        result = {"records": []}
+    ceil = ceilings(dev)
+    result["records"] = [r for r in result["records"] if not r["kernel"].startswith("dsa_")]
+    result["records"] += dsa_records(dev, ceil)
+    result["dsa_date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    result["dsa_ceilings"] = {k: round(v, 1) for k, v in ceil.items()}
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print("merged DSA records into", path)
 
 
 if __name__ == "__main__":

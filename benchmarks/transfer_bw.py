@@ -33,6 +33,7 @@ from splash.core.ownership import LAYOUTS, local_page_index, page_holders
 from splash.core.protocol import SwitchPlan
 from splash.core.request import Request
 from splash.dist.comm import Comm
+from splash.engine.plans import collective_shape
 from splash.layouts.base import KVStore
 from splash.sampling_params import SamplingParams
 from splash.switching.executor import PreCopy
@@ -114,7 +115,9 @@ def worker(rank: int, args, port: int, q) -> None:
         start = 0 if src in ("dp", "cp") else rank * per
         n = heads if src in ("dp", "cp") else per
         attns = [_Attn(start, n, device, dtype, args.shrink) for _ in range(args.layers)]
-        plan = SwitchPlan(src, dst, w, m.kv[rank], mode="precopy")
+        head_row = sum(t[0].numel() * t.element_size() for t in attns[0].w.values())
+        plan = SwitchPlan(src, dst, w, m.kv[rank], mode="precopy", **collective_shape(
+            m, caches[0].shape[-1] * caches[0].element_size(), head_row))
         got = {}
 
         def switch(plan=plan, attns=attns, got=got):
@@ -127,7 +130,6 @@ def worker(rank: int, args, port: int, q) -> None:
         if recv == 0 and not sum(len(x) for x in w.send_to):
             continue
         kv_row = caches[0].shape[-1] * caches[0].element_size() * args.layers
-        head_row = sum(t[0].numel() * t.element_size() for t in attns[0].w.values())
         send_counts = [sum(r[1::2]) * kv_row + len(h) * head_row * args.layers
                        for r, h in zip(m.kv[rank].send_runs, w.send_to)]
         recv_counts = [sum(r[1::2]) * kv_row + len(h) * head_row * args.layers

@@ -4,8 +4,9 @@
                            [-- extra pytest args]
 
 - cpu:  the cpu-safe suite, ``-m "not gpu"``, Triton in interpreter mode, spread with xdist.
-- cuda: ``-m gpu`` (bf16 + fp8 kernels, multi-rank CUDA tensors over gloo), then the cpu-safe
-        suite; both always run, the first non-zero exit code is returned.
+- cuda: ``-m gpu`` (bf16 + fp8 kernels, CUDA graphs at T=1; one device, no multi-rank GPU
+        runs), then the cpu-safe suite; both always run, the first non-zero exit code is
+        returned.
 - rocm: ``-m gpu``; fp8 tests are deselected (``-k "not fp8"``) when SPLASH_NO_FP8=1 or the
         device is a gfx936 (Hygon BW1000 DCU), which has no native fp8.
 

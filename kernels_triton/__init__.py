@@ -6,6 +6,7 @@ from the backend's tuning table (``config``) or fall back to per-device defaults
 """
 
 from splash.kernels_triton._validate import set_value_checks, value_checks_enabled
+from splash.kernels_triton.dsa_index import index_scores, index_scores_ref
 from splash.kernels_triton.exchange import (
     gather_rows,
     gather_rows_ref,
@@ -27,6 +28,8 @@ from splash.kernels_triton.kv_cache_ops import (
 from splash.kernels_triton.lse_merge import lse_merge, lse_merge_ref
 from splash.kernels_triton.mla_decode import choose_num_splits, mla_decode, mla_decode_ref
 from splash.kernels_triton.mla_extend import mla_extend, mla_extend_ref
+from splash.kernels_triton.mla_sparse import mla_sparse, mla_sparse_ref
+from splash.kernels_triton.topk import topk_rows, topk_rows_ref
 
 __all__ = [
     "choose_num_splits",
@@ -34,6 +37,8 @@ __all__ = [
     "fused_moe_ref",
     "gather_rows",
     "gather_rows_ref",
+    "index_scores",
+    "index_scores_ref",
     "kv_gather",
     "kv_gather_ref",
     "kv_write",
@@ -46,6 +51,8 @@ __all__ = [
     "mla_decode_ref",
     "mla_extend",
     "mla_extend_ref",
+    "mla_sparse",
+    "mla_sparse_ref",
     "moe_align",
     "quantise_rows_ref",
     "scatter_rows",
@@ -53,5 +60,7 @@ __all__ = [
     "set_value_checks",
     "split_heads_to_ranks",
     "split_heads_to_ranks_ref",
+    "topk_rows",
+    "topk_rows_ref",
     "value_checks_enabled",
 ]

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from splash.backends import device_tuning
 from splash.kernels_triton import _validate as V
 
 
@@ -120,18 +121,6 @@ def _moe_gemm_kernel(
 # ---------------------------------------------------------------------------------------------
 # launchers
 
-# Best of the H200 sweep (benchmarks/results/h200/moe_kernel.json; = the CUDA backend's TUNING
-# entry "fused_moe", which a caller passes as ``config``). Top-level keys apply to both GEMMs,
-# "gate_up" / "down" override per GEMM (BLOCK_M is shared: the alignment of the sorted pairs).
-_GPU_DEFAULTS: dict[str, Any] = {
-    "BLOCK_M": 128, "BLOCK_K": 64, "num_warps": 8,
-    "gate_up": {"BLOCK_N": 128, "GROUP_M": 16, "num_stages": 4},
-    "down": {"BLOCK_N": 256, "GROUP_M": 8, "num_stages": 3},
-}
-_CPU_DEFAULTS: dict[str, Any] = {
-    "BLOCK_M": 16, "BLOCK_K": 32, "GROUP_M": 4, "num_warps": 4, "num_stages": 1,
-    "gate_up": {"BLOCK_N": 32}, "down": {"BLOCK_N": 32},
-}
 # fp32 activations on a GPU (the GPU test suite's exact-token runs): the bf16-tuned tiles would
 # overflow shared memory at twice the bytes, so smaller tiles override any config
 _GPU_FP32: dict[str, Any] = {
@@ -151,9 +140,11 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 def _gemm_configs(config: dict | None, device: torch.device,
                   fp32: bool = False) -> dict[str, dict[str, Any]]:
-    """Per-GEMM launch parameters: defaults of the device, then ``config`` (then the fp32
-    tiles for fp32 activations on a GPU)."""
-    cfg = _merge(_GPU_DEFAULTS if device.type == "cuda" else _CPU_DEFAULTS, config or {})
+    """Per-GEMM launch parameters: the device's backend table (``device_tuning``; top-level
+    keys apply to both GEMMs, "gate_up" / "down" override per GEMM, BLOCK_M is shared: the
+    alignment of the sorted pairs), then ``config``, then the fp32 tiles for fp32 activations
+    on a GPU."""
+    cfg = _merge(device_tuning(device, "fused_moe"), config or {})
     if fp32 and device.type == "cuda":
         cfg = _merge(cfg, _GPU_FP32)
     unknown = set(cfg) - {*_TILE_KEYS, "num_warps", "num_stages", *_GEMMS}

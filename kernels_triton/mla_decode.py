@@ -41,51 +41,25 @@ from typing import Any
 import torch
 import triton
 
+from splash.backends import device_tuning
 from splash.kernels_triton import _validate as V
 from splash.kernels_triton.lse_merge import _merge_into
 from splash.kernels_triton.mla_decode_kernels import _LOG2E, _MAX_SPLITS, _mla_decode_kernel
 from splash.kernels_triton.mla_decode_tokens_m import _mla_decode_tokens_m_kernel
 
-_GPU_DEFAULTS: dict[str, Any] = {
-    # mirrors backends/cuda.py's TUNING["mla_decode"] (measured on H200,
-    # benchmarks/results/h200/kernels.json). Few heads, bf16: the tokens-on-M kernel with the
-    # value product heads-on-M ("pv_heads_m"), 32-token tiles, 3 stages, 2 programs per SM in
-    # the wave model.
-    "transposed": True, "pv_heads_m": True, "BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 4,
-    "num_stages": 3, "max_block_h": 64, "programs_per_sm": 2, "split_overhead_tokens": 512,
-    "min_split_tokens": 256,
-    # applied when H > 32: 64 heads x 512 fp32 accumulators need 8 warps; 64-token tiles
-    # (2 stages fit shared memory) lifted 128 heads from 177 to 276-281 TFLOP/s
-    "many_heads": {"transposed": False, "BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8,
-                   "num_stages": 2, "programs_per_sm": 1, "split_overhead_tokens": 64},
-    # fp8 KV, few heads: the heads-on-M kernel is faster (0.26 vs 0.34 ms at 64x4K);
-    # "fp8_fp16": fp16 products (native fp8 -> fp16 conversion) instead of q's dtype (bf16);
-    # 2 programs per SM: the wave model then picks the measured-best split at all six anchors;
-    # 32-token tiles, 2 stages (0.965 vs 1.31 ms at 64x32K); many heads keep bf16 products
-    # (0.61 vs 0.75 ms: compute-bound, where the fp16 cast of p and q costs more than it saves)
-    "fp8": {"transposed": False, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2,
-            "programs_per_sm": 2, "split_overhead_tokens": 64, "fp8_fp16": True,
-            "many_heads": {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "programs_per_sm": 1,
-                           "fp8_fp16": False}},
-}
 # fp32 queries on a GPU (the GPU test suite's exact-token runs): tiles twice as wide in bytes,
 # so small tiles and one stage keep shared memory under the limit
 _GPU_FP32: dict[str, Any] = {"transposed": False, "BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4,
                              "num_stages": 1}
-_CPU_DEFAULTS: dict[str, Any] = {
-    "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "max_block_h": 16,
-    "programs_per_sm": 1, "split_overhead_tokens": 16, "min_split_tokens": 32,
-    "fp8_fp16": False,  # the interpreter widens fp8 exactly to any q dtype; tests ask for it
-}
 
 
 def decode_config(
     num_heads: int, device: torch.device, config: dict | None, fp8: bool = False,
     fp32_q: bool = False,
 ) -> dict[str, Any]:
-    """Launch parameters: device defaults, then ``config`` (the backend's table when the engine
-    calls), then the fp32 tiles for fp32 queries on a GPU. In each, a ``many_heads`` sub-dict
-    applies when H > 32 and an ``fp8`` sub-dict (which may hold its own ``many_heads``) when the
+    """Launch parameters: the device's backend table (``device_tuning``), then ``config`` (the
+    engine passes its backend's entry for the profile), then the fp32 tiles for fp32 queries on
+    a GPU. In each, a ``many_heads`` sub-dict applies when H > 32 and an ``fp8`` sub-dict (which may hold its own ``many_heads``) when the
     KV cache is fp8. Fills BLOCK_H (power of two >= 16, at most ``max_block_h``).
     ``transposed`` picks the tokens-on-M kernel (heads on the MMA's N side); ``fp8_fp16`` (fp8
     KV only) runs the products on fp16 operands; ``warp_specialize`` asks Triton to split the
@@ -100,14 +74,7 @@ def decode_config(
         if nested and fp8 and "fp8" in layer:
             apply(layer["fp8"], nested=False)
 
-    if device.type == "cuda":
-        base = dict(_GPU_DEFAULTS)
-        if torch.version.hip is not None:
-            base["transposed"] = False  # the tokens-on-M kernel is verified on CUDA only
-            base["fp8"] = {**base["fp8"], "fp8_fp16": False}  # measured on CUDA only
-    else:
-        base = _CPU_DEFAULTS
-    apply(base, nested=True)
+    apply(device_tuning(device, "mla_decode"), nested=True)
     apply(config or {}, nested=True)
     if fp32_q and device.type == "cuda":
         cfg.update(_GPU_FP32)  # after any config: bf16-tuned tiles overflow shared memory

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from splash.backends import device_tuning
 from splash.kernels_triton import _validate as V
 from splash.kernels_triton.mla_decode import paged_rows_ref
 from splash.kernels_triton.mla_decode_kernels import _LOG2E, _attend_tile, _q_operand
@@ -134,14 +135,6 @@ def _mla_extend_kernel(
 # ---------------------------------------------------------------------------------------------
 # launcher
 
-# mirrors backends/cuda.py's TUNING["mla_extend"] (H200: 64-token KV tiles 298 vs 199 TFLOP/s
-# with 32; extend is compute-bound, where fp16 products for fp8 KV measured slower, 145 vs 185)
-_GPU_DEFAULTS: dict[str, Any] = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2,
-                                 "fp8_fp16": False}
-_CPU_DEFAULTS: dict[str, Any] = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1,
-                                 "fp8_fp16": False}
-
-
 # fp32 queries on a GPU (the GPU test suite's exact-token runs): smaller tiles, one stage, so
 # the fp32 tiles fit shared memory
 _GPU_FP32: dict[str, Any] = {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
@@ -149,9 +142,7 @@ _GPU_FP32: dict[str, Any] = {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_
 
 def extend_config(device: torch.device, config: dict | None,
                   fp32_q: bool = False) -> dict[str, Any]:
-    cfg = dict(_GPU_DEFAULTS if device.type == "cuda" else _CPU_DEFAULTS)
-    if device.type == "cuda" and torch.version.hip is not None:
-        cfg["fp8_fp16"] = False  # measured on CUDA only
+    cfg = device_tuning(device, "mla_extend")  # the device's backend table, then ``config``
     cfg.update(config or {})
     if device.type == "cuda" and fp32_q:
         cfg.update(_GPU_FP32)  # after any config: bf16-tuned tiles overflow shared memory

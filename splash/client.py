@@ -1,4 +1,4 @@
-"""Client library of `splash serve` (CONTRACT): ``Client`` (blocking) and ``AsyncClient``
+"""Client library of `splash serve`: ``Client`` (blocking) and ``AsyncClient``
 (asyncio) with the same methods.
 
     with Client("tcp://127.0.0.1:5557") as c:

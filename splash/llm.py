@@ -1,4 +1,4 @@
-"""`splash.LLM`: offline generation (CONTRACT; vLLM's names)."""
+"""`splash.LLM`: offline generation (vLLM's names), driving the engine through EngineAPI."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from splash.engine.api import EngineAPI
 from splash.engine.config import EngineConfig
 from splash.engine.llm_engine import LLMEngine
 from splash.errors import NO_TOKENIZER, InvalidRequestError
@@ -30,7 +31,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns outputs in prompt order. ``layout_plan`` forces
         live switches at engine steps counted from this call: ``[(3, "dop"), (6, "tp")]``."""
-        eng = self.engine
+        eng: EngineAPI = self.engine
         if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], int)):
             raise InvalidRequestError("prompts must be a list of prompts (lists of token ids)")
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -39,9 +40,8 @@ class LLM:
         if len(per_prompt) != len(prompts):
             raise InvalidRequestError(
                 f"{len(per_prompt)} sampling params for {len(prompts)} prompts")
-        base = eng.step_count
         for step, name in layout_plan or []:
-            eng.switches.force_at(base + int(step), name)
+            eng.switch_layout(name, after_steps=int(step))
         ids = [eng.add_request(self._tokens(p), sp) for p, sp in zip(prompts, per_prompt)]
         done: dict[str, RequestOutput] = {}
         pending = set(ids)

@@ -1,4 +1,4 @@
-"""RequestOutput (CONTRACT): what generate() returns and what the engine reports per step."""
+"""RequestOutput: what generate() returns and what the engine reports per step."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SamplingParams (CONTRACT; vLLM's names): validated at construction, so a bad value is a clear
+"""SamplingParams (vLLM's names): validated at construction, so a bad value is a clear
 InvalidRequestError before anything is scheduled."""
 
 from __future__ import annotations
@@ -56,10 +56,6 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequestError(
                 f"min_tokens must lie in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
 
 
 def sample_seed(seed: int | None, index: int) -> int | None:

@@ -38,6 +38,19 @@ def hf_config(arch: str, **over):
             **base, q_lora_rank=48, v_head_dim=32, n_shared_experts=1, num_experts_per_tok=2,
             index_head_dim=32, index_n_heads=4,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    # DSA with index_topk far below the contexts (prompts up to ~130 tokens): 8 index heads
+    # keep exact score ties (all heads' relu at 0) rare, so top-k picks are well defined
+    if arch == "glm-dsa":  # interleaved indexer RoPE; layer 1 reuses layer 0's picks
+        base = {"index_topk": 16, "indexer_types": ["full", "shared"], **base}
+        return transformers.GlmMoeDsaConfig(
+            **base, q_lora_rank=48, v_head_dim=32, n_shared_experts=1, num_experts_per_tok=2,
+            index_head_dim=32, index_n_heads=8,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    if arch == "v32":  # DeepSeek-V3.2: half-split indexer RoPE, YaRN, an indexer per layer
+        base = {"index_topk": 16, **base}
+        return transformers.DeepseekV32Config(
+            **base, q_lora_rank=48, v_head_dim=24, n_shared_experts=1, num_experts_per_tok=2,
+            n_group=4, topk_group=2, index_head_dim=32, index_n_heads=8, rope_parameters=yarn)
     raise ValueError(arch)
 
 

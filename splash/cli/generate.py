@@ -1,4 +1,4 @@
-"""`splash generate`: offline generation from the command line (CONTRACT)."""
+"""`splash generate`: offline generation from the command line."""
 
 from __future__ import annotations
 

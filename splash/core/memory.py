@@ -1,8 +1,10 @@
-"""Per-rank memory and KV capacity of each layout (DESIGN §1), from model dimensions alone.
+"""Per-rank memory and KV capacity of each layout (docs/design.md §1), from model dimensions alone.
 
 The same accounting feeds `splash plan`, the layout policy's feasible set, the engine's page
 budget per layout, and the switch manifests' predicted weight bytes.
 Per-rank memory = common + projections × (1/T if sharded) + KV(tokens held) + scratch + reserve.
+A token's KV is its latent row in every layer plus, in DSA models, its indexer key (and fp8
+scale) in every layer that runs an indexer: both live in the same page.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from splash.core.dtypes import dtype_bytes
-from splash.core.ownership import LAYOUTS, KVPlacement, Layout, ProjPlacement
+from splash.core.ownership import LAYOUTS, Layout, ProjPlacement, kv_capacity_tokens
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,7 @@ class MemoryModel:
     weight_dtype: str = "bf16"
     kv_dtype: str = "bf16"
     page_size: int = 64
+    index_dtype: str = "fp8"  # DSA indexer keys (fp8: one fp32 scale per key)
 
     def __post_init__(self) -> None:
         if self.world < 1:
@@ -77,7 +80,18 @@ class MemoryModel:
                 per_layer_repl_router = c.n_routed_experts * c.hidden_size
                 params += per_layer_repl_router
         params += c.num_hidden_layers * per_layer_repl + c.hidden_size
-        return params * self._wb + mlp * self._wb // self.world
+        return params * self._wb + mlp * self._wb // self.world + self._indexer_bytes
+
+    @property
+    def _indexer_bytes(self) -> int:
+        """DSA indexers, replicated: wq_b, wk, k_norm in the weight dtype; weights_proj fp32."""
+        c = self.cfg
+        if not getattr(c, "is_dsa", False):
+            return 0
+        heads, dim = c.index_n_heads, c.index_head_dim
+        per_layer = (c.q_lora_rank * heads * dim + c.hidden_size * dim + 2 * dim) * self._wb
+        per_layer += c.hidden_size * heads * 4
+        return per_layer * c.num_indexer_layers
 
     def projection_bytes_per_rank(self, layout: Layout) -> int:
         total = self.projection_bytes_per_layer * self.cfg.num_hidden_layers
@@ -95,8 +109,20 @@ class MemoryModel:
         return (c.kv_lora_rank + c.qk_rope_head_dim) * dtype_bytes(self.kv_dtype) + scale
 
     @property
+    def index_bytes_per_token_per_layer(self) -> int:
+        """One DSA indexer key of one indexer layer, plus its fp8 scale (V3.2, fp8: 132 B)."""
+        c = self.cfg
+        if not getattr(c, "is_dsa", False):
+            return 0
+        scale = 4 if dtype_bytes(self.index_dtype) == 1 else 0
+        return c.index_head_dim * dtype_bytes(self.index_dtype) + scale
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        return self.kv_bytes_per_token_per_layer * self.cfg.num_hidden_layers
+        """Every layer's latent row and every indexer layer's key of one token."""
+        index_layers = getattr(self.cfg, "num_indexer_layers", 0)
+        return self.kv_bytes_per_token_per_layer * self.cfg.num_hidden_layers + \
+            self.index_bytes_per_token_per_layer * index_layers
 
     @property
     def page_bytes(self) -> int:
@@ -109,8 +135,8 @@ class MemoryModel:
 
     def kv_capacity_tokens(self, layout: Layout, budget_bytes: int, reserve_bytes: int = 0) -> int:
         """Distinct KV tokens the whole group can hold under ``layout``."""
-        per_rank = self.kv_pages_per_rank(layout, budget_bytes, reserve_bytes) * self.page_size
-        return per_rank if layout.kv is KVPlacement.REPLICATED else per_rank * self.world
+        pages = self.kv_pages_per_rank(layout, budget_bytes, reserve_bytes)
+        return kv_capacity_tokens(layout, pages, self.page_size, self.world)
 
     def capacity_report(self, budget_bytes: int, reserve_bytes: int = 0) -> dict[str, int]:
         return {

@@ -84,11 +84,18 @@ class SwitchPlan(msgspec.Struct, frozen=True):
     weights: WeightMove
     kv: KVMove
     mode: str = "live"
+    # the same on every rank, so that all ranks enter the same collectives: whether any rank
+    # moves KV rows / projection heads, and how many layers share one collective
+    kv_moves: bool = True
+    heads_move: bool = True
+    layers_per_group: int = 1
 
     @property
-    def in_step(self) -> bool:
-        """The step itself computes in ``dst`` (and runs eagerly)."""
-        return self.mode in ("live", "blocking", "handoff")
+    def hooks_forward(self) -> bool:
+        """The transfer interleaves with the step's layers (``live``): that step runs eagerly.
+        Every other mode completes its part before or beside the forward, which may then
+        replay a CUDA graph."""
+        return self.mode == "live"
 
 
 class WeightLoad(msgspec.Struct, frozen=True):

@@ -10,8 +10,9 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from splash.backends import get_backend
 from splash.core.ownership import LAYOUTS
+from splash.engine.scheduler import Scheduler
+from splash.engine.setup import EngineSetup
 from splash.logging_utils import get_logger
 from splash.planning.cost_model import BatchShape
 from splash.planning.policy import build_policy
@@ -20,20 +21,25 @@ logger = get_logger("splash.policy")
 
 
 class AutoLayout:
-    def __init__(self, setup: Any, margin: float, min_dwell_steps: int = 4) -> None:
-        profile = get_backend(setup.backend_name).profile
+    """The policy of one engine, reading the ``scheduler``'s batch: ``auto(step)`` is the layout
+    to switch to before ``step``, or None."""
+
+    def __init__(self, setup: EngineSetup, scheduler: Scheduler, margin: float,
+                 min_dwell_steps: int = 4) -> None:
         mem = setup.memory
         # the budget that reproduces this engine's pool: static state + the physical pages
         budget = mem.static_bytes_per_rank(LAYOUTS["dop"]) + setup.num_pages * mem.page_bytes
-        self.setup = setup
-        self.policy = build_policy(setup.model_cfg, setup.cfg.tp_size, profile, budget,
+        self.scheduler = scheduler
+        self.decisions: list[dict[str, Any]] = []  # the latest 200, with their reasons
+        self.policy = build_policy(setup.model_cfg, setup.world, setup.profile, budget,
                                    weight_dtype=mem.weight_dtype, kv_dtype=mem.kv_dtype,
                                    page_size=setup.page_size, margin=margin,
                                    min_dwell_steps=min_dwell_steps,
                                    sparse_attention=False)  # the engine runs dense MLA
 
-    def __call__(self, engine: Any) -> str | None:
-        sched = engine.scheduler
+    def __call__(self, step: int) -> str | None:
+        sched = self.scheduler
+        current = sched.layout.name
         running = list(sched.running)
         budget = sched.cfg.max_num_batched_tokens
         decode = [r.num_computed + 1 for r in running if r.num_pending <= 1]
@@ -51,17 +57,15 @@ class AutoLayout:
         batch = BatchShape(decode_ctx=tuple(decode), prefill=tuple(prefill))
         remaining = [max(r.params.max_tokens - len(r.output_token_ids), 1) for r in running]
         decision = self.policy.decide(
-            engine.layout, batch, float(statistics.median(remaining)),
+            current, batch, float(statistics.median(remaining)),
             waiting_prompt_lens=[len(r.prompt_token_ids) for r in sched.waiting],
-            live_tokens=[max(r.num_computed, 1) for r in running],
+            live_tokens=[r.num_computed for r in running],
             live_owners=[r.owner for r in running])
-        record = {"step": engine.step_count, "layout": decision.layout,
-                  "switch": decision.switch, "reason": decision.reason}
-        decisions = engine.switches.decisions
-        decisions.append(record)
-        del decisions[:-200]
+        self.decisions.append({"step": step, "layout": decision.layout,
+                               "switch": decision.switch, "reason": decision.reason})
+        del self.decisions[:-200]
         if decision.switch:
-            logger.info("policy: %s -> %s at step %d: %s", engine.layout, decision.layout,
-                        engine.step_count, decision.reason)
+            logger.info("policy: %s -> %s at step %d: %s", current, decision.layout, step,
+                        decision.reason)
             return decision.layout
         return None

@@ -18,6 +18,8 @@ class EngineConfig:
     layout: str = "auto"  # tp | dp | cp | dop | auto
     dtype: str | None = None  # weights/activations (default: fp32 on CPU, bf16 on GPU)
     kv_dtype: str | None = None  # KV cache (default: the activation dtype)
+    index_dtype: str | None = None  # DSA indexer keys (default: fp8 on GPUs unless fp32, else
+    # the activation dtype)
     page_size: int | None = None  # tokens per KV page (default: 16 on CPU, 64 on GPU)
     max_model_len: int | None = None  # prompt + output limit (default: the model's)
     kv_pages_per_rank: int | None = None  # physical pages per rank (default: from memory)
@@ -44,6 +46,8 @@ class EngineConfig:
             raise ConfigError("kv_pages_per_rank must be >= 1")
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ConfigError("memory_fraction must lie in (0, 1]")
+        if self.index_dtype not in (None, "fp32", "fp16", "bf16", "fp8"):
+            raise ConfigError(f"index_dtype must be fp32, fp16, bf16 or fp8, got {self.index_dtype!r}")
         if self.switch_mode not in SWITCH_MODES:
             raise ConfigError(f"switch_mode must be one of {SWITCH_MODES}, got "
                               f"{self.switch_mode!r}")

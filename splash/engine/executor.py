@@ -290,3 +290,14 @@ class ExternalExecutor(MPExecutor):
         time.sleep(0.2)
         self.sock.close()
         self.ctx.term()
+
+
+def start_executor(cfg: WorkerConfig, worker_addr: str | None = None):
+    """In-process at T=1 on a GPU, spawned workers otherwise (CPU workers always get their own
+    process, where the Triton interpreter is switched on before anything imports Triton), or
+    torchrun-started ones at ``worker_addr``."""
+    if worker_addr:
+        return ExternalExecutor(cfg, worker_addr)
+    if cfg.world == 1 and cfg.backend != "cpu":
+        return InprocExecutor(cfg)
+    return MPExecutor(cfg)

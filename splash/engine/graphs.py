@@ -16,7 +16,9 @@ captured graph of the whole model forward instead:
 - **A layout switch invalidates nothing.** Graphs read the KV pools (allocated once) and the
   placed attention weights, which ``MLAAttention`` keeps in one buffer per head range for the
   engine's life: switching back to a layout reuses the very tensors its graphs were captured
-  with. A step that carries a switch, or any prefill, runs eagerly.
+  with. A step whose switch transfer interleaves with its layers (live mode), or any prefill,
+  runs eagerly; a background handoff or a blocking switch completes its transfer first and
+  then replays the destination's graph.
 - ``capture=False`` pads the same way but runs the padded step eagerly: the padding's
   semantics can then be tested on any backend (``SPLASH_PAD_DECODE=1``).
 - Graphs are captured lazily, the first time a key is seen (logged with its capture time), into
@@ -125,7 +127,7 @@ class DecodeGraphs:
     def pad(self, plan: StepPlan, impl: AttentionLayout) -> StepPlan | None:
         """The plan with ghost requests appended up to the batch bucket (per owner for
         owner-held layouts); None when the step is not graph-eligible."""
-        if self.disabled or (plan.switch is not None and plan.switch.in_step) or \
+        if self.disabled or (plan.switch is not None and plan.switch.hooks_forward) or \
                 not plan.query_lens:
             return None
         if any(n != 1 for n in plan.query_lens):

@@ -1,7 +1,8 @@
 """LLMEngine: the controller. Schedules, owns every rank's pages, decides and plans layout
 switches, and drives the workers one step at a time. It holds no device tensors.
 
-One step reads like the design: (switch plan) → schedule → execute → update.
+One step: plan a switch (if one is due) → schedule → execute on the workers → update the
+requests with the sampled tokens.
 """
 
 from __future__ import annotations
@@ -13,38 +14,40 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import msgspec
-
-from splash.core.protocol import StepResult
+from splash.core.protocol import StepPlan, StepResult
 from splash.core.request import Request, SampleGroup, Status
 from splash.engine.auto_layout import AutoLayout
 from splash.engine.config import EngineConfig
+from splash.engine.executor import start_executor
 from splash.engine.output_processor import OutputProcessor
-from splash.engine.plans import build_plans, prompt_logprob_rows
-from splash.engine.setup import EngineSetup
+from splash.engine.plans import build_plans
+from splash.engine.setup import build_scheduler, load_tokenizer, resolve_setup
 from splash.engine.switches import SwitchController
 from splash.errors import ConfigError, InvalidRequestError, WorkerDiedError
 from splash.logging_utils import get_logger
 from splash.model.config import ModelConfig
 from splash.model.loader import checkpoint_shapes, with_expert_aliases
 from splash.outputs import RequestOutput
-from splash.sampling_params import SamplingParams, sample_seed
+from splash.sampling_params import SamplingParams
 
 logger = get_logger("splash.engine")
 
 
 class LLMEngine:
+    """Implements `splash.engine.api.EngineAPI`."""
+
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
-        self.setup = EngineSetup(cfg)
-        s = self.setup
+        self.setup = s = resolve_setup(cfg)
         self.model_cfg, self.world = s.model_cfg, cfg.tp_size
-        self.scheduler, self.allocators = s.scheduler, s.allocators
-        self.switches = SwitchController(self)
+        self.scheduler = build_scheduler(s)
+        self.allocators = self.scheduler.alloc
+        self.switches = SwitchController(self.scheduler, s)
+        self.auto: AutoLayout | None = None
         if cfg.layout == "auto" and cfg.tp_size > 1:
-            self.switches.policy = AutoLayout(s, cfg.policy_margin)
-        self.executor = s.start_executor()
-        self.tokenizer = s.load_tokenizer()
+            self.auto = self.switches.policy = AutoLayout(s, self.scheduler, cfg.policy_margin)
+        self.executor = start_executor(s.worker_config(), cfg.worker_addr)
+        self.tokenizer = load_tokenizer(cfg.model)
         self.vocab_size = self.model_cfg.vocab_size
         self.outputs = OutputProcessor(self.tokenizer, set(self.model_cfg.eos_token_ids),
                                        s.max_model_len)
@@ -54,10 +57,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         self._tokens_total = 0
-        self._prompt_tokens_computed = 0
-        self.weight_version = 0  # in-place weight updates so far
         self._graph_steps = 0
         self._step_ms_ema: float | None = None
+        self.weight_version = 0  # in-place weight updates so far
         self._started = time.monotonic()
 
     @classmethod
@@ -95,13 +97,9 @@ class LLMEngine:
                 f"token id {bad[0]!r} is not an int in [0, {self.vocab_size}) (vocab size)")
         limit = self.setup.max_model_len
         if len(prompt) + params.max_tokens > limit:
-            why = ""
-            if limit == self.model_cfg.max_dense_context:
-                why = (" (a DSA model runs dense attention, exact only up to index_topk "
-                       f"= {limit} tokens; the indexer's top-k is not implemented yet)")
             raise InvalidRequestError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"max_model_len {limit}{why}")
+                f"max_model_len {limit}")
         if len(prompt) + params.max_tokens > self.setup.max_request_tokens:
             raise InvalidRequestError(
                 f"prompt + max_tokens = {len(prompt) + params.max_tokens} tokens does not fit "
@@ -115,13 +113,15 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         req = self.requests.get(request_id)
-        members = req.group.members if req is not None and req.group is not None else [req]
-        live = [m for m in members if m is not None and m.status is not Status.FINISHED]
-        if req is None or not live:
+        if req is None:
+            return False
+        live = [m for m in (req.group.members if req.group is not None else [req])
+                if m.status is not Status.FINISHED]
+        if not live:
             return False
         for m in live:
             self.scheduler.finish(m, "abort")
-        self._pending_outputs.append(self._output(req, []))
+        self._pending_outputs.append(self._output(req))
         return True
 
     def has_unfinished(self) -> bool:
@@ -131,79 +131,33 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if not self.healthy:
             raise WorkerDiedError("the worker group is down; restart the engine")
-        outputs, self._pending_outputs = self._pending_outputs, []
-        for out in outputs:
-            self._forget(out.request_id)
-        switch = self.switches.prepare(self.step_count)
-        batch = self.scheduler.schedule(
-            allow_preemption=switch is None and self.switches.inflight is None)
-        if not batch.entries and switch is None and self.switches.inflight is None:
+        outputs = self._take_pending()
+        switch = self.switches.prepare(self.step_count, self._step_ms_ema)
+        precopy = self.switches.inflight is not None  # a pre-copy moves under this step
+        batch = self.scheduler.schedule(allow_preemption=switch is None and not precopy)
+        if not batch.entries and switch is None and not precopy:
             return outputs
-        plans = build_plans(self, batch, switch)
-        t0 = time.perf_counter()
-        try:
-            results = self.executor.execute(plans)
-        except WorkerDiedError as e:
-            return outputs + self._fail_all(str(e))
-        step_ms = (time.perf_counter() - t0) * 1e3
+        plans = build_plans(self.scheduler, batch, switch, self.step_count, self.setup)
+        results, step_ms = self._execute(plans)
         self.switches.finish(switch, results, step_ms, self.step_count, batch)
-        self._step_ms_ema = step_ms if self._step_ms_ema is None else (
-            0.9 * self._step_ms_ema + 0.1 * step_ms)
-        self.step_count += 1
-        self._graph_steps += int(all(r.graph_replay for r in results))
-        outputs += self._update(batch, results[0])
+        sampled = self.scheduler.update_from_output(batch, results[0], self.outputs)
+        self._count_step(results, step_ms, len(sampled))
+        heads: dict[str, Request] = {}  # one output per prompt: its n samples report together
+        for req in sampled:
+            head = req.group.members[0] if req.group is not None else req
+            heads.setdefault(head.request_id, head)
+        outputs += [self._output(head, sampled) for head in heads.values()]
         for out in outputs:  # finished requests leave the table (ids may be reused)
             if out.finished:
                 self._forget(out.request_id)
         return outputs
 
-    def _update(self, batch, result: StepResult) -> list[RequestOutput]:
-        tokens, logprobs = iter(result.tokens), iter(result.logprobs)
-        prompt_logprobs = iter(result.prompt_logprobs)
-        new: dict[Request, list[int]] = {}
-        heads: dict[str, Request] = {}  # one output per prompt (n samples report together)
-        for b, (req, n) in enumerate(batch.entries):
-            start = req.num_computed
-            if prompt_logprob_rows(req, b, start, n) is not None:
-                self.outputs.add_prompt_logprobs(req, next(prompt_logprobs))
-            self._prompt_tokens_computed += max(min(start + n, len(req.prompt_token_ids)) - start, 0)
-            req.num_computed += n
-            if req.num_computed < req.num_tokens or req.status is Status.FINISHED:
-                continue
-            draws = req.group.n if req.group is not None and req.fork_pending else 1
-            toks = [next(tokens) for _ in range(draws)]
-            lps = [next(logprobs) if req.params.logprobs is not None else None for _ in toks]
-            samples = [req] if draws == 1 else [req] + self._fork(req)
-            for member, token, lp in zip(samples, toks, lps):
-                self._tokens_total += 1
-                if member.first_token_s is None:
-                    member.first_token_s = time.monotonic()
-                reason = self.outputs.append(member, token, lp)
-                if reason:
-                    self.scheduler.finish(member, reason)
-                new[member] = [token]
-            head = req.group.members[0] if req.group is not None else req
-            heads[head.request_id] = head
-        return [self.outputs.output(head, new) for head in heads.values()]
-
-    def _fork(self, parent: Request) -> list[Request]:
-        """The other n - 1 samples of ``parent``'s prompt, now that it is prefilled."""
-        group = parent.group
-        assert group is not None
-        children = []
-        for i in range(1, group.n):
-            params = msgspec.structs.replace(parent.params, n=1,
-                                             seed=sample_seed(parent.params.seed, i))
-            child = Request(f"{group.request_id}\x1e{i}", parent.prompt_token_ids, params,
-                            arrival_s=parent.arrival_s, group=group, sample_index=i)
-            self.outputs.fork(parent, child)
-            children.append(child)
-        group.members += children
-        self.scheduler.fork(parent, children)
-        return children
-
-    def _output(self, req: Request, new: list[int]) -> RequestOutput:
-        return self.outputs.output(req, {req: new} if new else None)
+    def _take_pending(self) -> list[RequestOutput]:
+        """Outputs produced between steps (aborts); their requests leave the table."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        for out in outputs:
+            self._forget(out.request_id)
+        return outputs
 
     def _forget(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
@@ -211,12 +165,39 @@ class LLMEngine:
             for member in req.group.members if req.group is not None else [req]:
                 self.outputs.forget(member)
 
-    def _fail_all(self, message: str) -> list[RequestOutput]:
+    def _execute(self, plans: list[StepPlan]) -> tuple[list[StepResult], float]:
+        t0 = time.perf_counter()
+        try:
+            results = self.executor.execute(plans)
+        except WorkerDiedError as e:
+            self._fail_all(str(e))
+            raise
+        return results, (time.perf_counter() - t0) * 1e3
+
+    def _count_step(self, results: list[StepResult], step_ms: float, tokens: int) -> None:
+        self._step_ms_ema = step_ms if self._step_ms_ema is None else (
+            0.9 * self._step_ms_ema + 0.1 * step_ms)
+        self.step_count += 1
+        self._graph_steps += int(all(r.graph_replay for r in results))
+        self._tokens_total += tokens
+
+    def _output(self, req: Request, sampled: list[Request] | None = None) -> RequestOutput:
+        """``req``'s prompt's output (all samples of its group); the requests in ``sampled``
+        report their last token as new."""
+        got = {id(m) for m in sampled or []}
+        members = req.group.members if req.group is not None else [req]
+        return self.outputs.output(req, {m: m.output_token_ids[-1:] for m in members
+                                         if id(m) in got})
+
+    def _fail_all(self, message: str) -> None:
+        """The worker group is gone: every in-flight request finishes with the error (the
+        caller gets WorkerDiedError and fails its own clients)."""
         logger.error("worker failure: %s — failing all in-flight requests", message)
         self.healthy = False
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.finish(req, "error", message)
-        raise WorkerDiedError(message)
+        for rid in list(self.requests):
+            self._forget(rid)
 
     # -- weights --------------------------------------------------------------------------
     def update_weights(self, source: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
@@ -290,8 +271,14 @@ class LLMEngine:
         """Moving average of the step time (ms), None before the first step."""
         return self._step_ms_ema
 
-    def switch_layout(self, name: str) -> None:
-        self.switches.request(name)
+    def switch_layout(self, name: str, after_steps: int = 0) -> None:
+        """Switch before the engine step ``after_steps`` steps from now (0: the next)."""
+        if isinstance(after_steps, bool) or not isinstance(after_steps, int) or after_steps < 0:
+            raise InvalidRequestError(f"after_steps must be an int >= 0, got {after_steps!r}")
+        if after_steps:
+            self.switches.force_at(self.step_count + after_steps, name)
+        else:
+            self.switches.request(name)
 
     @property
     def layout(self) -> str:
@@ -314,7 +301,7 @@ class LLMEngine:
                 "from": self.switches.inflight.manifest.src.name,
                 "to": self.switches.inflight.manifest.dst.name,
                 "decision_step": self.switches.inflight.step},
-            "policy_decisions": self.switches.decisions[-50:],
+            "policy_decisions": self.auto.decisions[-50:] if self.auto else [],
             "kv_capacity_tokens": self.setup.kv_capacity_tokens(),
             "kv_pages_used": self.allocators.used(),
             "kv_pages_total": self.setup.num_pages,
@@ -327,7 +314,7 @@ class LLMEngine:
             "prefix_cache_hit_tokens": self.scheduler.prefix.hit_tokens,
             "prefix_cache_queried_tokens": self.scheduler.prefix.queried_tokens,
             "prefix_cache_pages": [a.num_cached for a in self.allocators.ranks],
-            "prompt_tokens_computed": self._prompt_tokens_computed,
+            "prompt_tokens_computed": self.scheduler.prompt_tokens_computed,
             "weight_version": self.weight_version,
             "cuda_graphs": self.setup.cuda_graphs,
             "graph_steps": self._graph_steps,  # steps replayed from CUDA graphs

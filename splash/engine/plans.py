@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from typing import Any
 
 from splash.core.protocol import (
@@ -12,37 +11,20 @@ from splash.core.protocol import (
     StepPlan,
     SwitchPlan,
     TableUpdate,
+    run_rows,
 )
-from splash.core.request import Request
+from splash.engine.sampling_plan import prompt_logprob_rows, seq_sampling
+from splash.engine.scheduler import ScheduledBatch, Scheduler
+from splash.engine.setup import EngineSetup
+from splash.engine.switches import SwitchStep
+from splash.switching.manifest import SwitchManifest
 
 
-def seq_sampling(req: Request, eos_token_ids: Collection[int]) -> SeqSampling:
-    """How the worker draws ``req``'s next token: its parameters, the tokens min_tokens still
-    holds back, and n draws at an n-sample prompt's last row."""
-    p = req.params
-    banned: list[int] = []
-    if len(req.output_token_ids) < p.min_tokens:
-        banned = sorted((set() if p.ignore_eos else set(eos_token_ids)) | set(p.stop_token_ids or []))
-    draws = req.group.n if req.group is not None and req.fork_pending else 1
-    return SeqSampling(p.temperature, p.top_p, p.top_k, p.seed, p.logprobs, banned, draws)
-
-
-def prompt_logprob_rows(req: Request, index: int, start: int, n: int) -> PromptLogprobs | None:
-    """The rows of ``req``'s chunk [start, start + n) that score prompt tokens not scored yet
-    (row at position q scores prompt token q + 1)."""
-    if req.prompt_logprobs is None or req.params.prompt_logprobs is None:
-        return None
-    prompt = req.prompt_token_ids
-    first = max(start, len(req.prompt_logprobs) - 1)
-    stop = min(start + n, len(prompt) - 1)
-    if first >= stop:
-        return None
-    return PromptLogprobs(index, first - start, prompt[first + 1:stop + 1], req.params.prompt_logprobs)
-
-
-def build_plans(engine: Any, batch: Any, action: Any) -> list[StepPlan]:
-    sched = engine.scheduler
-    eos = engine.model_cfg.eos_token_ids
+def build_plans(sched: Scheduler, batch: ScheduledBatch, action: SwitchStep | None,
+                step: int, setup: EngineSetup | None = None) -> list[StepPlan]:
+    """One plan per rank for engine step ``step``: the batch's rows, the rank's block-table
+    changes and, with a switch, the rank's part of this step's ``action`` (``setup`` sizes
+    its collectives)."""
     ids: list[str] = []
     query_lens: list[int] = []
     context_lens: list[int] = []
@@ -53,6 +35,7 @@ def build_plans(engine: Any, batch: Any, action: Any) -> list[StepPlan]:
     sampling: list[SeqSampling] = []
     output_index: list[int] = []
     prompt_logprobs: list[PromptLogprobs] = []
+    eos = sched.cfg.eos_token_ids
     for b, (req, n) in enumerate(batch.entries):
         start = req.num_computed
         ids.append(req.request_id)
@@ -68,19 +51,45 @@ def build_plans(engine: Any, batch: Any, action: Any) -> list[StepPlan]:
         if rows is not None:
             prompt_logprobs.append(rows)
     released, sched.released = sched.released, []
+    shape = _collectives(setup, action.manifest) if action is not None else {}
     plans = []
-    for rank in range(engine.world):
+    for rank in range(sched.cfg.world):
         updates = [TableUpdate(rid, s, pages) for rid, s, pages in sched.take_table_updates(rank)]
         switch = None
         if action is not None:
             m = action.manifest
             switch = SwitchPlan(m.src.name, m.dst.name, m.weights[rank], m.kv[rank],
-                                mode=action.mode)
+                                mode=action.mode, **shape)
         plans.append(StepPlan(
-            version=WORKER_PROTOCOL_VERSION, step=engine.step_count, layout=engine.layout,
+            version=WORKER_PROTOCOL_VERSION, step=step, layout=sched.layout.name,
             request_ids=ids, query_lens=query_lens, context_lens=context_lens, owners=owners,
             input_ids=input_ids, positions=positions, sample=sample, sampling=sampling,
             output_index=output_index, table_updates=updates, released=released, switch=switch,
             prompt_logprobs=prompt_logprobs if rank == 0 else [],
             page_copies=sched.take_copies(rank)))
     return plans
+
+
+GROUP_BYTES = 1 << 30  # about this much per collective: large enough to reach the link
+
+
+def collective_shape(m: SwitchManifest, kv_row_bytes: int, head_bytes: int) -> dict[str, Any]:
+    """Which collectives a switch has and how many layers share one — identical on every rank
+    (a rank that skipped a collective its peers entered would hang them). ``kv_row_bytes``:
+    one token's KV in one layer; ``head_bytes``: one head's projections in one layer."""
+    kv_rows = max(max(sum(run_rows(r) for r in mv.send_runs),
+                      sum(run_rows(r) for r in mv.recv_runs)) for mv in m.kv)
+    heads = max(max(sum(len(h) for h in w.send_to), sum(len(h) for h in w.recv_from))
+                for w in m.weights)
+    per_layer = kv_rows * kv_row_bytes + heads * head_bytes
+    return {"kv_moves": kv_rows > 0, "heads_move": heads > 0,
+            "layers_per_group": max(GROUP_BYTES // max(per_layer, 1), 1)}
+
+
+def _collectives(setup: EngineSetup | None, m: SwitchManifest) -> dict[str, Any]:
+    if setup is None:
+        raise ValueError("a plan with a switch needs the engine's setup (collective sizes)")
+    mem, mcfg = setup.memory, setup.model_cfg
+    # a KV row carries every per-slot pool of its layer (DSA: the indexer key too)
+    return collective_shape(m, -(-mem.kv_bytes_per_token // mcfg.num_hidden_layers),
+                            mem.projection_bytes_per_layer // mcfg.num_attention_heads)

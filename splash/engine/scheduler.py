@@ -1,6 +1,8 @@
 """Continuous batching with chunked prefill, page-based admission and preemption by recompute.
 
-The scheduler owns every rank's page tables (DESIGN §5). Which ranks hold a request's pages is
+The scheduler owns every rank's page tables and every request's state: it schedules a step,
+applies a switch's new tables and owners, and after the step appends the sampled tokens and
+finishes the requests that stop (`update_from_output`). Which ranks hold a request's pages is
 decided by the current layout's KV placement (`ownership.num_local_pages`), so the same code
 batches for all four layouts.
 
@@ -13,14 +15,28 @@ the workers before the step computes).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import msgspec
+
 from splash.core.allocator import RankAllocators
-from splash.core.ownership import Layout, local_page_index, num_local_pages, page_holders
+from splash.core.ownership import (
+    Layout,
+    least_loaded,
+    local_page_index,
+    num_local_pages,
+    page_holders,
+)
 from splash.core.prefix_cache import PrefixCache
+from splash.core.protocol import StepResult
 from splash.core.request import Request, Status
+from splash.engine.output_processor import OutputProcessor
+from splash.engine.sampling_plan import num_draws, prompt_logprob_rows
 from splash.logging_utils import get_logger
+from splash.sampling_params import sample_seed
+from splash.switching.manifest import SwitchManifest
 
 logger = get_logger("splash.scheduler")
 
@@ -34,6 +50,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # rows in one step (the prefill chunk budget)
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    eos_token_ids: tuple[int, ...] = ()  # the model's end-of-sequence tokens
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
@@ -62,6 +79,7 @@ class Scheduler:
         self.released: list[str] = []
         self.copies: list[list[list[int]]] = [[] for _ in range(cfg.world)]  # rank: [src, dst]
         self.num_preemptions = 0
+        self.prompt_tokens_computed = 0  # prefill work: prompt rows computed
         self.prefix = PrefixCache(allocators, cfg.world, cfg.page_size, cfg.enable_prefix_caching)
 
     # -- bookkeeping ----------------------------------------------------------------------
@@ -79,6 +97,12 @@ class Scheduler:
             held = len(r.tables[r.owner]) * self.cfg.page_size if self.layout.uses_owners else 0
             load[r.owner] += max(r.num_computed, held)
         return load
+
+    def requests_by_rank(self) -> list[int]:
+        count = [0] * self.cfg.world
+        for r in self.running:
+            count[r.owner] += 1
+        return count
 
     def free(self, req: Request) -> None:
         self._drop_pages(req)
@@ -163,27 +187,31 @@ class Scheduler:
         self.prefix.hit_tokens += len(found) * self.cfg.page_size
 
     def _place(self, req: Request, num_tokens: int) -> tuple[int | None, list]:
-        """Owner rank and cached pages for an admission. Under owned KV (DP, DOP) the owner is
-        the rank holding the longest cached prefix, unless that would unbalance the ranks: its
-        live tokens exceed the least-loaded rank's by more than a prefill chunk and by a
-        quarter (the two thresholds of SGLang's cache-aware router); then the least loaded."""
-        load = self.live_tokens_by_rank()
-        ranks = range(self.cfg.world)
-        least = min(ranks, key=lambda r: (load[r], r))
+        """Owner rank and cached pages for an admission: the least-loaded rank
+        (`ownership.least_loaded`; under an owned layout only ranks with room for the pages the
+        request still needs), except that under owned KV (DP, DOP) a rank holding a longer
+        cached prefix wins unless that would unbalance the ranks — its live tokens exceed the
+        least-loaded rank's by more than a prefill chunk and by a quarter (the two thresholds
+        of SGLang's cache-aware router)."""
+        load, count = self.live_tokens_by_rank(), self.requests_by_rank()
         if not self.layout.uses_owners:  # owners matter only after a switch to an owned layout
+            least = least_loaded(load, count)
+            assert least is not None
             return least, self.prefix.match(req, self.layout, least)
         pages = -(-num_tokens // self.cfg.page_size)
-        found = {r: self.prefix.match(req, self.layout, r) for r in ranks}
-        fits = [r for r in ranks if self.alloc[r].num_available >= pages - len(found[r])]
-        if not fits:
+        found = {r: self.prefix.match(req, self.layout, r) for r in range(self.cfg.world)}
+        fits = [r for r in found if self.alloc[r].num_available >= pages - len(found[r])]
+        least = least_loaded(load, count, fits)
+        if least is None:
             return None, []
-        least = min(fits, key=lambda r: (load[r], r))
-        best = max(fits, key=lambda r: (len(found[r]), -load[r], -r))
+        longest = max(len(found[r]) for r in fits)
+        best = least_loaded(load, count, [r for r in fits if len(found[r]) == longest])
+        assert best is not None
         excess = load[best] - load[least]
         if excess > self.cfg.max_num_batched_tokens and load[best] > 1.25 * load[least]:
             logger.debug("%s placed on rank %d, not on rank %d with %d cached tokens: %d more "
                          "live tokens there", req.request_id, least, best,
-                         len(found[best]) * self.cfg.page_size, excess)
+                         longest * self.cfg.page_size, excess)
             return least, found[least]
         return best, found[best]
 
@@ -259,20 +287,30 @@ class Scheduler:
         self.waiting.appendleft(victim)
         batch.preempted.append(victim)
 
-    def fork(self, parent: Request, children: list[Request]) -> None:
-        """Run ``children`` (samples of ``parent``'s prompt) right after it, sharing its pages."""
-        for child in children:
-            child.owner, child.num_computed = parent.owner, parent.num_computed
-            child.tables = [list(t) for t in parent.tables]
-            child.block_hashes = list(parent.block_hashes)
-            child.num_cached_pages = parent.num_cached_pages
-            child.status = Status.RUNNING
+    def fork(self, parent: Request) -> list[Request]:
+        """The other n - 1 samples of ``parent``'s prompt, now that it is prefilled: they run
+        right after it, sharing its pages, each with its own seed stream."""
+        group = parent.group
+        assert group is not None
+        children = []
+        for i in range(1, group.n):
+            params = msgspec.structs.replace(parent.params, n=1,
+                                             seed=sample_seed(parent.params.seed, i))
+            child = Request(f"{group.request_id}\x1e{i}", parent.prompt_token_ids, params,
+                            arrival_s=parent.arrival_s, group=group, sample_index=i,
+                            owner=parent.owner, num_computed=parent.num_computed,
+                            tables=[list(t) for t in parent.tables],
+                            status=Status.RUNNING, block_hashes=list(parent.block_hashes),
+                            num_cached_pages=parent.num_cached_pages)
             for rank, pages in enumerate(child.tables):
                 if pages:
                     self.alloc[rank].incref(pages)
                     self.mark_dirty(child, rank, 0)
+            children.append(child)
+        group.members += children
         at = self.running.index(parent) + 1
         self.running[at:at] = children
+        return children
 
     def take_copies(self, rank: int) -> list[list[int]]:
         copies, self.copies[rank] = self.copies[rank], []
@@ -288,3 +326,59 @@ class Scheduler:
                 updates.append((rid, start, req.tables[rank][start:]))
         self.dirty[rank].clear()
         return updates
+
+    # -- a switch, and a step's results --------------------------------------------------
+    def apply_switch(self, manifest: SwitchManifest) -> None:
+        """Adopt a planned switch: the running requests' destination tables and owners, the
+        destination layout; every rank's tables are re-sent with the step."""
+        for req in self.running:
+            req.tables = manifest.new_tables.get(req.request_id,
+                                                 [[] for _ in range(self.cfg.world)])
+            req.owner = manifest.new_owners.get(req.request_id, req.owner)
+            for rank in range(self.cfg.world):
+                self.mark_dirty(req, rank, 0)
+        for chain in manifest.cached:
+            chain.tables = manifest.new_tables[chain.request_id]
+            chain.owner = manifest.new_owners[chain.request_id]
+        # pages received in this step are hits from now on: a request admitted into this very
+        # step reads them in each layer only after that layer's transfer has landed
+        for hist in [*self.running, *manifest.cached]:
+            self.prefix.register_moved(hist, manifest.dst)
+        self.layout = manifest.dst
+
+    def update_from_output(self, batch: ScheduledBatch, result: StepResult,
+                           out: OutputProcessor) -> list[Request]:
+        """Advance every scheduled request by its rows, record its prompt logprobs, append the
+        tokens (and logprobs) sampled for the requests whose prompt and outputs are now all
+        computed (in batch order; an n-sample prompt's last row forks its samples), and finish
+        those that stop (``out`` decides). Returns the requests that got a token."""
+        sampled = []
+        tokens, logprobs = iter(result.tokens), iter(result.logprobs)
+        prompt_logprobs = iter(result.prompt_logprobs)
+        for b, (req, n) in enumerate(batch.entries):
+            start = req.num_computed
+            if prompt_logprob_rows(req, b, start, n) is not None:
+                out.add_prompt_logprobs(req, next(prompt_logprobs))
+            self.prompt_tokens_computed += max(min(start + n, len(req.prompt_token_ids)) - start,
+                                               0)
+            req.num_computed += n
+            if req.num_computed < req.num_tokens:
+                continue  # a prefill chunk short of the prompt's end: nothing sampled
+            draws = num_draws(req)
+            toks = [next(tokens) for _ in range(draws)]
+            lps = [next(logprobs) if req.params.logprobs is not None else None for _ in toks]
+            if req.status is Status.FINISHED:
+                continue
+            samples = [req]
+            if draws > 1:
+                samples += self.fork(req)
+                for child in samples[1:]:
+                    out.start(child)
+            for member, token, lp in zip(samples, toks, lps):
+                if member.first_token_s is None:
+                    member.first_token_s = time.monotonic()
+                reason = out.append(member, token, lp)
+                if reason:
+                    self.finish(member, reason)
+                sampled.append(member)
+        return sampled

@@ -1,5 +1,6 @@
 """When and how the engine switches layout: forced plans, explicit requests, the policy;
-manifests, deferral under memory pressure, and the switch history in stats().
+manifests, deferral under memory pressure, and the switch history in stats(). The controller
+works on the scheduler (requests, pages, layout) and the engine's resolved setup.
 
 Under layout="auto" a manual choice (switch_layout, or a layout_plan entry when its step comes)
 pins that layout: the policy is not consulted until switch_layout("auto") releases the pin.
@@ -22,8 +23,8 @@ How a switch runs (``switch_mode``):
 
 Prefix caching: a switch that completes in one step (live, blocking, the handoff) also moves
 the cached pages no request holds any more (``cached_histories``), when they fit, and every
-page received is registered in the prefix cache of its new holder, so cached prefixes stay hits
-in the destination. A pre-copy moves only the requests' pages.
+page received is registered in the prefix cache of its new holder (``Scheduler.apply_switch``),
+so cached prefixes stay hits in the destination. A pre-copy moves only the requests' pages.
 
 Cost of a switch (``overhead_ms`` in the history): the time the workers spent on its work in
 the step that completes it — issuing, waiting for and installing transfers — on the slowest
@@ -39,6 +40,9 @@ from typing import Any
 
 from splash.core.ownership import get_layout
 from splash.core.prefix_cache import CachedHistory, cached_histories
+from splash.core.protocol import StepResult
+from splash.engine.scheduler import ScheduledBatch, Scheduler
+from splash.engine.setup import EngineSetup
 from splash.errors import ConfigError, LayoutInfeasibleError
 from splash.logging_utils import get_logger
 from splash.switching.manifest import SwitchManifest, build_manifest
@@ -69,22 +73,26 @@ class _InFlight:
 
 
 class SwitchController:
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
+    """Decides and plans the switches of one engine: ``scheduler`` holds the layout, the
+    requests and the page allocators; ``setup`` the pool's reserved pages and model sizes.
+    ``policy`` (layout="auto") answers, for an engine step, the layout to switch to or None."""
+
+    def __init__(self, scheduler: Scheduler, setup: EngineSetup) -> None:
+        self.scheduler, self.setup = scheduler, setup
         self.forced: dict[int, str] = {}  # engine step -> layout
         self.requested: str | None = None
         self.pinned: str | None = None  # under auto: the layout a manual choice holds
         self.history: list[dict[str, Any]] = []
         self.deferred: list[dict[str, Any]] = []
-        self.decisions: list[dict[str, Any]] = []
         self._last_switch: dict[str, Any] | None = None
         self._last_rows: tuple | None = None  # the switching step's decode rows, if only decode
-        self.policy: Callable[[Any], str | None] | None = None  # set in layout="auto"
+        self.policy: Callable[[int], str | None] | None = None  # set in layout="auto"
         self.inflight: _InFlight | None = None  # a background pre-copy
         self.cancelled: list[dict[str, Any]] = []
 
     def request(self, name: str) -> None:
-        """Switch at the next step; under auto this pins ``name``; "auto" releases the pin."""
+        """Switch at the next step; under auto this pins ``name``; "auto" releases the pin. An
+        unknown layout is an InvalidRequestError."""
         if name == "auto":
             if self.policy is None:
                 raise ConfigError("switch_layout('auto') releases a layout pinned under "
@@ -98,10 +106,10 @@ class SwitchController:
 
     def _checked(self, name: str) -> str:
         layout = get_layout(name)
-        if layout.name not in self.engine.setup.fitting:
+        if layout.name not in self.setup.fitting:
             raise LayoutInfeasibleError(
                 f"layout {name!r} does not fit this model/group; layouts that fit: "
-                f"{self.engine.setup.fitting}")
+                f"{list(self.setup.fitting)}")
         return layout.name
 
     def _pin(self, name: str) -> None:
@@ -122,13 +130,13 @@ class SwitchController:
         if self.pinned is not None:
             return self.pinned
         if self.policy is not None:
-            return self.policy(self.engine)
+            return self.policy(step)
         return None
 
-    def prepare(self, step: int) -> SwitchStep | None:
+    def prepare(self, step: int, step_ms_ema: float | None = None) -> SwitchStep | None:
         """This step's part of a switch, or None (no switch, deferred, or a pre-copy that is
-        still moving)."""
-        eng = self.engine
+        still moving). ``step_ms_ema``: the engine's recent step time (picks the mode)."""
+        sched, setup = self.scheduler, self.setup
         target = self._target(step)
         if self.inflight is not None:
             if target is not None and target != self.inflight.manifest.dst.name:
@@ -136,21 +144,21 @@ class SwitchController:
             if self.inflight.ready or self.inflight.steps >= MAX_PRECOPY_STEPS:
                 return self._handoff(step)
             return None
-        if target is None or target == eng.layout:
+        if target is None or target == sched.layout.name:
             self.requested = None
             return None
-        src, dst = eng.scheduler.layout, get_layout(target)
-        setup, alloc = eng.setup, eng.allocators
+        src, dst, alloc = sched.layout, get_layout(target), sched.alloc
         alloc.set_reserved(max(setup.reserved_pages(src), setup.reserved_pages(dst)))
-        running = list(eng.scheduler.running)
-        manifest = build_manifest(src, dst, running, alloc, eng.world, setup.page_size,
-                                  eng.model_cfg.num_attention_heads)
-        if manifest is not None and self._mode(manifest) != "background":
+        running = list(sched.running)
+        manifest = build_manifest(src, dst, running, alloc, setup.world, setup.page_size,
+                                  setup.model_cfg.num_attention_heads)
+        if manifest is not None and self._mode(manifest, step_ms_ema) != "background":
             cached = self._cached()
             if cached:  # rebuilt with the cached chains (or without them if they do not fit)
                 manifest.give_back(alloc)
-                manifest = build_manifest(src, dst, running, alloc, eng.world, setup.page_size,
-                                          eng.model_cfg.num_attention_heads, cached=cached)
+                manifest = build_manifest(src, dst, running, alloc, setup.world,
+                                          setup.page_size, setup.model_cfg.num_attention_heads,
+                                          cached=cached)
         if manifest is None:
             alloc.set_reserved(setup.reserved_pages(src))
             reason = (f"switch {src.name}->{dst.name} deferred at step {step}: the destination "
@@ -161,13 +169,13 @@ class SwitchController:
                 logger.warning(reason)
                 self.deferred.append({"step": step, "from": src.name, "to": dst.name,
                                       "reason": reason})
-            eng.scheduler.hold_admission = True
+            sched.hold_admission = True
             return None
         if self.deferred and not self.deferred[-1].get("resolved"):
             self.deferred[-1]["resolved"] = step
-        eng.scheduler.hold_admission = False
+        sched.hold_admission = False
         self.requested = None
-        mode = self._mode(manifest)
+        mode = self._mode(manifest, step_ms_ema)
         if mode == "background":
             self.inflight = _InFlight(manifest, {r.request_id: r.num_computed for r in running},
                                       step, time.monotonic())
@@ -175,74 +183,58 @@ class SwitchController:
                         "the source layout keeps serving", src.name, dst.name, step,
                         manifest.kv_op, manifest.weight_op)
             return SwitchStep(manifest, "precopy")
-        self._apply(manifest, running)
+        sched.apply_switch(manifest)
         logger.info("switching %s -> %s at step %d (%s; KV %s, weights %s)", src.name, dst.name,
                     step, mode, manifest.kv_op, manifest.weight_op)
         return SwitchStep(manifest, mode)
 
-    def _mode(self, manifest: SwitchManifest) -> str:
-        mode = self.engine.cfg.switch_mode
+    def _mode(self, manifest: SwitchManifest, step_ms_ema: float | None) -> str:
+        mode = self.setup.cfg.switch_mode
         if mode != "auto":
             return mode
-        eng = self.engine
-        mem, mcfg = eng.setup.memory, eng.model_cfg
+        mem, mcfg = self.setup.memory, self.setup.model_cfg
         head_bytes = mem.projection_bytes_per_layer // mcfg.num_attention_heads
         moved = manifest.predicted_bytes(mem.kv_bytes_per_token_per_layer, head_bytes,
-                                         mcfg.num_hidden_layers)
+                                         mcfg.num_hidden_layers,
+                                         mem.index_bytes_per_token_per_layer *
+                                         mcfg.num_indexer_layers)
         per_rank = max(k + w for k, w in zip(moved["kv_bytes_received"],
                                              moved["weight_bytes_received"]))
-        transfer_ms = per_rank / (eng.setup.link_gbps * 1e9) * 1e3
-        step_ms = eng.step_ms_ema or 0.0
+        transfer_ms = per_rank / (self.setup.profile.link_gbps * 1e9) * 1e3
+        step_ms = step_ms_ema or 0.0
         return "live" if step_ms >= 2 * transfer_ms else "background"
 
     def _cached(self) -> list[CachedHistory]:
-        eng = self.engine
-        if not eng.scheduler.prefix.enabled:
+        """The cached chains no request holds, complete under the current layout."""
+        sched = self.scheduler
+        if not sched.prefix.enabled:
             return []
-        return cached_histories(eng.allocators, eng.scheduler.layout, eng.world,
-                                eng.setup.page_size)
-
-    def _apply(self, manifest: SwitchManifest, running: list) -> None:
-        """The destination's tables and owners become the requests' own; the layout flips.
-        Pages received in this step are hits from now on: a request admitted into this very
-        step reads them in each layer only after that layer's transfer has landed."""
-        eng = self.engine
-        for req in running:
-            req.tables = manifest.new_tables.get(req.request_id, [[] for _ in range(eng.world)])
-            req.owner = manifest.new_owners.get(req.request_id, req.owner)
-            for rank in range(eng.world):
-                eng.scheduler.mark_dirty(req, rank, 0)
-        for chain in manifest.cached:
-            chain.tables = manifest.new_tables[chain.request_id]
-            chain.owner = manifest.new_owners[chain.request_id]
-        for hist in [*running, *manifest.cached]:
-            eng.scheduler.prefix.register_moved(hist, manifest.dst)
-        eng.scheduler.layout = manifest.dst
+        return cached_histories(sched.alloc, sched.layout, self.setup.world, self.setup.page_size)
 
     def _free_placed(self, placed: dict, keep: set[str]) -> None:
         for (rid, _, rank), page in placed.items():
             if rid not in keep:
-                self.engine.allocators[rank].free([page])
+                self.scheduler.alloc[rank].free([page])
 
     def _handoff(self, step: int) -> SwitchStep | None:
-        eng, pc = self.engine, self.inflight
+        sched, setup, pc = self.scheduler, self.setup, self.inflight
         assert pc is not None
         self.inflight = None
         pre = pc.manifest
-        running = list(eng.scheduler.running)
+        running = list(sched.running)
         live = {r.request_id for r in running}
         self._free_placed(pre.placed, keep=live)  # pages of requests that finished meanwhile
         staged = {k: p for k, p in pre.placed.items() if k[0] in live}
         owners = {rid: o for rid, o in pre.new_owners.items() if rid in live}
-        delta = build_manifest(pre.src, pre.dst, running, eng.allocators, eng.world,
-                               eng.setup.page_size, eng.model_cfg.num_attention_heads,
+        delta = build_manifest(pre.src, pre.dst, running, sched.alloc, setup.world,
+                               setup.page_size, setup.model_cfg.num_attention_heads,
                                owners=owners, rows_from=pc.copied, staged=staged,
                                cached=self._cached())
         if delta is None:
             self._free_placed(staged, keep=set())
             self._cancelled(pc, step, "no free pages for the delta")
             return SwitchStep(pre, "cancel")
-        self._apply(delta, running)
+        sched.apply_switch(delta)
         info = {"decision_step": pc.step, "precopy_steps": pc.steps,
                 "decision_to_handoff_ms": round((time.monotonic() - pc.t0) * 1e3, 3),
                 "delta_kv_rows": sum(x.kv_rows_received for x in delta.summary)}
@@ -260,16 +252,18 @@ class SwitchController:
         return SwitchStep(pc.manifest, "cancel")
 
     def _cancelled(self, pc: _InFlight, step: int, why: str) -> None:
-        eng, pre = self.engine, pc.manifest
-        eng.allocators.set_reserved(eng.setup.reserved_pages(eng.scheduler.layout))
+        pre = pc.manifest
+        self.scheduler.alloc.set_reserved(self.setup.reserved_pages(self.scheduler.layout))
         logger.info("switch %s -> %s: pre-copy cancelled at step %d (%s); nothing changes "
                     "for requests", pre.src.name, pre.dst.name, step, why)
         self.cancelled.append({"step": step, "from": pre.src.name, "to": pre.dst.name,
                                "decision_step": pc.step, "reason": why})
 
-    def finish(self, action: SwitchStep | None, results: list, step_ms: float,
-               step: int, batch: Any = None) -> None:
-        eng = self.engine
+    def finish(self, action: SwitchStep | None, results: list[StepResult], step_ms: float,
+               step: int, batch: ScheduledBatch | None = None) -> None:
+        """After the step: track a pre-copy; free the pages a completed switch discarded and
+        record what it moved."""
+        setup, alloc = self.setup, self.scheduler.alloc
         rows = _decode_rows(batch)
         if self.inflight is not None:
             self.inflight.ready = all(r.precopy_done for r in results)
@@ -285,14 +279,15 @@ class SwitchController:
         manifest = action.manifest
         self._last_rows = rows
         for rank, pages in enumerate(manifest.discard):
-            eng.allocators[rank].free(pages)
+            alloc[rank].free(pages)
         for rank, pages in enumerate(manifest.release):
-            eng.allocators[rank].free(pages)
-        eng.allocators.set_reserved(eng.setup.reserved_pages(manifest.dst))
-        mcfg = eng.model_cfg
-        mem = eng.setup.memory
+            alloc[rank].free(pages)
+        alloc.set_reserved(setup.reserved_pages(manifest.dst))
+        mcfg = setup.model_cfg
+        mem = setup.memory
         head_bytes = mem.projection_bytes_per_layer // mcfg.num_attention_heads
-        args = (mem.kv_bytes_per_token_per_layer, head_bytes, mcfg.num_hidden_layers)
+        args = (mem.kv_bytes_per_token_per_layer, head_bytes, mcfg.num_hidden_layers,
+                mem.index_bytes_per_token_per_layer * mcfg.num_indexer_layers)
         predicted = manifest.predicted_bytes(*args)
         if action.precopy is not None:  # handoff: the pre-copy moved the weights and most KV
             pre = action.precopy.predicted_bytes(*args)
@@ -318,9 +313,9 @@ class SwitchController:
         self._last_switch = entry
 
 
-def _decode_rows(batch: Any) -> tuple | None:
+def _decode_rows(batch: ScheduledBatch | None) -> tuple | None:
     """The request ids of a decode-only batch (one row each), else None."""
-    entries = getattr(batch, "entries", None)
+    entries = batch.entries if batch is not None else None
     if not entries or any(n != 1 for _, n in entries):
         return None
     return tuple(req.request_id for req, _ in entries)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from splash import envs
 from splash.backends import get_backend
+from splash.backends.dtypes import torch_dtype
 from splash.core.ownership import get_layout, heads_held
 from splash.core.protocol import WORKER_PROTOCOL_VERSION, StepPlan, StepResult, TokenLogprobs
 from splash.dist.comm import Comm
@@ -30,20 +31,6 @@ from splash.model.loader import CheckpointWeights
 from splash.model.mlp import MoE
 from splash.model.model import MLAModel
 from splash.switching.executor import PreCopy, SwitchExecutor
-
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-
-
-def torch_dtype(name: str, backend=None) -> torch.dtype:
-    """'fp32' | 'bf16' | 'fp16' | 'fp8' (the backend's fp8 flavour) -> torch dtype."""
-    if name == "fp8":
-        if backend is None or backend.fp8_dtype is None:
-            raise ValueError("this backend has no fp8 KV dtype")
-        return backend.fp8_dtype
-    if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; use fp32, bf16, fp16 or fp8")
-    return _DTYPES[name]
 
 
 class Worker:
@@ -73,7 +60,7 @@ class Worker:
             if isinstance(layer.mlp, MoE):
                 layer.mlp.kernel_config = moe_config
         mcfg = self.model.cfg
-        kv_dtype = torch_dtype(cfg.kv_dtype, self.backend)
+        kv_dtype = torch_dtype(cfg.kv_dtype, self.backend.fp8_dtype)
         shape = (cfg.num_pages, cfg.page_size, mcfg.kv_dim)
         caches = [torch.zeros(shape, dtype=kv_dtype, device=self.device)
                   for _ in range(mcfg.num_hidden_layers)]
@@ -81,8 +68,10 @@ class Worker:
         if kv_dtype.itemsize == 1:
             scales = [torch.ones(shape[:2], dtype=torch.float32, device=self.device)
                       for _ in range(mcfg.num_hidden_layers)]
-        self.store = KVStore(caches, scales, {k: self.backend.kernel_config(k)
-                                              for k in ("mla_decode", "mla_extend")})
+        index_caches, index_scales = self._index_pools(mcfg)
+        configs = {k: self.backend.kernel_config(k)
+                   for k in ("mla_decode", "mla_extend", "index_scores", "topk")}
+        self.store = KVStore(caches, scales, configs, index_caches, index_scales)
         self.layouts = make_layouts(self.comm, self.store, mcfg.kv_lora_rank)
         self.tables: dict[str, list[int]] = {}
         self.precopy: PreCopy | None = None  # a background switch's transfer in flight
@@ -93,6 +82,20 @@ class Worker:
                                        self.device, cfg.graph_max_batch, capture=capture)
         for attn in self.model.attn_layers:  # graphs read the placed weights' addresses
             attn.keep_placements = capture
+
+    def _index_pools(self, mcfg: ModelConfig) -> tuple[list, list]:
+        """DSA: per indexer layer, the indexer keys (P, PS, I) in the same pages as the latent
+        rows (+ one fp32 scale per key when fp8); None in the other layers."""
+        layers = range(mcfg.num_hidden_layers)
+        if not mcfg.is_dsa:
+            return [None for _ in layers], [None for _ in layers]
+        dtype = torch_dtype(self.cfg.index_dtype, self.backend)
+        shape = (self.cfg.num_pages, self.cfg.page_size, int(mcfg.index_head_dim or 0))
+        keys = [torch.zeros(shape, dtype=dtype, device=self.device)
+                if mcfg.has_indexer(i) else None for i in layers]
+        scales = [torch.ones(shape[:2], dtype=torch.float32, device=self.device)
+                  if k is not None and dtype.itemsize == 1 else None for k in keys]
+        return keys, scales
 
     def _heads(self, layout: str) -> range:
         mcfg_heads = _num_heads(self.cfg.model)
@@ -183,7 +186,7 @@ class Worker:
                  ) -> tuple[list[int], list[TokenLogprobs], list[list[TokenLogprobs]]]:
         impl = self.layouts[plan.layout]
         hidden = None
-        if self.graphs is not None and switch is None:
+        if self.graphs is not None and (switch is None or not switch.plan.hooks_forward):
             hidden = self.graphs.run(plan, self.tables, impl)
             self.graph_step = hidden is not None and self.graphs.capture
         if hidden is None:

@@ -13,6 +13,7 @@ class WorkerConfig:
     backend: str  # resolved backend name
     dtype: str  # weights/activations
     kv_dtype: str
+    index_dtype: str  # DSA indexer keys (unused by other models)
     page_size: int
     num_pages: int  # physical KV pages of this rank
     layout: str  # layout at start

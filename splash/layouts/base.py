@@ -4,7 +4,7 @@
 A layout is a small class with two methods: ``inputs(meta)`` builds the step's device tensors
 (write slots, block tables, row permutations) once per step, and ``forward(layer, attn, h,
 meta) -> (N, hidden)`` uses them; on entry every rank holds the full hidden states of the step
-(DESIGN §2 invariant), on exit every rank holds the attention output of every row. Keeping the
+(the invariant every layout keeps), on exit every rank holds the attention output of every row. Keeping the
 inputs apart lets a CUDA-graph replay refill them in place (``splash/engine/graphs.py``).
 """
 
@@ -17,10 +17,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from splash.core.ownership import KVPlacement, Layout, local_kv_len
+from splash.core.ownership import Layout, holds, local_kv_len, local_page_index
 from splash.core.protocol import StepPlan
 from splash.dist.comm import Comm
-from splash.kernels_triton import gather_rows, kv_write, mla_decode, mla_extend, scatter_rows
+from splash.kernels_triton import (
+    gather_rows,
+    kv_write,
+    mla_decode,
+    mla_extend,
+    mla_sparse,
+    scatter_rows,
+)
 
 
 class StepMeta:
@@ -47,6 +54,7 @@ class StepMeta:
         self.row_start = starts
         self.positions = torch.tensor(plan.positions, dtype=torch.long, device=device)
         self.all_decode = all(n == 1 for n in plan.query_lens)
+        self.selection: dict[str, torch.Tensor] = {}  # DSA: the last indexer layer's picks
         self._cache: dict[Any, Any] = {}
 
     def cached(self, key: Any, build: Callable[[], Any]) -> Any:
@@ -57,6 +65,18 @@ class StepMeta:
     def inputs(self, impl: AttentionLayout) -> dict[str, Any]:
         """``impl.inputs(self)``, built once per step (graph replays preset it)."""
         return self.cached(("inputs", impl.layout.name), lambda: impl.inputs(self))
+
+    def within_topk(self, topk: int) -> bool:
+        """Whether every context of the step is at most ``topk`` tokens (DSA then attends whole
+        histories). Under CUDA graphs it follows the padded table width, part of the graph's
+        key, so a captured choice holds for every step the graph replays."""
+        if self.table_width:
+            return self.table_width * self.page_size <= topk
+        return max(self.plan.context_lens, default=0) <= topk
+
+    def host_lens(self, reqs: list[int]) -> tuple[list[int], list[int]]:
+        """(rows, history length) per request of ``reqs``, on the host."""
+        return ([self.plan.query_lens[b] for b in reqs], [self.plan.context_lens[b] for b in reqs])
 
     def owned_rows(self) -> list[int]:
         """Rows owned by each rank (host list)."""
@@ -85,13 +105,9 @@ class StepMeta:
         rows = np.concatenate([np.arange(self.row_start[b], self.row_start[b + 1]) for b in reqs])
         pos = np.asarray(plan.positions, dtype=np.int64)[rows]
         logical = pos // ps
-        if layout.kv is KVPlacement.REPLICATED:
-            mine, local = np.ones(len(pos), dtype=bool), logical
-        elif layout.kv is KVPlacement.OWNED:
-            owners = np.array([plan.owners[b] for b in reqs])
-            mine, local = owners[row_req] == self.rank, logical
-        else:
-            mine, local = logical % world == self.rank, logical // world
+        owners = np.array([plan.owners[b] for b in reqs])[row_req]
+        mine = holds(layout, self.rank, logical, owners, world)
+        local = local_page_index(layout, logical, world)
         lengths = np.array([len(self.tables[b]) for b in reqs])
         mine &= local < lengths[row_req]
         offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
@@ -103,61 +119,93 @@ class StepMeta:
 
     def kernel_args(self, layout: Layout, reqs: list[int]) -> dict[str, Any]:
         """Block table, local KV lengths and query offsets of ``reqs`` on this rank."""
-        lens = [
-            local_kv_len(layout, self.plan.context_lens[b], self.rank, self.plan.owners[b],
-                         self.world, self.page_size)
-            for b in reqs
-        ]
+        lens = local_kv_len(layout, np.array([self.plan.context_lens[b] for b in reqs]),
+                            self.rank, np.array([self.plan.owners[b] for b in reqs]),
+                            self.world, self.page_size)
         width = max([len(self.tables[b]) for b in reqs] + [1, self.table_width])
         table = np.zeros((len(reqs), width), dtype=np.int32)
         for j, b in enumerate(reqs):
             table[j, : len(self.tables[b])] = self.tables[b]
-        q_start = np.concatenate([[0], np.cumsum([self.plan.query_lens[b] for b in reqs])])
-        return {
+        q_lens = [self.plan.query_lens[b] for b in reqs]
+        q_start = np.concatenate([[0], np.cumsum(q_lens)])
+        args = {
             "block_table": torch.from_numpy(table).to(self.device),
-            "seq_lens": torch.tensor(lens, dtype=torch.int32, device=self.device),
+            "seq_lens": torch.from_numpy(lens.astype(np.int32)).to(self.device),
             "q_start_loc": torch.from_numpy(q_start.astype(np.int32)).to(self.device),
-            "decode": all(self.plan.query_lens[b] == 1 for b in reqs),
+            "decode": all(n == 1 for n in q_lens),
         }
+        if not args["decode"]:  # the request of each row (DSA's top-k turns positions to slots)
+            row_req = np.repeat(np.arange(len(reqs), dtype=np.int32), q_lens)
+            args["row_req"] = torch.from_numpy(row_req).to(self.device)
+        return args
 
 
 class KVStore:
-    """This rank's KV pools: one (P, PS, D) tensor per layer (+ fp8 scales (P, PS)), and the
-    backend's launch parameters of the attention kernels (``backends/``' TUNING tables)."""
+    """This rank's KV pools: one (P, PS, D) tensor per layer (+ fp8 scales (P, PS)); for DSA
+    models, per indexer layer, the indexer keys (P, PS, I) (+ fp8 scales) in the same pages and
+    slots as the latent rows (None in other layers); and the backend's launch parameters of the
+    attention kernels (``backends/``' TUNING tables)."""
 
     def __init__(self, caches: list[torch.Tensor], scales: list[torch.Tensor] | None,
-                 configs: dict[str, dict] | None = None) -> None:
+                 configs: dict[str, dict] | None = None,
+                 index_caches: list[torch.Tensor | None] | None = None,
+                 index_scales: list[torch.Tensor | None] | None = None) -> None:
         self.caches, self.scales = caches, scales
         self.configs = configs or {}
+        self.index_caches = index_caches or [None] * len(caches)
+        self.index_scales = index_scales or [None] * len(caches)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.caches[i], (self.scales[i] if self.scales is not None else None)
 
+    def index_layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cache = self.index_caches[i]
+        if cache is None:
+            raise ValueError(f"layer {i} stores no indexer keys")
+        return cache, self.index_scales[i]
+
+    def slot_pools(self, i: int) -> list[torch.Tensor]:
+        """Every pool of layer i indexed by slot (P, PS, ...): what a switch moves per row."""
+        pools = [self.caches[i], self.scales[i] if self.scales is not None else None,
+                 self.index_caches[i], self.index_scales[i]]
+        return [p for p in pools if p is not None]
+
     def copy_pages(self, pairs: list[list[int]], layers: range | None = None) -> None:
-        """Copy whole pages (rows and fp8 scales, bit-exact) of ``layers`` (default all): [src,
-        dst] pairs, dst pages distinct (copy-on-write of pages shared by several requests)."""
+        """Copy whole pages of every slot pool (rows, fp8 scales, indexer keys; bit-exact) of
+        ``layers`` (default all): [src, dst] pairs, dst pages distinct (copy-on-write of pages
+        shared by several requests)."""
         if not pairs:
             return
         device = self.caches[0].device
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=device)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=device)
         for i in layers if layers is not None else range(len(self.caches)):
-            for pool in (self.caches[i], None if self.scales is None else self.scales[i]):
-                if pool is not None:
-                    pages = pool.view(pool.shape[0], -1).view(torch.uint8)  # (P, page bytes)
-                    scatter_rows(pages, dst, gather_rows(pages, src))
+            for pool in self.slot_pools(i):
+                pages = pool.view(pool.shape[0], -1).view(torch.uint8)  # (P, page bytes)
+                scatter_rows(pages, dst, gather_rows(pages, src))
 
 
-def write_kv(store: KVStore, layer: int, rows: torch.Tensor, slots: torch.Tensor) -> None:
+def store_rows(store: KVStore, layer: int, attn: Any, x: torch.Tensor, positions: torch.Tensor,
+               slots: torch.Tensor) -> None:
+    """Write the latent KV rows of rows ``x`` (n, hidden) at ``slots`` (-1 skips), and in a DSA
+    indexer layer their indexer keys in the same slots."""
     cache, scale = store.layer(layer)
-    kv_write(cache, rows, slots, kv_scale=scale)
+    kv_write(cache, attn.latent(x, positions), slots, kv_scale=scale)
+    if attn.indexer is not None:
+        keys, key_scale = store.index_layer(layer)
+        kv_write(keys, attn.indexer.key(x, positions), slots, kv_scale=key_scale)
 
 
 def attend(
-    q: torch.Tensor, store: KVStore, layer: int, args: dict, sm_scale: float, kv_lora_rank: int
+    q: torch.Tensor, store: KVStore, layer: int, args: dict, sm_scale: float, kv_lora_rank: int,
+    slots: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Paged absorbed attention of rows ``q`` (n, h, D) → (o (n, h, L), lse (n, h))."""
+    """Paged absorbed attention of rows ``q`` (n, h, D) → (o (n, h, L), lse (n, h)): over each
+    row's causal history, or only over ``slots`` (n, K) (DSA's selection) when given."""
     cache, scale = store.layer(layer)
+    if slots is not None:
+        return mla_sparse(q, cache, slots, sm_scale, kv_lora_rank, kv_scale=scale,
+                          config=store.configs.get("mla_decode") or None)
     if args["decode"]:
         return mla_decode(q, cache, args["block_table"], args["seq_lens"], sm_scale,
                           kv_lora_rank, kv_scale=scale,

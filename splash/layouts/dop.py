@@ -1,4 +1,4 @@
-"""DOP: head-sharded projections, owner-held KV (DESIGN §2, paper §3).
+"""DOP: head-sharded projections, owner-held KV (paper §3).
 
 Each rank computes the absorbed query of its H/T heads for every row; an uneven all-to-all
 sends each row's head slice to the row's owner, which stores the row's latent KV and attends
@@ -21,7 +21,8 @@ from splash.kernels_triton import (
     scatter_rows,
     split_heads_to_ranks,
 )
-from splash.layouts.base import AttentionLayout, StepMeta, attend, write_kv
+from splash.layouts.base import AttentionLayout, StepMeta, attend, store_rows
+from splash.layouts.sparse import pick_slots
 
 
 class DOPAttention(AttentionLayout):
@@ -42,9 +43,13 @@ class DOPAttention(AttentionLayout):
         q_own = merge_heads_from_ranks(recv.view(world, n_own, *q.shape[1:]), world)  # (n, H, D)
         if n_own:
             rows = inp["rows"]
-            write_kv(self.store, layer, attn.latent(h[rows], meta.positions[rows]), inp["slots"])
+            hs, pos = h[rows], meta.positions[rows]
+            store_rows(self.store, layer, attn, hs, pos, inp["slots"])
+            # DSA: the owner runs the (replicated) indexer for its rows
+            slots = pick_slots(self.store, layer, attn, hs, pos, inp["args"], meta, "dop",
+                               meta.host_lens(meta.owned(rank)))
             o_own, _ = attend(q_own, self.store, layer, inp["args"], attn.sm_scale,
-                              self.kv_lora_rank)
+                              self.kv_lora_rank, slots)
         else:
             o_own = q_own.new_zeros((0, q_own.shape[1], self.kv_lora_rank))  # (0, H, L)
         back = split_heads_to_ranks(o_own, world)  # (T, n_own, H/T, L)

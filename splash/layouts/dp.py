@@ -1,4 +1,4 @@
-"""DP-attention: replicated projections, owner-held KV; output rows all-gathered (DESIGN §2)."""
+"""DP-attention: replicated projections, owner-held KV; output rows all-gathered."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from typing import Any
 import torch
 
 from splash.core.ownership import LAYOUTS
-from splash.layouts.base import AttentionLayout, StepMeta, attend, write_kv
+from splash.layouts.base import AttentionLayout, StepMeta, attend, store_rows
+from splash.layouts.sparse import pick_slots
 
 
 class DPAttention(AttentionLayout):
@@ -22,8 +23,11 @@ class DPAttention(AttentionLayout):
             rows = inp["rows"]
             hs, pos = h[rows], meta.positions[rows]
             q = attn.query(hs, pos)  # (n, H, D)
-            write_kv(self.store, layer, attn.latent(hs, pos), inp["slots"])
-            o, _ = attend(q, self.store, layer, inp["args"], attn.sm_scale, self.kv_lora_rank)
+            store_rows(self.store, layer, attn, hs, pos, inp["slots"])
+            slots = pick_slots(self.store, layer, attn, hs, pos, inp["args"], meta, "dp",
+                               meta.host_lens(meta.owned(self.comm.rank)))
+            o, _ = attend(q, self.store, layer, inp["args"], attn.sm_scale, self.kv_lora_rank,
+                          slots)
             out = attn.output(o)  # (n, hidden), complete: all heads are here
         else:
             out = h.new_zeros((0, h.shape[1]))

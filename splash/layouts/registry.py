@@ -1,4 +1,4 @@
-"""The four attention layouts behind one interface (DESIGN §2)."""
+"""The four attention layouts behind one interface (docs/design.md §2)."""
 
 from __future__ import annotations
 

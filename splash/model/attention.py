@@ -7,7 +7,9 @@ State is split in two (docs/internals.md §3):
   `q_b (h, nope+R, q_in)`, `w_uk (h, nope, L)`, `w_uv (h, v, L)`, `w_o (h, v, hidden)`.
 
 Attention itself (softmax over the latent KV history) is not here: layouts run it on what
-`latent` and `query` return and hand the latent output back to `output`.
+`latent` and `query` return and hand the latent output back to `output`. DSA layers also carry
+their lightning `indexer` (common state, `splash/model/indexer.py`); a DSA layer without one
+("shared") attends the positions the previous indexer layer chose.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from splash.errors import ConfigError
 from splash.model.config import ModelConfig
+from splash.model.indexer import Indexer
 from splash.model.loader import take
 from splash.model.norm import LATENT_NORM_EPS, rms_norm
 from splash.model.rope import RotaryEmbedding
@@ -66,11 +69,15 @@ class MLAAttention:
     - `output(o_latent (N, h, L)) -> (N, hidden)`: this head range's share of o_proj's output;
       summing over disjoint head ranges covering all heads gives the full attention output.
     - `sm_scale`: softmax scale including the YaRN mscale.
+    - `is_sparse` (DSA) with `indexer` (None on a layer that shares the previous selection).
     """
 
     def __init__(self, cfg: ModelConfig, common: Mapping[str, torch.Tensor], head_start: int,
-                 placed: Mapping[str, torch.Tensor], rope: RotaryEmbedding) -> None:
+                 placed: Mapping[str, torch.Tensor], rope: RotaryEmbedding,
+                 indexer: Indexer | None = None) -> None:
         self.cfg, self.rope = cfg, rope
+        self.is_sparse = cfg.is_dsa
+        self.indexer = indexer
         self.q_a_proj = common.get("q_a_proj")  # (q_lora, hidden) or None
         self.q_a_layernorm = common.get("q_a_layernorm")  # (q_lora,) or None
         self.kv_a_proj = common["kv_a_proj_with_mqa"]  # (L+R, hidden)
@@ -110,7 +117,11 @@ class MLAAttention:
         for name in _placed_sources(cfg):
             placed.update(_place(cfg, name, prep(_head_slice(cfg, weights, p + name, hs, he)),
                                  h))
-        return cls(cfg, common, head_start, placed, rope or RotaryEmbedding(cfg, device))
+        indexer = None
+        if cfg.has_indexer(layer_idx):
+            index_rope = RotaryEmbedding(cfg, device, interleave=cfg.index_rope_interleave)
+            indexer = Indexer.from_weights(cfg, weights, p + "indexer.", index_rope, dtype, device)
+        return cls(cfg, common, head_start, placed, rope or RotaryEmbedding(cfg, device), indexer)
 
     def load_weight(self, weights: Mapping[str, torch.Tensor], name: str, prefix: str) -> bool:
         """Copy the new value of HF tensor ``prefix + name`` into the state it feeds, in place
@@ -121,6 +132,9 @@ class MLAAttention:
                 return False
             t.copy_(take(weights, prefix + name))
             return True
+        if name.startswith("indexer."):
+            return self.indexer is not None and self.indexer.load_weight(
+                weights, name.removeprefix("indexer."), prefix + "indexer.")
         if name not in _placed_sources(self.cfg):
             return False
         for (hs, h), buf in self._buffers.items():

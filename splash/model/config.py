@@ -11,6 +11,11 @@ Per-family rules follow the HF transformers classes, which are the numerical ora
   (and `i % moe_layer_freq == 0`, always 1 in released models).
 - RoPE on the `qk_rope_head_dim` slice is interleaved (adjacent pairs) except deepseek_v3 with
   `rope_interleave: false` (half split).
+- DSA (deepseek_v32, glm_moe_dsa): a lightning indexer per layer picks `index_topk` positions
+  per query; its RoPE (on the first `qk_rope_head_dim` dims of its keys and queries) is half
+  split in deepseek_v32 and interleaved in glm_moe_dsa. glm_moe_dsa layers are "full" (own
+  indexer) or "shared" (reuse the previous full layer's selection): `indexer_types`, else
+  `index_topk_pattern` ("FSS..."), else `index_topk_freq` / `index_skip_topk_offset`.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from splash.errors import ConfigError, InvalidRequestError
+from splash.errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "deepseek_v32", "glm_moe_dsa")
 DSA_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
@@ -91,7 +96,8 @@ class ModelConfig:
     """Architecture of one MLA model. Fields carry HF names; build with `from_hf`.
 
     Derived: `kv_dim` (L + R, one latent KV row), `qk_head_dim`, `q_in_dim`, `sm_scale`
-    (YaRN mscale included), `is_moe_layer(i)`, `eos_token_ids`, `max_dense_context`.
+    (YaRN mscale included), `is_moe_layer(i)`, `eos_token_ids`, `is_dsa`, `has_indexer(i)`,
+    `num_indexer_layers`, `index_rope_interleave`.
     """
 
     model_type: str
@@ -129,6 +135,7 @@ class ModelConfig:
     index_topk: int | None = None  # DSA models only
     index_head_dim: int | None = None
     index_n_heads: int | None = None
+    indexer_types: tuple[str, ...] = ()  # DSA: "full" | "shared" per layer
     num_nextn_predict_layers: int = 0  # MTP layers in the checkpoint (skipped)
     fp8_block_size: tuple[int, int] | None = None  # block-scaled FP8 checkpoint
     dtype: str = "bfloat16"  # checkpoint dtype as config.json states it
@@ -168,8 +175,25 @@ class ModelConfig:
             if self.topk_method == "noaux_tc" and e // self.n_group < 2:
                 raise bad("noaux_tc routing scores each group by its top-2 experts: "
                           "needs >= 2 experts per group")
-        if self.model_type in DSA_MODEL_TYPES and not (self.index_topk or 0) > 0:
+        if self.model_type in DSA_MODEL_TYPES:
+            self._check_dsa(bad)
+
+    def _check_dsa(self, bad: Any) -> None:
+        if not (self.index_topk or 0) > 0:
             raise bad("DSA model needs index_topk > 0")
+        if not (self.index_n_heads or 0) > 0:
+            raise bad("DSA model needs index_n_heads > 0")
+        if (self.index_head_dim or 0) < self.qk_rope_head_dim:
+            raise bad(f"index_head_dim {self.index_head_dim} must hold the rope slice "
+                      f"({self.qk_rope_head_dim} dims)")
+        if self.q_lora_rank is None:
+            raise bad("the DSA indexer reads the q LoRA latent: q_lora_rank must be set")
+        if len(self.indexer_types) != self.num_hidden_layers:
+            raise bad(f"indexer_types has {len(self.indexer_types)} entries, "
+                      f"num_hidden_layers is {self.num_hidden_layers}")
+        if set(self.indexer_types) - {"full", "shared"} or self.indexer_types[0] != "full":
+            raise bad(f"indexer_types must be 'full' or 'shared', starting with 'full': "
+                      f"{self.indexer_types}")
 
     # --- derived -------------------------------------------------------------------------
     @property
@@ -202,19 +226,18 @@ class ModelConfig:
     def is_dsa(self) -> bool:
         return self.model_type in DSA_MODEL_TYPES
 
-    @property
-    def max_dense_context(self) -> int | None:
-        """Longest context for which dense attention equals the model (DSA: index_topk)."""
-        return self.index_topk if self.is_dsa else None
+    def has_indexer(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` runs its own DSA indexer (and stores indexer keys)."""
+        return self.is_dsa and self.indexer_types[layer_idx] == "full"
 
-    def check_dense_context(self, context_len: int) -> None:
-        """Raise InvalidRequestError when a context exceeds what dense attention serves exactly."""
-        limit = self.max_dense_context
-        if limit is not None and context_len > limit:
-            raise InvalidRequestError(
-                f"context of {context_len} tokens exceeds index_topk={limit} of this "
-                f"{self.model_type} (DSA) model: SPLASH runs dense MLA attention, which equals "
-                f"DeepSeek Sparse Attention only while every context is <= index_topk")
+    @property
+    def num_indexer_layers(self) -> int:
+        return sum(t == "full" for t in self.indexer_types)
+
+    @property
+    def index_rope_interleave(self) -> bool:
+        """The indexer's RoPE: interleaved pairs (glm_moe_dsa) or half split (deepseek_v32)."""
+        return self.model_type == "glm_moe_dsa"
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         if not 0 <= layer_idx < self.num_hidden_layers:
@@ -266,6 +289,8 @@ class ModelConfig:
         if family not in DSA_MODEL_TYPES:
             for k in ("index_topk", "index_head_dim", "index_n_heads"):
                 fields.pop(k, None)
+        else:
+            fields["indexer_types"] = _indexer_types(mt, d)
         return cls(**fields)
 
 
@@ -313,6 +338,23 @@ def _mlp_layer_types(family: str, d: Mapping[str, Any], v: Mapping[str, Any]) ->
         return tuple(str(t) for t in d["mlp_layer_types"])
     k, freq = int(v["first_k_dense_replace"]), int(d.get("moe_layer_freq") or 1)
     return tuple("sparse" if i >= k and i % freq == 0 else "dense" for i in range(n))
+
+
+def _indexer_types(model_type: str, d: Mapping[str, Any]) -> tuple[str, ...]:
+    """Per-layer "full" / "shared" as transformers' GlmMoeDsaConfig derives it (v32: all full)."""
+    n = int(d["num_hidden_layers"])
+    if model_type != "glm_moe_dsa":
+        return ("full",) * n
+    if d.get("indexer_types"):
+        return tuple(str(t) for t in d["indexer_types"])
+    pattern = d.get("index_topk_pattern")
+    if pattern is not None:
+        names = {"F": "full", "S": "shared"}
+        return tuple(names.get(c, c) for c in pattern) if isinstance(pattern, str) \
+            else tuple(str(t) for t in pattern)
+    freq = max(int(d.get("index_topk_freq") or 1), 1)
+    offset = int(d.get("index_skip_topk_offset", 2))
+    return tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n))
 
 
 def _fp8_block(d: Mapping[str, Any]) -> tuple[int, int] | None:

@@ -5,8 +5,8 @@ Layouts: one `model.safetensors`, shards listed by `model.safetensors.index.json
 block-scaled FP8 (`float8_e4m3fn` weight + fp32 `weight_scale_inv` per 128×128 block, as
 DeepSeek-V3/R1/V3.2 and Kimi-K2 ship): such weights are **dequantised at load** to the target
 dtype (bf16 unless asked otherwise) as `w = fp8 × scale_inv[block]`; nothing runs in FP8 here.
-MTP layers (`model.layers.{num_hidden_layers}+`) and DSA indexer weights (`*.self_attn.indexer.*`)
-are not exposed: SPLASH serves neither.
+MTP layers (`model.layers.{num_hidden_layers}+`) are not exposed (SPLASH does not serve them);
+DSA indexer weights (`*.self_attn.indexer.*`) are, for DSA models, with `weights_proj` in fp32.
 """
 
 from __future__ import annotations
@@ -20,21 +20,26 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from splash.backends.dtypes import torch_dtype
 from splash.errors import ConfigError
 from splash.model.config import ModelConfig
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
-# Router weights stay fp32 whatever the model dtype (as HF keeps them).
-_FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Router weights and the DSA indexer's head weights stay fp32 whatever the model dtype (as HF
+# keeps them).
+_FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias",
+                  "indexer.weights_proj.weight")
 
 
 def resolve_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
-    if name is None or isinstance(name, torch.dtype):
-        return name
-    if name not in _DTYPES:
-        raise ConfigError(f"unsupported weight dtype {name!r}; use one of {sorted(_DTYPES)}")
-    return _DTYPES[name]
+    """The dtype weights load in (None: as stored); fp8 weights are dequantised, never kept."""
+    if name is None:
+        return None
+    try:
+        return torch_dtype(name)
+    except ValueError:
+        raise ConfigError(f"unsupported weight dtype {name!r}; use fp32, bf16 or fp16 "
+                          "(or float32, bfloat16, float16)") from None
 
 
 def dequant_block_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
@@ -67,7 +72,7 @@ class CheckpointWeights(Mapping[str, torch.Tensor]):
         self._names = sorted(n for n in self._file_of if self._exposed(n))
 
     def _exposed(self, name: str) -> bool:
-        if name.endswith("_scale_inv") or ".self_attn.indexer." in name:
+        if name.endswith("_scale_inv") or (".self_attn.indexer." in name and not self.cfg.is_dsa):
             return False
         m = _LAYER_RE.match(name)
         return not (m and int(m.group(1)) >= self.cfg.num_hidden_layers)

@@ -147,10 +147,14 @@ class DenseReferenceAttention:
     plain per-(layer, sequence) tensors. Call `set_step(seq_ids, positions)` before each
     forward; a sequence's rows must continue its history (positions len(history), +1, ...).
     Returns this rank's partial for the held heads (all heads: the full output).
+    DSA layers attend only the positions their indexer picks with torch.topk, as transformers
+    does (a layer without an indexer reuses the previous indexer layer's picks).
     """
 
     def __init__(self) -> None:
         self.history: dict[tuple[int, int], torch.Tensor] = {}  # (layer, seq) -> (T, L+R)
+        self.index_keys: dict[tuple[int, int], torch.Tensor] = {}  # (layer, seq) -> (T, I)
+        self.picked: dict[int, torch.Tensor] = {}  # seq -> (n, T) bool, the last indexer's
         self.seq_ids: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
 
@@ -161,6 +165,26 @@ class DenseReferenceAttention:
     def forget(self, seq_id: int) -> None:
         for key in [k for k in self.history if k[1] == seq_id]:
             del self.history[key]
+        for key in [k for k in self.index_keys if k[1] == seq_id]:
+            del self.index_keys[key]
+
+    def _pick(self, layer_idx: int, seq: int, attn: MLAAttention, x: torch.Tensor,
+              pos: torch.Tensor) -> torch.Tensor:
+        """(n, T) bool: the positions the DSA indexer picks for rows x (n, hidden) of ``seq``."""
+        ix = attn.indexer
+        if ix is None:
+            return self.picked[seq]
+        keys = torch.cat((self.index_keys.get((layer_idx, seq), x.new_zeros(0, ix.head_dim)),
+                          ix.key(x, pos)))  # (T, I)
+        self.index_keys[(layer_idx, seq)] = keys
+        q = ix.query(attn.q_input(x), pos).float()  # (n, HI, I)
+        scores = torch.relu(torch.einsum("nhd,td->nht", q, keys.float()) * ix.softmax_scale)
+        total = torch.einsum("nh,nht->nt", ix.head_weights(x), scores)  # (n, T)
+        future = torch.arange(keys.shape[0], device=x.device)[None, :] > pos[:, None]
+        top = total.masked_fill(future, float("-inf")).topk(min(ix.topk, keys.shape[0])).indices
+        picked = torch.zeros_like(future).scatter(1, top, True) & ~future
+        self.picked[seq] = picked
+        return picked
 
     def __call__(self, layer_idx: int, attn: MLAAttention, x: torch.Tensor) -> torch.Tensor:
         assert self.seq_ids is not None and self.positions is not None, "call set_step first"
@@ -178,8 +202,10 @@ class DenseReferenceAttention:
             kv = torch.cat((past, latent[rows]))  # (T, D)
             self.history[(layer_idx, seq)] = kv
             scores = torch.einsum("nhd,td->nht", query[rows].float(), kv.float()) * attn.sm_scale
-            future = torch.arange(kv.shape[0], device=x.device)[None, :] > pos[:, None]  # (n, T)
-            scores = scores.masked_fill(future[:, None, :], float("-inf"))
+            hidden = torch.arange(kv.shape[0], device=x.device)[None, :] > pos[:, None]  # (n, T)
+            if attn.is_sparse:
+                hidden = ~self._pick(layer_idx, seq, attn, x[rows], pos)
+            scores = scores.masked_fill(hidden[:, None, :], float("-inf"))
             o = torch.einsum("nht,tl->nhl", scores.softmax(-1), kv[:, :L].float())  # (n, h, L)
             out[rows] = attn.output(o.to(x.dtype)).to(x.dtype)
         return out

@@ -128,7 +128,7 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                        a + "kv_a_layernorm.weight": (L,),
                        a + "kv_b_proj.weight": (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), L),
                        a + "o_proj.weight": (H, nh * cfg.v_head_dim)})
-        if cfg.is_dsa:
+        if cfg.has_indexer(i):
             n, d = cfg.index_n_heads or 0, cfg.index_head_dim or 0
             shapes.update({a + "indexer.wq_b.weight": (n * d, cfg.q_in_dim),
                            a + "indexer.wk.weight": (d, H), a + "indexer.k_norm.weight": (d,),

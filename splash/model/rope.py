@@ -42,9 +42,10 @@ def inv_frequencies(dim: int, theta: float, scaling: RopeScaling | None) -> tupl
 class RotaryEmbedding:
     """Applies RoPE to (N, ..., R) tensors given (N,) integer positions."""
 
-    def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None,
+                 interleave: bool | None = None) -> None:
         self.dim = cfg.qk_rope_head_dim
-        self.interleave = cfg.rope_interleave
+        self.interleave = cfg.rope_interleave if interleave is None else interleave
         inv_freq, self.scale = inv_frequencies(self.dim, cfg.rope_theta, cfg.rope_scaling)
         self.inv_freq = inv_freq.to(device)
 

@@ -1,4 +1,4 @@
-"""Per-step cost of each attention layout (DESIGN §4, paper Appendix B).
+"""Per-step cost of each attention layout (paper Appendix B).
 
 A stage costs max(FLOPs / peak, bytes / HBM bandwidth) on a rank (roofline); every collective is
 a barrier, so each stage costs its slowest rank and dependent stages add up. Collectives pay
@@ -22,9 +22,9 @@ import numpy as np
 from splash.backends.profiles import HardwareProfile
 from splash.core.dtypes import dtype_bytes
 from splash.core.memory import MemoryModel
-from splash.core.ownership import KVPlacement, Layout, get_layout
+from splash.core.ownership import KVPlacement, Layout, assign_owners, get_layout, held_tokens
 from splash.core.shapes import BatchShape, SwitchCost
-from splash.planning.feasibility import ACT_BYTES, assign_owners, held_tokens
+from splash.planning.feasibility import ACT_BYTES
 
 __all__ = ["BatchShape", "CostModel", "SwitchCost"]
 LSE_BYTES = 4
@@ -118,7 +118,7 @@ class CostModel:
     def switch_cost(self, src: str, dst: str, batch: BatchShape,
                     live_tokens: Sequence[int] | np.ndarray | None = None,
                     live_owners: Sequence[int] | None = None) -> SwitchCost:
-        """Bytes each rank receives per layer (DESIGN §1 switch table) and the switch's time,
+        """Bytes each rank receives per layer (the switch table of docs/switching.md) and the switch's time,
         switching before ``batch`` runs. ``live_tokens``: KV tokens of every live request
         (default: those of ``batch``); ``live_owners``: their owners (default: greedy)."""
         s, d = get_layout(src), get_layout(dst)
@@ -128,7 +128,7 @@ class CostModel:
             owners = self._owners(batch, tokens)
         else:
             tokens = np.asarray(live_tokens, dtype=np.int64)
-            owners = (assign_owners(tokens, T) if live_owners is None
+            owners = (self.owners(tokens) if live_owners is None
                       else np.asarray(live_owners, dtype=np.int64))
         prims: list[str] = []
         w_bytes = 0
@@ -165,10 +165,15 @@ class CostModel:
         return self.switch_cost(src, dst, batch, live_tokens, live_owners).live_ms
 
     # -- pieces ----------------------------------------------------------------------------
+    def owners(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Owners of live histories of ``tokens`` KV tokens placed together, as the engine
+        places them entering an owned layout (`ownership.assign_owners`)."""
+        return assign_owners(tokens, self.world)
+
     def _owners(self, batch: BatchShape, tokens: np.ndarray) -> np.ndarray:
         if batch.owners is not None:
             return np.minimum(np.asarray(batch.owners, dtype=np.int64), self.world - 1)
-        return assign_owners(tokens, self.world)
+        return self.owners(tokens)
 
     def _roof(self, flops: Any, nbytes: Any, tflops: float) -> Any:
         """ms of a stage: FLOPs at peak or bytes at HBM bandwidth, whichever is slower."""

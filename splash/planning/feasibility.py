@@ -1,4 +1,4 @@
-"""Which layouts fit the memory budget, and which switches fit the headroom (DESIGN §3, §4).
+"""Which layouts fit the memory budget, and which switches fit the headroom (docs/design.md §5).
 
 Per-rank bytes = common + projections (1/T if sharded) + KV pages the rank holds + reserve, where
 ``reserve`` covers activation scratch, graphs and allocator slack. A switch additionally holds one
@@ -7,49 +7,23 @@ layer's transfer buffers beyond max(source, destination) (paper §4.2, Appendix 
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from splash.core.memory import MemoryModel
-from splash.core.ownership import LAYOUTS, KVPlacement, Layout, get_layout
+from splash.core.ownership import (
+    LAYOUTS,
+    KVPlacement,
+    Layout,
+    get_layout,
+    held_tokens,
+    kv_capacity_tokens,
+)
 
 FIXED_RESERVE_BYTES = 1 << 30  # graphs + allocator slack at full scale (paper B.1: 1 GiB)
 ACT_BYTES = 2  # activations are bf16
-
-
-def assign_owners(tokens: Sequence[int] | np.ndarray, world: int) -> np.ndarray:
-    """Greedy balance: largest request first onto the least-loaded rank (ties: fewest requests,
-    then lowest rank)."""
-    tokens = np.asarray(tokens, dtype=np.int64)
-    owners = np.zeros(len(tokens), dtype=np.int64)
-    heap = [(0, 0, r) for r in range(world)]
-    for i in np.argsort(-tokens, kind="stable"):
-        load, count, r = heapq.heappop(heap)
-        owners[i] = r
-        heapq.heappush(heap, (load + int(tokens[i]), count + 1, r))
-    return owners
-
-
-def held_tokens(layout: Layout, tokens: np.ndarray, owners: np.ndarray | None, world: int,
-                page_size: int, whole_pages: bool = True) -> np.ndarray:
-    """KV tokens each rank holds under ``layout``, shape (world,). ``owners`` None: greedy.
-    CP places page i of every request on rank i % world (ownership.page_holders)."""
-    tokens = np.asarray(tokens, dtype=np.int64)
-    pages = -(-tokens // page_size)
-    units = pages * page_size if whole_pages else tokens
-    if layout.kv is KVPlacement.REPLICATED:
-        return np.full(world, int(units.sum()), dtype=np.int64)
-    if layout.kv is KVPlacement.OWNED:
-        own = assign_owners(units, world) if owners is None else np.asarray(owners, np.int64)
-        return np.bincount(own, weights=units, minlength=world)[:world].astype(np.int64)
-    per = [int(np.clip((pages - r + world - 1) // world, 0, None).sum()) for r in range(world)]
-    held = np.array(per, dtype=np.int64) * page_size
-    if not whole_pages:  # spread the partial last pages evenly: exact to within a page
-        held = np.minimum(held, -(-int(tokens.sum()) // world) + page_size)
-    return held
 
 
 def default_reserve_bytes(cfg, world: int, max_rows: int = 8192, fixed: int | None = None) -> int:
@@ -109,9 +83,8 @@ class Feasibility:
         """Distinct KV tokens the group can hold under ``layout`` (page-rounded)."""
         lay = get_layout(layout) if isinstance(layout, str) else layout
         room = budget_bytes - self._static[lay.name] - self.reserve_bytes
-        pages = max(room // (self.kv_bytes_per_token * self.memory.page_size), 0)
-        per_rank = pages * self.memory.page_size
-        return per_rank if lay.kv is KVPlacement.REPLICATED else per_rank * self.memory.world
+        pages = room // (self.kv_bytes_per_token * self.memory.page_size)
+        return kv_capacity_tokens(lay, pages, self.memory.page_size, self.memory.world)
 
     def switch_buffer_bytes(self, src: str, dst: str, tokens: Sequence[int] | np.ndarray,
                             owners: Sequence[int] | None = None) -> int:

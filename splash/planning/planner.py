@@ -3,7 +3,7 @@
 For a preset or checkpoint, a hardware profile and T ranks: per-layer projection and KV sizes,
 per layout the per-rank memory for ``batch`` requests of ``input_len`` tokens, KV capacity,
 predicted decode step time and feasibility, the chosen layout, and the bytes every switch
-direction moves (DESIGN §1).
+direction moves (docs/switching.md).
 """
 
 from __future__ import annotations

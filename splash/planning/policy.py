@@ -1,4 +1,4 @@
-"""Transition-aware layout policy (DESIGN §4, paper §4.2).
+"""Transition-aware layout policy (paper §4.2).
 
 Every feasible layout is scored on the current batch. The policy switches only when the best
 leads the current by ``margin`` (hysteresis near a crossover), the current layout has been held

@@ -19,11 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from splash.core.ownership import get_layout
+from splash.core.ownership import assign_owners, get_layout, least_loaded
 from splash.errors import LayoutInfeasibleError
 from splash.planning import workloads
 from splash.planning.cost_model import BatchShape, CostModel
-from splash.planning.feasibility import assign_owners, default_reserve_bytes
+from splash.planning.feasibility import default_reserve_bytes
 from splash.planning.policy import LayoutPolicy
 
 GIB = 1 << 30
@@ -124,10 +124,12 @@ def simulate(trace: Sequence, cfg, profile, tp: int, layout: str = "auto",
         while waiting and len(running) < sim.max_num_seqs:
             r = waiting[0]
             owner = 0
-            if owned():
-                held = np.zeros(T)
-                np.add.at(held, [x.owner for x in running], [x.target for x in running])
-                owner = int(held.argmin())
+            if owned():  # the engine's admission rule
+                load, count = [0] * T, [0] * T
+                for x in running:
+                    load[x.owner] += x.target
+                    count[x.owner] += 1
+                owner = least_loaded(load, count) or 0
             if not fits([r.target + sim.page_size], owner, grow=sim.page_size if running else 0):
                 blocked_by_kv = True
                 break

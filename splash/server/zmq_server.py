@@ -30,6 +30,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from splash.engine.api import EngineAPI
 from splash.errors import InvalidRequestError, NotFoundError, ProtocolError, WorkerDiedError
 from splash.logging_utils import get_logger
 from splash.outputs import RequestOutput
@@ -81,7 +82,7 @@ class ZmqServer:
     reach the engine thread through the same protocol instead of touching the engine.
     """
 
-    def __init__(self, engine: Any, endpoint: str, config: ServerConfig | None = None,
+    def __init__(self, engine: EngineAPI, endpoint: str, config: ServerConfig | None = None,
                  context: zmq.Context | None = None) -> None:
         self.engine = engine
         self.config = config or ServerConfig()

@@ -12,11 +12,14 @@ on GPU; gloo's background threads on CPU):
   is issued, then layer l waits for its own only; the step computes in the destination.
 - **Blocking**: everything moves first (the baseline for measurement).
 
-KV rows move as raw bytes (latent, rope keys and fp8 scales move exactly, no requantisation),
-projection heads as rows of the four placed tensors flattened. Rows are packed with the Triton
-exchange kernels into one contiguous buffer per layer group (up to ``GROUP_BYTES`` per
-message, the size at which a collective reaches the link), so a switch issues a few large
-collectives instead of one per layer and kind.
+KV rows move as raw bytes: a row is every per-slot pool of the layer side by side — the latent
+row, its fp8 scale, and in DSA models the indexer key and its scale (same slot, same page) — so
+everything moves exactly, with no requantisation. Projection heads move as rows of the four
+placed tensors flattened. Rows are packed with the Triton
+exchange kernels into one contiguous buffer per layer group (the controller sizes groups to
+about 1 GiB per message, where a collective reaches the link), so a switch issues a few large
+collectives instead of one per layer and kind. Every rank enters every collective, with or
+without rows of its own; the plan says which collectives a switch has.
 """
 
 from __future__ import annotations
@@ -33,13 +36,17 @@ from splash.kernels_triton import gather_rows, scatter_rows
 from splash.layouts.base import KVStore
 
 _PLACED = ("q_b", "w_uk", "w_uv", "w_o")
-GROUP_BYTES = 1 << 30  # largest message per collective (send side, one rank)
 
 
 def _byte_rows(t: torch.Tensor) -> torch.Tensor:
-    """(P, PS, D) or (P, PS) pool as (P*PS, bytes per row) uint8, sharing storage."""
-    rows = t.reshape(t.shape[0] * t.shape[1], -1)
-    return rows.view(torch.uint8)
+    """(P, PS, D) or (P, PS) pool as (P*PS, words per row), sharing storage: raw bits in the
+    widest integer type that divides a row (a 1,152-byte latent row is 144 int64 words, so the
+    exchange kernels move 8 bytes per element instead of one)."""
+    rows = t.reshape(t.shape[0] * t.shape[1], -1).view(torch.uint8)
+    for word in (torch.int64, torch.int32, torch.int16):
+        if rows.shape[1] % word.itemsize == 0 and rows.data_ptr() % word.itemsize == 0:
+            return rows.view(word)
+    return rows
 
 
 def slots_from_runs(runs: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -102,7 +109,6 @@ class _Group:
     def __init__(self, layers: list[int]) -> None:
         self.layers = layers
         self.kv: torch.Tensor | None = None
-        self.scale: torch.Tensor | None = None
         self.heads: torch.Tensor | None = None
         self.works: list[Any] = []
 
@@ -129,36 +135,23 @@ class _Transfer:
         self.weight_bytes = 0
 
     def groups(self, per_layer: bool) -> list[list[int]]:
-        """Layers per collective: one each (live), else as many as fit ``GROUP_BYTES``."""
+        """Layers per collective: one each (live), else the plan's group size (the same on
+        every rank: the controller sizes groups from the busiest rank's bytes)."""
         layers = list(range(len(self.attns)))
-        if per_layer:
-            return [[layer] for layer in layers]
-        cache, scale = self.store.layer(0)
-        row = _byte_rows(cache).shape[1] + (_byte_rows(scale).shape[1] if scale is not None else 0)
-        per = max(len(self.moves.send_slots), len(self.moves.recv_slots), 1) * row
-        if self.move_weights and self.moves.sent_heads:
-            placed = self.attns[0].placed_weights()
-            head = sum(placed[k][0].numel() * placed[k].element_size() for k in _PLACED)
-            per += len(self.moves.sent_heads) * head
-        size = max(GROUP_BYTES // per, 1)
+        size = 1 if per_layer else max(self.plan.layers_per_group, 1)
         return [layers[i: i + size] for i in range(0, len(layers), size)]
 
     def issue(self, layers: list[int]) -> _Group:
         m, group, g = self.moves, self.comm.xfer_group, _Group(layers)
-        if sum(m.send_counts) or sum(m.recv_counts):
-            pools = [self.store.layer(layer) for layer in layers]
-            send = torch.cat([gather_rows(_byte_rows(c), m.send_slots) for c, _ in pools], dim=1)
+        if self.plan.kv_moves:  # every rank enters, with or without rows of its own
+            pools = [p for layer in layers for p in self.store.slot_pools(layer)]
+            # each pool gathered in its widest word, then side by side as bytes
+            send = torch.cat([gather_rows(_byte_rows(p), m.send_slots).view(torch.uint8)
+                              for p in pools], dim=1)
             g.kv, work = self.comm.all_to_all_rows(send, m.send_counts, m.recv_counts,
                                                    group=group, async_op=True)
             g.works.append(work)
-            scales = [s for _, s in pools if s is not None]
-            if scales:
-                send = torch.cat([gather_rows(_byte_rows(s), m.send_slots) for s in scales],
-                                 dim=1)
-                g.scale, work = self.comm.all_to_all_rows(send, m.send_counts, m.recv_counts,
-                                                          group=group, async_op=True)
-                g.works.append(work)
-        if self.move_weights and (m.sent_heads or m.received_heads):
+        if self.move_weights and self.plan.heads_move:
             parts = []
             for layer in layers:
                 attn = self.attns[layer]
@@ -175,22 +168,20 @@ class _Transfer:
         """Scatter a completed group's KV rows into the pools; its heads per layer."""
         m = self.moves
         heads: dict[int, torch.Tensor] = {}
+        col = 0  # byte column of the group's rows: every pool of every layer, side by side
         for j, layer in enumerate(g.layers):
-            cache, scale = self.store.layer(layer)
-            if g.kv is not None and m.recv_slots.numel():
-                width = _byte_rows(cache).shape[1]
-                scatter_rows(_byte_rows(cache), m.recv_slots,
-                             g.kv[:, j * width:(j + 1) * width].contiguous())
-                if scale is not None and g.scale is not None:
-                    sw = _byte_rows(scale).shape[1]
-                    scatter_rows(_byte_rows(scale), m.recv_slots,
-                                 g.scale[:, j * sw:(j + 1) * sw].contiguous())
+            for pool in self.store.slot_pools(layer):
+                rows = _byte_rows(pool)
+                width = rows.shape[1] * rows.element_size()
+                if g.kv is not None and m.recv_slots.numel():
+                    part = g.kv[:, col:col + width].contiguous().view(rows.dtype)
+                    scatter_rows(rows, m.recv_slots, part)
+                col += width
             if g.heads is not None:
                 width = g.heads.shape[1] // len(g.layers)
                 heads[layer] = g.heads[:, j * width:(j + 1) * width]
-        for t in (g.kv, g.scale):
-            if t is not None:
-                self.kv_bytes += t.numel() * t.element_size()
+        if g.kv is not None:
+            self.kv_bytes += g.kv.numel() * g.kv.element_size()
         if g.heads is not None:
             self.weight_bytes += g.heads.numel() * g.heads.element_size()
         return heads

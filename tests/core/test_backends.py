@@ -79,3 +79,34 @@ def test_calibration_overrides_spec(tmp_path):
     assert prof.link_gbps == PROFILES["h200"].link_gbps and prof.source == str(path)
     with pytest.raises(FileNotFoundError):
         load_profile("h200", str(tmp_path / "missing.json"))
+
+
+@pytest.mark.parametrize("hip", [None, "6.2"])
+def test_launchers_read_their_devices_backend_table(monkeypatch, hip):
+    """One tuning table per backend: a launcher called without a config uses the table of the
+    backend that drives the device (ROCm under a HIP build of torch), and the engine's config
+    (the same backend's entry) changes nothing on top of it."""
+    from splash.backends import device_tuning
+    from splash.backends.base import _REGISTRY
+    from splash.kernels_triton.fused_moe import _gemm_configs
+    from splash.kernels_triton.mla_decode import decode_config
+    from splash.kernels_triton.mla_extend import extend_config
+
+    monkeypatch.setattr(torch.version, "hip", hip)
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    name = "rocm" if hip else "cuda"
+    for kernel in ("mla_decode", "mla_extend", "fused_moe"):
+        assert device_tuning(gpu, kernel) == _REGISTRY[name].TUNING[kernel]["default"]
+        assert device_tuning(cpu, kernel) == _REGISTRY["cpu"].TUNING[kernel]["default"]
+    for dev, backend in ((gpu, name), (cpu, "cpu")):
+        table = _REGISTRY[backend].TUNING
+        for heads in (16, 128):
+            for fp8 in (False, True):
+                assert decode_config(heads, dev, None, fp8=fp8) == decode_config(
+                    heads, dev, table["mla_decode"]["default"], fp8=fp8)
+        assert extend_config(dev, None) == extend_config(dev, table["mla_extend"]["default"])
+        assert _gemm_configs(None, dev) == _gemm_configs(table["fused_moe"]["default"], dev)
+    # the tokens-on-M decode kernel and fp16 products are CUDA's choices only
+    assert bool(decode_config(16, gpu, None).get("transposed")) is (hip is None)
+    assert decode_config(16, gpu, None, fp8=True).get("fp8_fp16", False) is (hip is None)
+    assert decode_config(16, cpu, None, fp8=True)["fp8_fp16"] is False

@@ -1,4 +1,4 @@
-"""The ownership model's accounting pinned to DESIGN §1 (DeepSeek-V3) and the capacity order
+"""The ownership model's accounting pinned to DeepSeek-V3's published sizes and the capacity order
 of the layouts at equal memory."""
 
 from __future__ import annotations
@@ -36,3 +36,20 @@ def test_capacity_order_at_equal_memory(v3, world):
     extra = m.projection_bytes_per_rank(LAYOUTS["dp"]) - m.projection_bytes_per_rank(LAYOUTS["dop"])
     assert cap["dop"] - cap["dp"] == pytest.approx(extra / m.kv_bytes_per_token * world,
                                                    abs=world * m.page_size)
+
+
+def test_dsa_pages_hold_indexer_keys():
+    """V3.2 with fp8 keys: 128 + 4 B of indexer key per token per layer beside the latent row,
+    in every layer; GLM-5 layers that share the previous selection store no key."""
+    v32 = ModelConfig.from_hf(preset_config("deepseek-v3.2", scale="full"))
+    m = MemoryModel(v32, world=8, weight_dtype="bf16", kv_dtype="bf16", index_dtype="fp8")
+    assert m.index_bytes_per_token_per_layer == 132
+    assert m.kv_bytes_per_token == (1152 + 132) * v32.num_hidden_layers
+    assert m.page_bytes == m.kv_bytes_per_token * 64
+    plain = MemoryModel(v32, world=8, weight_dtype="bf16", kv_dtype="bf16", index_dtype="bf16")
+    assert plain.index_bytes_per_token_per_layer == 256
+    glm = preset_config("glm-5", scale="full")
+    glm["index_topk_pattern"] = "FFS" * 26
+    shared = ModelConfig.from_hf(glm)
+    g = MemoryModel(shared, world=8, kv_dtype="fp8", index_dtype="fp8")
+    assert g.kv_bytes_per_token == (580 * 78 + 132 * 52)

@@ -1,4 +1,4 @@
-"""Cost model: DESIGN §1 accounting, growth with context, collectives per layout, switch bytes."""
+"""Cost model: the ownership model's accounting, growth with context, collectives per layout, switch bytes."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 
 from splash.backends.profiles import PROFILES
+from splash.core.ownership import assign_owners
 from splash.model.config import ModelConfig
 from splash.model.presets import preset_config
 from splash.planning.cost_model import BatchShape, CostModel
-from splash.planning.feasibility import assign_owners
 
 MIB = 1 << 20
 LAYOUTS = ("tp", "dp", "cp", "dop")

@@ -1,5 +1,5 @@
 """Switch manifests derived from the ownership model: every direction's primitives match
-DESIGN §1's table, and the moved rows and bytes follow from page holders. Milliseconds, no
+the switch table (docs/switching.md), and the moved rows and bytes follow from page holders. Milliseconds, no
 workers."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from splash.switching.manifest import build_manifest
 
 PS, HEADS = 4, 8
 
-# DESIGN §1: (weights, KV) primitive of each direction
+# docs/switching.md: (weights, KV) primitive of each direction
 EXPECTED = {
     ("tp", "dp"): ("all-gather", "discard"), ("tp", "cp"): ("all-gather", "discard"),
     ("tp", "dop"): ("keep", "discard"),

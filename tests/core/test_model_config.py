@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from splash.errors import ConfigError, InvalidRequestError
+from splash.errors import ConfigError
 from splash.model.config import ModelConfig
 from splash.model.presets import PRESETS, checkpoint_shapes, preset_config
 
@@ -44,13 +44,14 @@ def test_derived_fields():
     cfg = ModelConfig.from_hf(preset_config("deepseek-v3"))
     assert (cfg.kv_dim, cfg.qk_head_dim, cfg.q_in_dim) == (576, 192, 1536)
     assert [cfg.is_moe_layer(i) for i in range(5)] == [False] * 3 + [True] * 2
-    assert cfg.eos_token_ids == [1] and cfg.max_dense_context is None
+    assert cfg.eos_token_ids == [1] and not cfg.is_dsa and cfg.num_indexer_layers == 0
     lite = ModelConfig.from_hf(preset_config("deepseek-v2-lite"))
     assert lite.q_lora_rank is None and lite.q_in_dim == 2048
     assert (lite.scoring_func, lite.topk_method, lite.norm_topk_prob) == ("softmax", "greedy", False)
     glm = ModelConfig.from_hf(preset_config("glm-5"))
     assert glm.eos_token_ids == [154820, 154827, 154829] and glm.rms_norm_eps == 1e-5
-    assert glm.max_dense_context == 2048 and glm.is_dsa
+    assert glm.is_dsa and glm.index_topk == 2048 and glm.index_rope_interleave
+    assert glm.num_indexer_layers == glm.num_hidden_layers and glm.has_indexer(5)
 
 
 def test_family_rules_follow_hf():
@@ -77,11 +78,28 @@ def test_mlp_layer_types():
     assert not any(dense.is_moe_layer(i) for i in range(dense.num_hidden_layers))
 
 
-def test_dsa_context_limit():
-    cfg = ModelConfig.from_hf(preset_config("deepseek-v3.2"))
-    cfg.check_dense_context(2048)
-    with pytest.raises(InvalidRequestError, match="index_topk=2048"):
-        cfg.check_dense_context(2049)
+def test_dsa_indexer_layers_follow_hf():
+    """glm_moe_dsa: explicit indexer_types, an "FS" pattern, or freq/offset (as transformers'
+    GlmMoeDsaConfig derives them); deepseek_v32: an indexer in every layer, half-split RoPE."""
+    v32 = ModelConfig.from_hf(preset_config("deepseek-v3.2", "tiny"))
+    assert v32.indexer_types == ("full",) * v32.num_hidden_layers and not v32.index_rope_interleave
+    glm = preset_config("glm-5", "tiny")
+    glm["num_hidden_layers"] = 6
+    glm.pop("mlp_layer_types", None)
+    types = {
+        "indexer_types": (["full", "shared", "full", "shared", "shared", "full"], "FSFSSF"),
+        "index_topk_pattern": ("FFSFSS", "FFSFSS"),
+        "index_topk_freq": (3, "FFSSFS"),  # offset 2: layers 0, 1 full, then every third
+    }
+    for key, (value, want) in types.items():
+        cfg = ModelConfig.from_hf({**glm, key: value})
+        assert "".join(t[0].upper() for t in cfg.indexer_types) == want, key
+        assert cfg.num_indexer_layers == want.count("F")
+        assert [cfg.has_indexer(i) for i in range(6)] == [c == "F" for c in want]
+    with pytest.raises(ConfigError, match="starting with 'full'"):
+        ModelConfig.from_hf({**glm, "index_topk_pattern": "SFFFFF"})
+    with pytest.raises(ConfigError, match="q_lora_rank"):
+        ModelConfig.from_hf({**glm, "q_lora_rank": None})
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -55,7 +55,7 @@ def test_sharded_equals_single_file(tiny_dir, tmp_path, index):
                                _logits(*from_pretrained_dir(tiny_dir), ids), atol=0, rtol=0)
 
 
-def test_mtp_and_indexer_weights_are_skipped(tiny_dir, tmp_path):
+def test_mtp_weights_are_skipped_indexer_weights_kept(tiny_dir, tmp_path):
     tensors = load_file(str(tiny_dir / "model.safetensors"))
     cfg, _ = from_pretrained_dir(tiny_dir)
     n = cfg.num_hidden_layers
@@ -64,8 +64,10 @@ def test_mtp_and_indexer_weights_are_skipped(tiny_dir, tmp_path):
     path = _rewrite(tiny_dir, tmp_path / "mtp", {**tensors, **extra},
                     {"num_nextn_predict_layers": 1})
     cfg, weights = from_pretrained_dir(path)
-    assert not any(".indexer." in k or k.startswith(f"model.layers.{n}.") for k in weights)
-    assert any(".indexer." in k for k in tensors)  # they were in the file
+    assert not any(k.startswith(f"model.layers.{n}.") for k in weights)
+    indexer = {k for k in tensors if ".indexer." in k}
+    assert indexer and indexer <= set(weights) and cfg.is_dsa  # a DSA model needs them
+    assert all(weights[k].dtype == torch.float32 for k in indexer if "weights_proj" in k)
     MLAModel(cfg, weights)
 
 

@@ -1,4 +1,4 @@
-"""`splash plan`: DESIGN §1 numbers, JSON keys, switch volumes, capacity order at paper scale."""
+"""`splash plan`: DeepSeek-V3 memory numbers, JSON keys, switch volumes, capacity order at paper scale."""
 
 from __future__ import annotations
 

@@ -10,9 +10,9 @@ import pytest
 from splash.core.allocator import PageAllocator, RankAllocators
 from splash.core.ownership import LAYOUTS, local_page_index, page_holders
 from splash.core.prefix_cache import cached_histories
-from splash.core.request import Request, Status
+from splash.core.request import Request, SampleGroup, Status
 from splash.engine.scheduler import Scheduler, SchedulerConfig
-from splash.sampling_params import SamplingParams
+from splash.sampling_params import SamplingParams, sample_seed
 from splash.switching.manifest import build_manifest
 
 PS = 4
@@ -147,14 +147,20 @@ def test_cache_off_shares_nothing():
 @pytest.mark.parametrize("layout", ["tp", "cp", "dop"])
 def test_fork_shares_pages_and_copies_the_partial_page_on_write(layout):
     sched, alloc = _sched(layout)
-    parent = _req("p", PROMPT)
-    _run_to_first_token(sched, parent)
-    children = [_req(f"p#{i}", PROMPT) for i in (1, 2)]
-    for c in children:
-        c.output_token_ids.append(8)
+    parent = _req("p", PROMPT, n=3, temperature=1.0, seed=5)
+    parent.group = SampleGroup("p", 3, [parent])
+    sched.add(parent)
+    while parent.num_computed < len(PROMPT):
+        batch = sched.schedule()
+        for req, n in batch.entries:
+            req.num_computed += n
     used = alloc.used()
-    sched.fork(parent, children)
+    children = sched.fork(parent)  # the prompt's last row drew 3 tokens
     assert alloc.used() == used  # shared: no new page
+    assert [c.params.seed for c in children] == [sample_seed(5, 1), sample_seed(5, 2)]
+    assert parent.group.members == [parent, *children] and not parent.fork_pending
+    for r in (parent, *children):
+        r.output_token_ids.append(8)
     lay = LAYOUTS[layout]
     holders = page_holders(lay, 5, parent.owner, 2)  # page 5 holds token 20 and the next row
     batch = _step(sched)

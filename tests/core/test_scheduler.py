@@ -3,8 +3,6 @@ admission, owners, preemption, and the per-rank plans the workers receive."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from splash.core.allocator import RankAllocators
@@ -108,13 +106,10 @@ def test_plans_carry_incremental_tables_per_rank():
     sched, _ = _sched("cp", world=2, budget=64)
     sched.add(_req(0, 10))
     batch = sched.schedule()
-    eng = SimpleNamespace(scheduler=sched, world=2, step_count=0, layout="cp",
-                          cfg=SimpleNamespace(switch_mode="live"),
-                          model_cfg=SimpleNamespace(eos_token_ids=[1]))
-    plans = build_plans(eng, batch, None)
+    plans = build_plans(sched, batch, None, step=0)
     req = sched.running[0]
     assert [p.table_updates[0].pages for p in plans] == [req.tables[0], req.tables[1]]
     assert plans[0].positions == list(range(10)) and plans[0].sample == [True]
     _advance(batch)
-    plans = build_plans(eng, sched.schedule(), None)  # position 10 opens no new page
+    plans = build_plans(sched, sched.schedule(), None, step=1)  # position 10 opens no new page
     assert [p.table_updates for p in plans] == [[], []]

@@ -10,8 +10,7 @@ import pytest
 from tiny_models import checkpoint
 from tiny_tokenizer import add_tokenizer
 
-from splash.engine.config import EngineConfig
-from splash.engine.setup import EngineSetup
+from splash.engine.setup import load_tokenizer
 from splash.errors import NO_TOKENIZER
 
 
@@ -27,14 +26,13 @@ def splash_log():
 
 
 def test_tokenizer_loads_with_transformers() -> None:
-    setup = EngineSetup(EngineConfig(model=add_tokenizer(checkpoint("v3")), backend="cpu"))
-    tok = setup.load_tokenizer()
+    tok = load_tokenizer(add_tokenizer(checkpoint("v3")))
     assert tok is not None and tok.decode(tok.encode("中文 ok")) == "中文 ok"
 
 
 def test_without_transformers_says_what_to_install(monkeypatch, splash_log) -> None:
-    setup = EngineSetup(EngineConfig(model=add_tokenizer(checkpoint("v3")), backend="cpu"))
+    path = add_tokenizer(checkpoint("v3"))
     monkeypatch.setitem(sys.modules, "transformers", None)  # import fails as if not installed
-    assert setup.load_tokenizer() is None
+    assert load_tokenizer(path) is None
     assert any("pip install 'splash-serve[tokenizer]'" in r for r in splash_log), splash_log
     assert "pip install 'splash-serve[tokenizer]'" in NO_TOKENIZER

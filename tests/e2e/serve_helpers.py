@@ -28,8 +28,9 @@ def fake_tokens(prompt: list[int], n: int, vocab: int) -> list[int]:
 
 
 class FakeEngine:
-    """LLMEngine's controller API with no model: token i = (sum(prompt) + i) % vocab, one per
-    step; pages = ceil(tokens / page_size) on each of 2 ranks."""
+    """EngineAPI with no model: token i = (sum(prompt) + i) % vocab, one per step; pages =
+    ceil(tokens / page_size) on each of 2 ranks. test_engine_api.py holds it to the same
+    conformance test as the real engine."""
 
     def __init__(self, vocab_size: int = 1000, max_model_len: int = 512, page_size: int = 4,
                  step_delay_s: float = 0.0, script: list[int] | None = None) -> None:
@@ -47,11 +48,14 @@ class FakeEngine:
         self.engine_thread = self.engine_thread or me
         assert self.engine_thread is me, "engine used from two threads"
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         self._check_thread()
+        params = params or SamplingParams()
         if not prompt_token_ids:
             raise InvalidRequestError("empty prompt")
+        if request_id in self._reqs:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if max(prompt_token_ids) >= self.vocab_size:
             raise InvalidRequestError(f"token id {max(prompt_token_ids)} >= vocab size")
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
@@ -100,14 +104,24 @@ class FakeEngine:
                 "num_waiting": 0, "num_running": len(self._reqs), "step_time_ms_ema": 1.5,
                 "tokens_per_s": 100.0, "worker_pids": []}
 
-    def switch_layout(self, name: str) -> None:
+    def switch_layout(self, name: str, after_steps: int = 0) -> None:
         self._check_thread()
         if name not in ("tp", "dp", "cp", "dop"):
             raise InvalidRequestError(f"unknown layout {name!r}")
+        if after_steps < 0:
+            raise InvalidRequestError("after_steps must be >= 0")
         self._switches.append({"step": 0, "from": self._layout, "to": name,
                                "kv_bytes_received": 0, "weight_bytes_received": 0,
                                "overhead_ms": 1.0})
         self._layout = name
+
+    def update_weights(self, source: object) -> dict:
+        self._check_thread()
+        if self._reqs:
+            raise InvalidRequestError(f"{len(self._reqs)} requests in flight: weights are "
+                                      "updated between rollout rounds")
+        self._weight_version = getattr(self, "_weight_version", 0) + 1
+        return {"tensors": 0, "ms": 0.0, "weight_version": self._weight_version}
 
     def is_healthy(self) -> bool:
         return not self._dead

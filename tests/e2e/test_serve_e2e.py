@@ -2,8 +2,8 @@
 the server in a subprocess, clients over loopback.
 
 One server process carries most checks (one engine start-up instead of five): 200 concurrent
-requests token-identical to offline LLM.generate, 1,000+ fuzzed frames, abort mid-stream,
-SSE and /metrics. Worker death gets its own server, since it ends the process.
+requests token-identical to offline LLM.generate, 1,000+ fuzzed frames, an unknown layout
+answered as an invalid request, abort mid-stream, SSE and /metrics. Worker death gets its own server, since it ends the process.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import pytest
 from serve_helpers import REPO, RawPeer, ServeProcess, fuzz_server
 
 from splash.client import AsyncClient, Client
-from splash.errors import RequestTimeoutError, WorkerDiedError
+from splash.errors import InvalidRequestError, RequestTimeoutError, WorkerDiedError
 from splash.outputs import RequestOutput
 from splash.sampling_params import SamplingParams
 
@@ -91,6 +91,11 @@ def test_serve_matches_offline_and_survives_abuse(model_dir: str, tmp_path: Path
         with Client(addr, timeout=30) as c:
             assert c.generate(prompts[0], params[0]).token_ids == reference[0]
             _wait_for(lambda: "peer disconnected" in server.log())
+
+            # an unknown layout is the client's error, not the server's (no traceback logged)
+            with pytest.raises(InvalidRequestError, match="unknown layout 'zigzag'"):
+                c.switch_layout("zigzag")
+            assert "SwitchLayout failed" not in server.log()
 
             # abort mid-stream: pages back to baseline
             base = c.stats()["kv_pages_used"]

@@ -6,6 +6,7 @@ import pytest
 from tiny_models import checkpoint, hf_greedy
 
 from splash import LLM, SamplingParams
+from splash.engine.worker import Worker
 from splash.errors import InvalidRequestError, SplashError
 
 
@@ -68,10 +69,18 @@ def test_unknown_layout_is_a_clear_error(llm):
         llm.switch_layout("zigzag")
 
 
-def test_dsa_model_beyond_index_topk_is_a_clear_error():
-    """GLM-5 architecture: dense attention equals DSA only up to index_topk tokens."""
-    with LLM(checkpoint("glm", index_topk=32), backend="cpu", layout="tp", page_size=4) as glm:
-        with pytest.raises(InvalidRequestError, match="index_topk"):
-            glm.generate([list(range(2, 30))], SamplingParams(max_tokens=8))
-        ok = glm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))
+def test_dsa_model_serves_to_max_position_embeddings():
+    """GLM-5 architecture with index_topk 8: contexts run to max_position_embeddings (256);
+    the pool holds an indexer key per token in each indexer layer, as the memory model counts."""
+    with LLM(checkpoint("glm-dsa", index_topk=8), backend="cpu", layout="tp",
+             page_size=4) as glm:
+        setup = glm.engine.setup
+        assert setup.max_model_len == 256
+        store = Worker(setup.worker_config()).store  # what each worker allocates
+        pools = [t for i in range(2) for t in store.slot_pools(i)]
+        assert sum(t.nbytes for t in pools) == setup.memory.page_bytes * setup.num_pages
+        assert store.index_caches[1] is None  # layer 1 reuses layer 0's selection
+        with pytest.raises(InvalidRequestError, match="max_model_len 256"):
+            glm.generate([list(range(2, 252))], SamplingParams(max_tokens=8))
+        ok = glm.generate([list(range(2, 14))], SamplingParams(max_tokens=2, ignore_eos=True))
         assert len(ok[0].token_ids) == 2

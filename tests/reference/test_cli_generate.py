@@ -1,4 +1,4 @@
-"""`splash generate --json` (CONTRACT): one JSON object per request, then one stats line;
+"""`splash generate --json`: one JSON object per request, then one stats line;
 bad arguments give a clear error and exit code 2."""
 
 from __future__ import annotations

@@ -48,6 +48,19 @@ def test_graphs_survive_layout_switches():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("layout", ["tp", "dop"])
+def test_dsa_graph_decode_matches_transformers_and_eager(layout):
+    """GLM-5 architecture, index_topk 8 below the contexts: graphs capture the indexer, the
+    top-k and sparse MLA (fp32 keys: the choice matches transformers')."""
+    path = checkpoint("glm-dsa", index_topk=8)
+    prompts = mixed_prompts()
+    graphs, stats = _run(path, layout, prompts)
+    assert stats["graph_steps"] > 0
+    eager, _ = _run(path, layout, prompts, enforce_eager=True)
+    assert graphs == eager == hf_greedy(path, prompts, MAX_NEW)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_graphs_stay_valid_across_a_weight_update():
     """Weights are copied into the tensors the graphs were captured with: replays after an
     update compute with the new weights (in every layout's placement the graphs keep), and the

@@ -1,6 +1,7 @@
 """The single-rank engine (paged KV, Triton kernels, continuous batching) gives transformers'
 greedy tokens, fp32 on CPU, for mixed batches — with chunked prefill on and off and under
-preemption."""
+preemption, and for DSA models whose index_topk is below the contexts (GLM-5 and DeepSeek-V3.2
+architectures: top-k sparse attention, not a dense fallback)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,15 @@ def test_same_tokens_as_transformers(arch, chunked):
     prompts = mixed_prompts()
     ours, _ = _run(path, prompts, max_num_batched_tokens=16, enable_chunked_prefill=chunked)
     assert ours == hf_greedy(path, prompts, MAX_NEW)
+
+
+@pytest.mark.parametrize("dsa_arch", ["glm-dsa", "v32"])
+def test_dsa_beyond_index_topk_same_tokens_as_transformers(dsa_arch):
+    path = checkpoint(dsa_arch, index_topk=8)  # prompts up to 37 tokens, then 6 more each
+    prompts = mixed_prompts()
+    ours, stats = _run(path, prompts, max_num_batched_tokens=16)
+    assert ours == hf_greedy(path, prompts, MAX_NEW)
+    assert stats["kv_pages_used"] == [0]
 
 
 def test_preemption_keeps_tokens():

@@ -44,13 +44,19 @@ def _hf_config(arch: str):
             **TINY, q_lora_rank=48, v_head_dim=24, n_shared_experts=1, num_experts_per_tok=2,
             n_group=4, topk_group=2, rope_parameters=_yarn(1.0, 0.8),
             rope_interleave=arch == "v3")
-    return transformers.GlmMoeDsaConfig(  # glm: DSA (dense while context <= index_topk)
+    if arch == "v32":  # DSA, half-split indexer RoPE; index_topk below the prompt lengths
+        return transformers.DeepseekV32Config(
+            **TINY, q_lora_rank=48, v_head_dim=24, n_shared_experts=1, num_experts_per_tok=2,
+            n_group=4, topk_group=2, index_topk=5, index_head_dim=32, index_n_heads=8,
+            rope_parameters=_yarn(1.0, 0.8))
+    return transformers.GlmMoeDsaConfig(  # glm: DSA, interleaved indexer RoPE, a shared layer
         **TINY, q_lora_rank=48, v_head_dim=32, n_shared_experts=1, num_experts_per_tok=2,
-        rms_norm_eps=1e-5, index_topk=64, index_head_dim=32, index_n_heads=4,
+        rms_norm_eps=1e-5, index_topk=6, index_head_dim=32, index_n_heads=8,
+        indexer_types=["full", "shared", "full"],
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 
 
-@pytest.fixture(scope="module", params=["v2", "v3", "v3-halfsplit", "glm"])
+@pytest.fixture(scope="module", params=["v2", "v3", "v3-halfsplit", "glm", "v32"])
 def checkpoint(request, tmp_path_factory):
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(_hf_config(request.param))

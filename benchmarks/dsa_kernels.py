@@ -1,0 +1,132 @@
+"""DSA decode kernels on the GPU: the lightning indexer's scores over the paged history, the
+top-k of them, and sparse MLA over the winners, at batch 16 (16 and 128 attention heads), 32K
+and 128K context, index_topk 2048, DeepSeek-V3.2 dims (64 index heads of 128, fp8 keys with a
+per-token scale: 132 B per token; L=512, R=64; page 64, random page order).
+
+Each stage and the whole pipeline (``dsa``: scores + top-k + sparse MLA, what one decode layer
+runs) are timed like ``kernel_bench.py``'s decode records (CUDA-graph median ``ms``, eager
+``ms_eager``). The bytes roofline counts what the pipeline must read: every history token's
+indexer key (+ scale) and the selected latent rows (+ fp8 scales); ``pct_copy`` is that over
+the same run's copy bandwidth. Run through ``kernel_bench.py --only-dsa`` (merges the records into
+its JSON) or on its own: ``python benchmarks/dsa_kernels.py --out dsa.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import torch
+import triton
+from _timing import bench_both, ceilings  # noqa: E402  (benchmarks/ is on sys.path)
+
+import splash.kernels_triton as K
+
+L, R, PAGE, TOPK = 512, 64, 64, 2048
+D = L + R
+INDEX_HEADS, INDEX_DIM = 64, 128
+SM_SCALE = 0.1147
+SHAPES = [(16, 16, 32768), (16, 16, 131072), (128, 16, 32768), (128, 16, 131072)]
+
+
+def _pools(batch: int, context: int, kind: str, dev: torch.device, gen: torch.Generator):
+    pages_per = triton.cdiv(context, PAGE)
+    num_pages = batch * pages_per
+    table = torch.randperm(num_pages, device=dev, generator=gen).to(torch.int32)
+    table = table.reshape(batch, pages_per)
+    keys = torch.empty(num_pages, PAGE, INDEX_DIM, device=dev, dtype=torch.float8_e4m3fn)
+    keys.view(torch.uint8).random_(0, 0x7E, generator=gen)  # finite e4m3fn bit patterns
+    key_scale = torch.rand(num_pages, PAGE, device=dev, generator=gen) * 0.01 + 0.005
+    if kind == "fp8":
+        kv = torch.empty(num_pages, PAGE, D, device=dev, dtype=torch.float8_e4m3fn)
+        kv.view(torch.uint8).random_(0, 0x7E, generator=gen)
+        scale = torch.rand(num_pages, PAGE, device=dev, generator=gen) * 0.01 + 0.005
+    else:
+        kv = torch.randn(num_pages, PAGE, D, device=dev, dtype=torch.bfloat16, generator=gen)
+        scale = None
+    return kv, scale, keys, key_scale, table
+
+
+def _record(name: str, times: dict[str, Any], nbytes: int, ceil: dict[str, float],
+            **extra: Any) -> dict[str, Any]:
+    ms = times["ms"]
+    rec = {"kernel": name, **extra, "ms": round(ms, 4), "ms_eager": round(times["ms_eager"], 4),
+           "bytes": nbytes, "effective_GBps": round(nbytes / ms / 1e6, 1),
+           "ceiling_copy_GBps": round(ceil["copy_GBps"], 1),
+           "pct_copy": round(100 * nbytes / ms / 1e6 / ceil["copy_GBps"], 1)}
+    if "graph_error" in times:
+        rec["graph_error"] = times["graph_error"]
+    return rec
+
+
+def _shape_records(dev, gen, ceil, kind: str, heads: int, batch: int,
+                   context: int) -> list[dict]:
+    kv, scale, keys, key_scale, table = _pools(batch, context, kind, dev, gen)
+    iq = torch.randn(batch, INDEX_HEADS, INDEX_DIM, device=dev, dtype=torch.bfloat16,
+                     generator=gen)
+    w = torch.randn(batch, INDEX_HEADS, device=dev, generator=gen) * INDEX_HEADS ** -0.5
+    q = torch.randn(batch, heads, D, device=dev, dtype=torch.bfloat16, generator=gen)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
+    starts = torch.arange(batch + 1, dtype=torch.int32, device=dev)
+    width = table.shape[1] * PAGE
+
+    def scores():
+        return K.index_scores(iq, w, keys, table, lens, starts, INDEX_DIM ** -0.5, width,
+                              index_scale=key_scale)
+
+    def topk(s):
+        return K.topk_rows(s, TOPK, block_table=table, page_size=PAGE)[1]
+
+    def sparse(slots):
+        return K.mla_sparse(q, kv, slots, SM_SCALE, L, kv_scale=scale)
+
+    s = scores()
+    slots = topk(s)
+    want = K.topk_rows_ref(s, TOPK, block_table=table, page_size=PAGE)[1]
+    same = bool((slots.sort(dim=1).values == want.sort(dim=1).values).all())
+    key_bytes = batch * context * (INDEX_DIM + 4)
+    sel_bytes = batch * TOPK * (D * kv.element_size() + (4 if scale is not None else 0))
+    tag = {"heads": heads, "batch": batch, "context": context, "index_topk": TOPK,
+           "index_heads": INDEX_HEADS, "index_dim": INDEX_DIM, "kv_dtype": kind,
+           "index_dtype": "fp8", "verified_topk": same}
+    runs = [("dsa_index_scores", scores, key_bytes + batch * width * 4),
+            ("dsa_topk", lambda: topk(s), batch * width * 4),
+            ("dsa_sparse_mla", lambda: sparse(slots), sel_bytes),
+            ("dsa_decode", lambda: sparse(topk(scores())), key_bytes + sel_bytes)]
+    out = []
+    for name, fn, nbytes in runs:
+        rec = _record(name, bench_both(fn), nbytes, ceil, **tag)
+        out.append(rec)
+        print(json.dumps(rec), flush=True)
+    return out
+
+
+def dsa_records(dev: torch.device, ceil: dict[str, float], kinds=("bf16", "fp8")) -> list[dict]:
+    """Records per (KV kind, heads, context): index_scores, topk_rows (winners checked against
+    torch.topk of the same scores), mla_sparse, and the pipeline (``dsa_decode``)."""
+    out = []
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for kind in kinds:
+        for heads, batch, context in SHAPES:
+            out += _shape_records(dev, gen, ceil, kind, heads, batch, context)
+            torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/dsa_kernels.py needs a GPU")
+    K.set_value_checks(False)
+    dev = torch.device("cuda")
+    ceil = ceilings(dev)
+    with open(args.out, "w") as f:
+        json.dump({"ceilings": ceil, "records": dsa_records(dev, ceil)}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

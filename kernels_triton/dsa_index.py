@@ -1,0 +1,245 @@
+"""The lightning indexer's scores over a paged indexer-key pool (DeepSeek Sparse Attention).
+
+Per query row n and history token t, with ``HI`` index heads of width ``I``:
+
+    score[n, t] = sum_h w[n, h] * relu(softmax_scale * q[n, h] · k[t])
+
+``k`` is the row's single-head indexer key (``I`` dims), stored beside the latent KV row in the
+same slot of a pool ``(P, PS, I)`` (fp8 with a per-token fp32 scale, or a float dtype; written
+by ``kv_write``). ``w`` (fp32) are the per-row head weights, ``weights_proj(x) * HI^-0.5`` as the
+model computes them. The rows are laid out like ``mla_extend``'s: request b owns rows
+[q_start_loc[b], q_start_loc[b+1]) and row j of it sits at position ``seq_lens[b] - n_b + j``;
+it sees tokens [0, pos] (a decode row: its whole history; a row of a shard shorter than its
+rows, as a CP rank's share of a history can be, sees nothing). Unseen tokens score ``-inf``, so
+the output ``(Nq, T)`` (T = ``max_len``) feeds ``topk_rows`` directly.
+
+A program owns ``BLOCK_M`` rows of one request and ``TILES`` key tiles of ``BLOCK_T`` tokens:
+the rows' queries, flattened to (BLOCK_M·HI, I), load once and meet each key tile in one
+tensor-core dot, then the head-weighted relu sum folds the heads away. The keys of the
+history are read once per row block, which is the kernel's whole memory traffic (decode rows
+are memory bound; prefill row blocks share each key tile). fp8 keys widen exactly to the dot's
+operand dtype (fp16 with ``config["fp8_fp16"]``, the CUDA default: q is clamped to fp16's range
+and cast once) and the token's scale multiplies its score column.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from splash.kernels_triton import _validate as V
+from splash.kernels_triton.mla_decode_kernels import _q_operand
+
+
+@triton.jit
+def _index_scores_kernel(
+    q_ptr,  # (Nq, HI, I)
+    w_ptr,  # (Nq, HI) fp32
+    k_ptr,  # (P, PS, I)
+    ks_ptr,  # (P, PS) fp32 (fp8 keys)
+    bt_ptr,  # (B, max_pages) int
+    seq_lens_ptr,  # (B,) int
+    q_start_ptr,  # (B + 1,) int
+    out_ptr,  # (Nq, T) fp32
+    softmax_scale,
+    T,
+    stride_qn, stride_qh, stride_qd,
+    stride_wn, stride_wh,
+    stride_kp, stride_ks, stride_kd,
+    stride_sp, stride_ss,
+    stride_btn, stride_btp,
+    stride_sl,
+    stride_qs,
+    stride_on, stride_ot,
+    HI: tl.constexpr,
+    I: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    TILES: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    FP8_FP16: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_b = tl.program_id(2)
+    row_start = tl.load(q_start_ptr + pid_b * stride_qs).to(tl.int32)
+    n_rows = tl.load(q_start_ptr + (pid_b + 1) * stride_qs).to(tl.int32) - row_start
+    m0 = pid_m * BLOCK_M
+    if m0 < n_rows:
+        seq_len = tl.load(seq_lens_ptr + pid_b * stride_sl).to(tl.int32)
+        offs_mh = tl.arange(0, BLOCK_M * BLOCK_H)  # (m, h) flattened
+        row_mh = m0 + offs_mh // BLOCK_H
+        head = offs_mh % BLOCK_H
+        mask_mh = (row_mh < n_rows) & (head < HI)
+        offs_i = tl.arange(0, BLOCK_I)
+        q = tl.load(
+            q_ptr + (row_start + row_mh).to(tl.int64)[:, None] * stride_qn
+            + head[:, None] * stride_qh + offs_i[None, :] * stride_qd,
+            mask=mask_mh[:, None] & (offs_i < I)[None, :], other=0.0,
+        )  # (BLOCK_M * BLOCK_H, BLOCK_I)
+        q = _q_operand(q, IS_FP8, FP8_FP16)
+        w = tl.load(w_ptr + (row_start + row_mh).to(tl.int64) * stride_wn + head * stride_wh,
+                    mask=mask_mh, other=0.0)  # (BLOCK_M * BLOCK_H,)
+        rows = m0 + tl.arange(0, BLOCK_M)
+        mask_m = rows < n_rows
+        pos = seq_len - n_rows + rows  # (BLOCK_M,) absolute positions
+        bt_row = bt_ptr + pid_b * stride_btn
+        out_rows = out_ptr + (row_start + rows).to(tl.int64)[:, None] * stride_on
+        for j in range(TILES):
+            offs_t = (pid_t * TILES + j) * BLOCK_T + tl.arange(0, BLOCK_T)
+            mask_t = offs_t < seq_len
+            if (pid_t * TILES + j) * BLOCK_T < seq_len:
+                page = tl.load(bt_row + (offs_t // PAGE_SIZE) * stride_btp, mask=mask_t, other=0)
+                row_off = page.to(tl.int64) * stride_kp + (offs_t % PAGE_SIZE) * stride_ks
+                k = tl.load(k_ptr + row_off[:, None] + offs_i[None, :] * stride_kd,
+                            mask=mask_t[:, None] & (offs_i < I)[None, :], other=0.0)
+                col = tl.full((BLOCK_T,), 1.0, tl.float32) * softmax_scale
+                if IS_FP8:
+                    k = k.to(q.dtype)  # exact: fp8 values fit fp16 / bf16 / fp32
+                    col = col * tl.load(ks_ptr + page.to(tl.int64) * stride_sp
+                                        + (offs_t % PAGE_SIZE) * stride_ss, mask=mask_t, other=0.0)
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BM*BH, BLOCK_T)
+                s = tl.maximum(s * col[None, :], 0.0) * w[:, None]
+                score = tl.sum(tl.reshape(s, (BLOCK_M, BLOCK_H, BLOCK_T)), axis=1)
+            else:
+                score = tl.zeros((BLOCK_M, BLOCK_T), tl.float32)
+            score = tl.where(offs_t[None, :] <= pos[:, None], score, float("-inf"))
+            tl.store(out_rows + offs_t[None, :] * stride_ot, score,
+                     mask=mask_m[:, None] & (offs_t < T)[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# launcher
+
+_GPU_DEFAULTS: dict[str, Any] = {"BLOCK_T": 64, "TILES": 8, "BLOCK_M_EXTEND": 4, "num_warps": 4,
+                                 "num_stages": 2, "fp8_fp16": True}
+_CPU_DEFAULTS: dict[str, Any] = {"BLOCK_T": 128, "TILES": 1, "BLOCK_M_EXTEND": 16, "num_warps": 4,
+                                 "num_stages": 1, "fp8_fp16": False}
+
+
+def index_config(device: torch.device, config: dict | None) -> dict[str, Any]:
+    cfg = dict(_GPU_DEFAULTS if device.type == "cuda" else _CPU_DEFAULTS)
+    if device.type == "cuda" and torch.version.hip is not None:
+        cfg["fp8_fp16"] = False  # measured on CUDA only
+    cfg.update(config or {})
+    for key, low in (("BLOCK_T", 16), ("TILES", 1), ("BLOCK_M_EXTEND", 1)):
+        value = cfg[key]
+        if not isinstance(value, int) or value < low or value & (value - 1):
+            raise ValueError(f"config {key}={value!r} must be a power of two >= {low}")
+    return cfg
+
+
+def index_scores(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    q_start_loc: torch.Tensor,
+    softmax_scale: float,
+    max_len: int,
+    index_scale: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Indexer scores ``(Nq, max_len)`` fp32 of ``q`` (Nq, HI, I) with head ``weights`` (Nq, HI)
+    fp32 against the paged keys ``index_cache`` (P, PS, I) (+ ``index_scale`` (P, PS) when fp8);
+    rows grouped by request as in ``mla_extend`` (``q_start_loc`` (B+1,), ``seq_lens`` (B,)
+    including the rows). Tokens a row does not see, and columns past its history, are -inf."""
+    V.check_tensor("q", q, 3, V.FLOAT_DTYPES)
+    dev = q.device
+    cache = V.check_tensor("index_cache", index_cache, 3, V.KV_DTYPES, dev)
+    V.check_unit_stride("index_cache", cache)
+    V.check_kv_scale(cache, index_scale)
+    if not V.is_fp8(cache.dtype) and cache.dtype != q.dtype:
+        raise ValueError(f"q is {q.dtype} but index_cache is {cache.dtype}; they must match "
+                         "(or fp8 keys)")
+    Nq, HI, I = q.shape
+    V.check_dim("q", q, 2, cache.shape[2], "the indexer key width of index_cache")
+    V.check_tensor("weights", weights, 2, (torch.float32,), dev)
+    if tuple(weights.shape) != (Nq, HI):
+        raise ValueError(f"weights has shape {tuple(weights.shape)}; expected {(Nq, HI)}")
+    V.check_tensor("block_table", block_table, 2, V.INDEX_DTYPES, dev)
+    V.check_tensor("seq_lens", seq_lens, 1, V.INDEX_DTYPES, dev)
+    V.check_tensor("q_start_loc", q_start_loc, 1, V.INDEX_DTYPES, dev)
+    B = seq_lens.shape[0]
+    V.check_dim("q_start_loc", q_start_loc, 0, B + 1, "B + 1 for B = len(seq_lens)")
+    V.check_dim("block_table", block_table, 0, B, "one row per request")
+    if not isinstance(max_len, int) or max_len < 0:
+        raise ValueError(f"max_len={max_len!r} must be an int >= 0")
+    P, PS = cache.shape[0], cache.shape[1]
+    if V.value_checks_enabled() and B:
+        n_rows = q_start_loc[1:].long() - q_start_loc[:-1].long()
+        if int(q_start_loc[0]) != 0 or int(q_start_loc[-1]) != Nq or bool((n_rows < 0).any()):
+            raise ValueError(f"q_start_loc must rise from 0 to Nq={Nq}")
+        if bool((seq_lens < 0).any()) or int(seq_lens.max()) > max_len:
+            raise ValueError(f"seq_lens must lie in [0, max_len={max_len}]")
+        V.check_paged_lengths(block_table, seq_lens, PS, P)
+    out = torch.empty((Nq, max_len), dtype=torch.float32, device=dev)
+    if Nq == 0 or max_len == 0 or B == 0:
+        return out
+    cfg = index_config(dev, config)
+    block_m = 1 if Nq == B else cfg["BLOCK_M_EXTEND"]  # decode: one row per request
+    block_h = V.next_pow2(HI, max(16 // block_m, 1))  # the dot's M side is >= 16
+    num_m_blocks = triton.cdiv(Nq, block_m)  # bound for any one request: no host sync
+    per_program = cfg["BLOCK_T"] * cfg["TILES"]
+    if B > 65535 or num_m_blocks > 65535:
+        raise ValueError(f"index_scores takes at most 65535 requests and row blocks; got B={B}")
+    fp8 = V.is_fp8(cache.dtype)
+    fp16 = fp8 and bool(cfg["fp8_fp16"])
+    scale = index_scale if index_scale is not None else out  # never read unless fp8
+    _index_scores_kernel[(triton.cdiv(max_len, per_program), num_m_blocks, B)](
+        q, weights, cache, scale, block_table, seq_lens, q_start_loc, out,
+        float(softmax_scale), max_len,
+        *q.stride(), *weights.stride(), *cache.stride(),
+        *(index_scale.stride() if index_scale is not None else (0, 0)),
+        *block_table.stride(), seq_lens.stride(0), q_start_loc.stride(0), *out.stride(),
+        HI=HI, I=I, PAGE_SIZE=PS, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_I=V.next_pow2(I),
+        BLOCK_T=cfg["BLOCK_T"], TILES=cfg["TILES"], IS_FP8=fp8, FP8_FP16=fp16,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 and not fp16 else None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# reference
+
+
+def index_scores_ref(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    q_start_loc: torch.Tensor,
+    softmax_scale: float,
+    max_len: int,
+    index_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Torch reference of ``index_scores`` (fp64 math, one request at a time), written as the
+    transformers indexer computes it: relu(q·kᵀ · scale), then the head weights' matmul."""
+    Nq = q.shape[0]
+    PS = index_cache.shape[1]
+    out = torch.full((Nq, max_len), float("-inf"), dtype=torch.float64, device=q.device)
+    for b in range(seq_lens.shape[0]):
+        lo, hi, length = int(q_start_loc[b]), int(q_start_loc[b + 1]), int(seq_lens[b])
+        if hi == lo:
+            continue
+        pages = block_table[b, : -(-length // PS)].long()
+        keys = index_cache[pages].double()  # (pages, PS, I)
+        if index_scale is not None:
+            keys = keys * index_scale[pages].double()[..., None]
+        keys = keys.reshape(-1, index_cache.shape[2])[:length]  # (len, I)
+        scores = torch.relu(torch.einsum("nhd,td->nht", q[lo:hi].double(), keys) * softmax_scale)
+        total = torch.einsum("nh,nht->nt", weights[lo:hi].double(), scores)  # (n, len)
+        pos = length - (hi - lo) + torch.arange(hi - lo, device=q.device)
+        seen = torch.arange(length, device=q.device)[None, :] <= pos[:, None]
+        out[lo:hi, :length] = total.masked_fill(~seen, float("-inf"))
+    return out.float()

@@ -1,0 +1,223 @@
+"""Absorbed MLA over selected KV slots (DeepSeek Sparse Attention's attention half).
+
+Each query row n attends only the latent rows at ``slots[n, :]`` (``page * PS + offset`` in the
+pool; -1 entries are skipped), the positions its indexer chose:
+
+    out[n, h] = softmax_j(sm_scale * q[n, h] · kv[slots[n, j]]) @ kv[slots[n, j], :L]
+
+with ``lse`` the natural log of the softmax denominator (-inf and out 0 when a row selects
+nothing). The same kernel serves decode and prefill rows: causality is already in the
+selection. A program owns a head group of ``BLOCK_H`` heads of one row and one split of its
+slot list, and folds ``BLOCK_N`` gathered rows at a time into an online softmax with
+tensor-core dots (scores = q_nope·kv_nopeᵀ + q_rope·kv_ropeᵀ, acc += p·kv_nope), as
+``mla_decode`` does over a block table; split partials merge with ``lse_merge``'s kernel.
+fp8 KV: a row is fp8 × its fp32 scale; the tile widens exactly to the products' dtype (fp16
+under ``config["fp8_fp16"]``, the CUDA default, with q clamped to fp16's range) and the scale
+multiplies the score column and p's column.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from splash.kernels_triton import _validate as V
+from splash.kernels_triton.lse_merge import _merge_into
+from splash.kernels_triton.mla_decode import choose_num_splits, decode_config
+from splash.kernels_triton.mla_decode_kernels import _LOG2E, _q_operand, _softmax_totals
+
+
+@triton.jit
+def _mla_sparse_kernel(
+    q_ptr,  # (N, H, D)
+    kv_ptr,  # (P, PS, D)
+    scale_ptr,  # (P, PS) fp32, fp8 caches only
+    slots_ptr,  # (N, K) int
+    o_ptr,  # (S, N, H, L) fp32 partials, or (N, H, L) output when S == 1
+    lse_ptr,  # (S, N, H) fp32, or (N, H)
+    qk_scale,  # sm_scale * log2(e)
+    H,
+    K,
+    num_splits,
+    stride_qn, stride_qh, stride_qd,
+    stride_kvp, stride_kvs, stride_kvd,
+    stride_sp, stride_ss,
+    stride_sln, stride_slk,
+    stride_os, stride_on, stride_oh, stride_ol,
+    stride_ls, stride_ln, stride_lh,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    FP8_FP16: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_h = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_n = tl.program_id(2).to(tl.int64)
+    split_len = tl.cdiv(tl.cdiv(K, num_splits), BLOCK_N) * BLOCK_N
+    start = pid_s * split_len
+    end = tl.minimum(start + split_len, K)
+
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    offs_l = tl.arange(0, BLOCK_L)
+    mask_l = offs_l < L
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < R
+    q_base = q_ptr + pid_n * stride_qn + offs_h[:, None] * stride_qh
+    q_nope = tl.load(q_base + offs_l[None, :] * stride_qd,
+                     mask=mask_h[:, None] & mask_l[None, :], other=0.0)  # (BLOCK_H, BLOCK_L)
+    q_rope = tl.load(q_base + (L + offs_r)[None, :] * stride_qd,
+                     mask=mask_h[:, None] & mask_r[None, :], other=0.0)  # (BLOCK_H, BLOCK_R)
+    q_nope = _q_operand(q_nope, IS_FP8, FP8_FP16)
+    q_rope = _q_operand(q_rope, IS_FP8, FP8_FP16)
+    acc = tl.zeros((BLOCK_H, BLOCK_L), tl.float32)
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+
+    for j0 in range(start, end, BLOCK_N):
+        offs_j = j0 + tl.arange(0, BLOCK_N)
+        slot = tl.load(slots_ptr + pid_n * stride_sln + offs_j * stride_slk,
+                       mask=offs_j < end, other=-1).to(tl.int64)
+        valid = slot >= 0
+        slot = tl.where(valid, slot, 0)
+        row_off = (slot // PAGE_SIZE) * stride_kvp + (slot % PAGE_SIZE) * stride_kvs
+        kv_nope = tl.load(kv_ptr + row_off[:, None] + offs_l[None, :] * stride_kvd,
+                          mask=valid[:, None] & mask_l[None, :], other=0.0)  # (BLOCK_N, BLOCK_L)
+        kv_rope = tl.load(kv_ptr + row_off[:, None] + (L + offs_r)[None, :] * stride_kvd,
+                          mask=valid[:, None] & mask_r[None, :], other=0.0)  # (BLOCK_N, BLOCK_R)
+        col = tl.full((BLOCK_N,), 1.0, tl.float32) * qk_scale
+        if IS_FP8:
+            row_scale = tl.load(scale_ptr + (slot // PAGE_SIZE) * stride_sp
+                                + (slot % PAGE_SIZE) * stride_ss, mask=valid, other=0.0)
+            kv_nope = kv_nope.to(q_nope.dtype)  # exact: fp8 values fit fp16 / bf16 / fp32
+            kv_rope = kv_rope.to(q_nope.dtype)
+            col = col * row_scale
+        qk = tl.dot(q_nope, tl.trans(kv_nope), input_precision=DOT_PRECISION)
+        qk = tl.dot(q_rope, tl.trans(kv_rope), qk, input_precision=DOT_PRECISION)
+        qk = tl.where(valid[None, :], qk * col[None, :], float("-inf"))  # (BLOCK_H, BLOCK_N)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # a tile of skipped slots
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(qk - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IS_FP8:
+            p = p * row_scale[None, :]
+        acc = tl.dot(p.to(kv_nope.dtype), kv_nope, acc * alpha[:, None],
+                     input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    l_safe, lse = _softmax_totals(m_i, l_i)
+    out = acc / l_safe[:, None]
+    o_base = o_ptr + pid_s * stride_os + pid_n * stride_on
+    tl.store(o_base + offs_h[:, None] * stride_oh + offs_l[None, :] * stride_ol,
+             out.to(o_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_l[None, :])
+    tl.store(lse_ptr + pid_s * stride_ls + pid_n * stride_ln + offs_h * stride_lh, lse,
+             mask=mask_h)
+
+
+# ---------------------------------------------------------------------------------------------
+# launcher
+
+
+def mla_sparse(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    sm_scale: float,
+    kv_lora_rank: int,
+    kv_scale: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse absorbed MLA: ``q`` (N, H, L+R), ``kv_cache`` (P, PS, L+R), ``slots`` (N, K) int
+    (-1 skipped) -> ``(out (N, H, L) in q.dtype, lse (N, H) fp32)``. Launch parameters follow
+    ``mla_decode``'s heads-on-M kernel (``config``: its tuning table); ``num_splits=None`` picks
+    the split of each row's K slots from N and the device's SM count."""
+    V.check_tensor("q", q, 3, V.FLOAT_DTYPES)
+    dev = q.device
+    kv = V.check_kv_cache(kv_cache, dev)
+    V.check_kv_scale(kv, kv_scale)
+    if not V.is_fp8(kv.dtype) and kv.dtype != q.dtype:
+        raise ValueError(f"q is {q.dtype} but kv_cache is {kv.dtype}; they must match (or fp8 KV)")
+    N, H, D = q.shape
+    V.check_dim("q", q, 2, kv.shape[2], "the KV row width L + R of kv_cache")
+    if not isinstance(kv_lora_rank, int) or not 0 < kv_lora_rank < D:
+        raise ValueError(f"kv_lora_rank={kv_lora_rank!r} must be an int in (0, D={D})")
+    V.check_tensor("slots", slots, 2, V.INDEX_DTYPES, dev)
+    V.check_dim("slots", slots, 0, N, "one slot list per query row")
+    P, PS = kv.shape[0], kv.shape[1]
+    V.check_index_range("slots", slots, P * PS, allow_neg1=True)
+    L, R, K = kv_lora_rank, D - kv_lora_rank, slots.shape[1]
+    out = torch.empty((N, H, L), dtype=q.dtype, device=dev)
+    lse = torch.empty((N, H), dtype=torch.float32, device=dev)
+    if N == 0 or H == 0:
+        return out, lse
+    if N > 65535:
+        raise ValueError(f"mla_sparse takes at most 65535 rows per launch, got N={N}")
+    fp8 = V.is_fp8(kv.dtype)
+    cfg: dict[str, Any] = decode_config(H, dev, config, fp8=fp8, fp32_q=q.dtype == torch.float32)
+    block_h, block_n = cfg["BLOCK_H"], cfg["BLOCK_N"]
+    head_groups = triton.cdiv(H, block_h)
+    if num_splits is None:
+        num_splits = choose_num_splits(N, head_groups, K, dev, cfg)
+    if not isinstance(num_splits, int) or not 1 <= num_splits <= 65535:
+        raise ValueError(f"num_splits={num_splits!r} must be an int in [1, 65535]")
+    if num_splits == 1:
+        o_part, lse_part, stride_os, stride_ls = out, lse, 0, 0
+    else:
+        o_part = torch.empty((num_splits, N, H, L), dtype=torch.float32, device=dev)
+        lse_part = torch.empty((num_splits, N, H), dtype=torch.float32, device=dev)
+        stride_os, stride_ls = o_part.stride(0), lse_part.stride(0)
+    fp16 = fp8 and bool(cfg.get("fp8_fp16", False))
+    scale = kv_scale if kv_scale is not None else lse  # never read unless fp8
+    _mla_sparse_kernel[(head_groups, num_splits, N)](
+        q, kv, scale, slots, o_part, lse_part, float(sm_scale) * _LOG2E, H, K, num_splits,
+        *q.stride(), *kv.stride(), *(kv_scale.stride() if kv_scale is not None else (0, 0)),
+        *slots.stride(), stride_os, *o_part.stride()[-3:], stride_ls, *lse_part.stride()[-2:],
+        L=L, R=R, PAGE_SIZE=PS, BLOCK_H=block_h, BLOCK_N=block_n,
+        BLOCK_L=V.next_pow2(L), BLOCK_R=V.next_pow2(R), IS_FP8=fp8, FP8_FP16=fp16,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 and not fp16 else None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if num_splits > 1:
+        _merge_into(o_part, lse_part, out, lse)
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# reference
+
+
+def mla_sparse_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    sm_scale: float,
+    kv_lora_rank: int,
+    kv_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of ``mla_sparse`` (fp64 math, one row at a time)."""
+    N, H, _ = q.shape
+    PS, L = kv_cache.shape[1], kv_lora_rank
+    out = torch.zeros((N, H, L), dtype=torch.float64, device=q.device)
+    lse = torch.full((N, H), float("-inf"), dtype=torch.float64, device=q.device)
+    for n in range(N):
+        s = slots[n][slots[n] >= 0].long()
+        if s.numel() == 0:
+            continue
+        rows = kv_cache[s // PS, s % PS].double()  # (k, D)
+        if kv_scale is not None:
+            rows = rows * kv_scale[s // PS, s % PS].double()[:, None]
+        scores = (q[n].double() @ rows.T) * sm_scale  # (H, k)
+        lse[n] = torch.logsumexp(scores, dim=-1)
+        out[n] = torch.softmax(scores, dim=-1) @ rows[:, :L]
+    return out.to(q.dtype), lse.float()

@@ -1,0 +1,234 @@
+"""Row-wise top-k of scores, with the indices (or KV slots) of the winners.
+
+``topk_rows(values (N, M) fp32, k)`` keeps the ``k`` largest entries of every row and returns
+``(values (N, k) fp32, index (N, k) int32)``: ``index`` is the column of each winner (or the
+``index`` tensor's entry there, when one is given), -1 with value ``-inf`` where a row has fewer
+than ``k`` finite entries. ``-inf`` marks an entry that must not be chosen (a token the row
+does not see). Winners are not sorted; equal values are taken in column order.
+
+Chunked selection: a program takes ``CHUNK`` (>= 2k) entries of ``ROWS`` rows (one on a GPU)
+and keeps each row's k largest, so a pass shrinks a row of M entries to ceil(M / CHUNK) · k
+candidates; passes repeat until one chunk remains (128K scores, k = 2048, CHUNK = 8192:
+128K -> 32K -> 8K -> 2K). Inside a program the k-th largest value is found exactly by a radix
+select over the order-preserving integer image of the fp32 values (four rounds of a 256-bin
+histogram); the winners are then compacted with a prefix sum.
+
+``block_table`` (B, W) with ``row_req`` (N,) (request of each row; None: row n is request n)
+turns the final winners' columns, token positions in the row's paged history, into KV slots
+``page * PS + offset`` (``page_size`` PS): the input of ``mla_sparse``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from splash.kernels_triton import _validate as V
+
+_KEY_MIN = tl.constexpr(-2147483648)  # below every finite value's key (and -inf's): "never chosen"
+
+
+@triton.jit
+def _kth_largest(key, K: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr):
+    """Each row's K-th largest of ``key`` (ROWS, CHUNK) int32, exactly: a radix select over the
+    keys' unsigned images, 8 bits a round (a 256-bin histogram of the keys that share the
+    digits chosen so far, then the digit where the count from the top reaches what is left)."""
+    ukey = (key ^ _KEY_MIN).to(tl.uint32, bitcast=True)  # unsigned order = signed order
+    digits = tl.arange(0, 256)
+    row_bins = tl.arange(0, ROWS)[:, None] * 256
+    prefix = tl.zeros((ROWS,), tl.uint32)
+    need = tl.full((ROWS,), K, tl.int32)  # winners still to place at or below the prefix
+    for r in tl.static_range(4):
+        shift: tl.constexpr = 24 - 8 * r
+        digit = ((ukey >> shift) & 255).to(tl.int32)
+        if r == 0:
+            match = digit >= 0
+        else:
+            match = (ukey >> (shift + 8)) == (prefix >> (shift + 8))[:, None]
+        hist = tl.histogram(tl.reshape(row_bins + digit, (ROWS * CHUNK,)), ROWS * 256,
+                            mask=tl.reshape(match, (ROWS * CHUNK,)))
+        hist = tl.reshape(hist, (ROWS, 256))
+        at_least = tl.sum(hist, 1)[:, None] - tl.cumsum(hist, 1) + hist  # count >= digit
+        d = tl.max(tl.where(at_least >= need[:, None], digits[None, :], -1), 1)
+        need -= tl.sum(tl.where(digits[None, :] == d[:, None], at_least - hist, 0), 1)
+        prefix = prefix | (d.to(tl.uint32) << shift)
+    return prefix.to(tl.int32, bitcast=True) ^ _KEY_MIN
+
+
+@triton.jit
+def _topk_chunk_kernel(
+    vals_ptr,  # (N, M) fp32
+    idx_ptr,  # (N, M) int32 (HAS_INDEX)
+    out_v_ptr,  # (N, num_chunks * K) fp32
+    out_i_ptr,  # (N, num_chunks * K) int32
+    bt_ptr,  # (B, W) int (TO_SLOTS)
+    row_req_ptr,  # (N,) int (TO_SLOTS and HAS_ROW_REQ)
+    N,
+    M,
+    stride_vn, stride_vm,
+    stride_in, stride_im,
+    stride_ovn, stride_ovk,
+    stride_oin, stride_oik,
+    stride_btn, stride_btp,
+    stride_rr,
+    K: tl.constexpr,
+    CHUNK: tl.constexpr,
+    ROWS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HAS_INDEX: tl.constexpr,
+    TO_SLOTS: tl.constexpr,
+    HAS_ROW_REQ: tl.constexpr,
+):
+    pid_c = tl.program_id(0)
+    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
+    mask_r = rows < N
+    rows = rows.to(tl.int64)
+    cols = pid_c * CHUNK + tl.arange(0, CHUNK)  # (CHUNK,)
+    inside = mask_r[:, None] & (cols < M)[None, :]  # (ROWS, CHUNK)
+    v = tl.load(vals_ptr + rows[:, None] * stride_vn + cols[None, :] * stride_vm, mask=inside,
+                other=float("-inf"))
+    if HAS_INDEX:
+        idx = tl.load(idx_ptr + rows[:, None] * stride_in + cols[None, :] * stride_im,
+                      mask=inside, other=-1)
+    else:
+        idx = tl.zeros((ROWS, CHUNK), tl.int32) + cols[None, :]
+    bits = v.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed order = float order
+    key = tl.where(v > float("-inf"), key, _KEY_MIN)
+    thr = _kth_largest(key, K, ROWS, CHUNK)  # (ROWS,)
+    above = key > thr[:, None]
+    ties = (key == thr[:, None]).to(tl.int32)
+    room = K - tl.sum(above.to(tl.int32), 1)  # ties to take, in column order
+    take = above | ((ties > 0) & (tl.cumsum(ties, 1) <= room[:, None]))
+    dst = tl.cumsum(take.to(tl.int32), 1) - 1  # exactly K winners per row, in column order
+    chosen = key > _KEY_MIN
+    idx = tl.where(chosen, idx, -1)
+    if TO_SLOTS:
+        if HAS_ROW_REQ:
+            req = tl.load(row_req_ptr + rows * stride_rr, mask=mask_r, other=0).to(tl.int64)
+        else:
+            req = rows
+        has_pos = chosen & (idx >= 0)
+        pos = tl.where(has_pos, idx, 0)
+        page = tl.load(bt_ptr + req[:, None] * stride_btn + (pos // PAGE_SIZE) * stride_btp,
+                       mask=take & has_pos & mask_r[:, None], other=0)
+        idx = tl.where(has_pos, page * PAGE_SIZE + pos % PAGE_SIZE, -1)
+    out_col = pid_c * K + dst
+    store = take & mask_r[:, None]
+    tl.store(out_v_ptr + rows[:, None] * stride_ovn + out_col * stride_ovk,
+             tl.where(chosen, v, float("-inf")), mask=store)
+    tl.store(out_i_ptr + rows[:, None] * stride_oin + out_col * stride_oik, idx.to(tl.int32),
+             mask=store)
+
+
+# ---------------------------------------------------------------------------------------------
+# launcher
+
+# ROWS: rows per program (the interpreter pays per program, a GPU per register)
+_GPU_DEFAULTS: dict[str, Any] = {"CHUNK": 8192, "ROWS": 1, "num_warps": 16}
+_CPU_DEFAULTS: dict[str, Any] = {"CHUNK": 256, "ROWS": 32, "num_warps": 4}
+
+
+def topk_config(device: torch.device, k: int, config: dict | None) -> dict[str, Any]:
+    cfg = dict(_GPU_DEFAULTS if device.type == "cuda" else _CPU_DEFAULTS)
+    cfg.update(config or {})
+    for key, low in (("CHUNK", 16), ("ROWS", 1)):
+        value = cfg[key]
+        if not isinstance(value, int) or value < low or value & (value - 1):
+            raise ValueError(f"config {key}={value!r} must be a power of two >= {low}")
+    chunk = cfg["CHUNK"]
+    cfg["CHUNK"] = max(chunk, V.next_pow2(2 * k))  # each pass must at least halve a row
+    return cfg
+
+
+def topk_rows(
+    values: torch.Tensor,
+    k: int,
+    index: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    row_req: torch.Tensor | None = None,
+    page_size: int = 1,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest finite entries of each row of ``values`` (N, M) fp32 ->
+    ``(values (N, k) fp32, index (N, k) int32)``; see the module docstring for ``index``,
+    ``block_table``, ``row_req`` and ``page_size``."""
+    v = V.check_tensor("values", values, 2, (torch.float32,))
+    dev = v.device
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"k={k!r} must be an int >= 1")
+    N, M = v.shape
+    if index is not None:
+        V.check_tensor("index", index, 2, (torch.int32,), dev)
+        if tuple(index.shape) != (N, M):
+            raise ValueError(f"index has shape {tuple(index.shape)}; expected {(N, M)}")
+    if block_table is not None:
+        V.check_tensor("block_table", block_table, 2, V.INDEX_DTYPES, dev)
+        if not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size={page_size!r} must be an int >= 1")
+        if row_req is None:
+            V.check_dim("block_table", block_table, 0, N, "one row per row of values")
+        else:
+            V.check_tensor("row_req", row_req, 1, V.INDEX_DTYPES, dev)
+            V.check_dim("row_req", row_req, 0, N, "one request per row of values")
+            V.check_index_range("row_req", row_req, block_table.shape[0], allow_neg1=False)
+    elif row_req is not None:
+        raise ValueError("row_req needs a block_table")
+    cfg = topk_config(dev, k, config)
+    chunk = cfg["CHUNK"]
+    idx = index
+    while True:
+        num_chunks = max(triton.cdiv(M, chunk), 1)
+        last = num_chunks == 1
+        out_v = torch.empty((N, num_chunks * k), dtype=torch.float32, device=dev)
+        out_i = torch.empty((N, num_chunks * k), dtype=torch.int32, device=dev)
+        if N:
+            idx_arg = idx if idx is not None else out_i  # never read without HAS_INDEX
+            to_slots = block_table is not None and last
+            bt = block_table if block_table is not None and last else out_i
+            rr = row_req if to_slots and row_req is not None else out_i
+            rows = min(cfg["ROWS"], V.next_pow2(N, 1))
+            _topk_chunk_kernel[(num_chunks, triton.cdiv(N, rows))](
+                v, idx_arg, out_v, out_i, bt, rr, N, M,
+                *v.stride(), *idx_arg.stride(), *out_v.stride(), *out_i.stride(),
+                *bt.stride(), rr.stride(0),
+                K=k, CHUNK=chunk, ROWS=rows, PAGE_SIZE=page_size, HAS_INDEX=idx is not None,
+                TO_SLOTS=to_slots, HAS_ROW_REQ=row_req is not None,
+                num_warps=cfg["num_warps"],
+            )
+        if last:
+            return out_v, out_i
+        v, idx, M = out_v, out_i, num_chunks * k
+
+
+# ---------------------------------------------------------------------------------------------
+# reference
+
+
+def topk_rows_ref(
+    values: torch.Tensor,
+    k: int,
+    index: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    row_req: torch.Tensor | None = None,
+    page_size: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of ``topk_rows``, sorted by value (compare as sets): torch.topk over the
+    row, -1 / -inf where fewer than ``k`` entries are finite."""
+    N, M = values.shape
+    padded = torch.cat((values, values.new_full((N, max(k - M, 0)), float("-inf"))), dim=1)
+    top_v, top_c = padded.topk(k, dim=1)
+    chosen = torch.isfinite(top_v)
+    if index is not None:
+        idx = torch.gather(index.long(), 1, top_c.clamp(max=M - 1))
+    else:
+        idx = top_c.long()
+    if block_table is not None:
+        req = row_req.long() if row_req is not None else torch.arange(N, device=values.device)
+        page = block_table.long()[req[:, None], (idx.clamp(min=0) // page_size)]
+        idx = page * page_size + idx % page_size
+    idx = torch.where(chosen, idx, -1)
+    return top_v.masked_fill(~chosen, float("-inf")), idx.to(torch.int32)

@@ -1,0 +1,244 @@
+"""DeepSeek Sparse Attention kernels against their torch references: the indexer's scores over a
+paged key pool, the chunked row top-k (one and several passes, ties, slots), and sparse MLA
+over selected slots (which equals dense decode when it selects the whole history)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_data import assert_close, assert_lse, block_table, make_setting, paged_cache
+
+from splash.kernels_triton import (
+    index_scores,
+    index_scores_ref,
+    mla_decode,
+    mla_sparse,
+    mla_sparse_ref,
+    topk_rows,
+    topk_rows_ref,
+)
+from splash.layouts.sparse import topk_indexed
+
+# (index heads, key width, page size, rows per request, prefix per request): decode rows only,
+# prefill chunks with prefixes crossing pages and an empty chunk, widths not powers of two
+INDEX_CASES = {
+    "decode-p4": (8, 32, 4, [1, 1, 1], [0, 9, 40]),
+    "extend-p16": (5, 24, 16, [6, 1, 0, 9], [0, 21, 3, 17]),
+}
+SCORE_TOL = {"fp32": 1e-5, "fp16": 2e-3, "fp16-fp8kv": 2e-3, "bf16": 2e-2, "bf16-fp8kv": 2e-2}
+
+
+def _index_inputs(setting, HI, I, PS, rows, prefix, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    dev = setting.device
+    lens = [n + p for n, p in zip(rows, prefix)]
+    num_pages = sum(-(-n // PS) for n in lens) + 2
+    keys, scale = paged_cache(num_pages, PS, I, setting.kv_dtype, dev, gen)
+    table = block_table(lens, PS, num_pages, dev, gen)
+    starts = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()], dtype=torch.int32,
+                          device=dev)
+    q = torch.randn(sum(rows), HI, I, generator=gen).to(setting.q_dtype).to(dev)
+    w = torch.randn(sum(rows), HI, generator=gen).to(dev)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+    return q, w, keys, scale, table, seq_lens, starts, max(lens) + 5
+
+
+def _assert_scores(actual, expected, tol):
+    a, e = actual.float().cpu(), expected.float().cpu()
+    assert torch.equal(torch.isneginf(a), torch.isneginf(e)), "unseen-token pattern differs"
+    finite = torch.isfinite(e)
+    torch.testing.assert_close(a[finite], e[finite], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("case", list(INDEX_CASES))
+def test_index_scores_match_reference(setting, case):
+    HI, I, PS, rows, prefix = INDEX_CASES[case]
+    q, w, keys, scale, table, lens, starts, T = _index_inputs(setting, HI, I, PS, rows, prefix)
+    out = index_scores(q, w, keys, table, lens, starts, I ** -0.5, T, index_scale=scale)
+    ref = index_scores_ref(q, w, keys, table, lens, starts, I ** -0.5, T, index_scale=scale)
+    assert out.shape == (sum(rows), T) and out.dtype == torch.float32
+    _assert_scores(out, ref, SCORE_TOL[setting.name])
+
+
+@pytest.mark.parametrize("config", [{"BLOCK_T": 32, "TILES": 1}, {"BLOCK_M_EXTEND": 1},
+                                    {"BLOCK_M_EXTEND": 8, "TILES": 4}])
+def test_index_scores_launch_variants(device, config):
+    setting = make_setting("fp32")
+    q, w, keys, scale, table, lens, starts, T = _index_inputs(setting, *INDEX_CASES["extend-p16"],
+                                                              seed=1)
+    out = index_scores(q, w, keys, table, lens, starts, 0.2, T, config=config)
+    _assert_scores(out, index_scores_ref(q, w, keys, table, lens, starts, 0.2, T), 1e-5)
+
+
+def test_index_scores_fp8_fp16_products(device):
+    """fp8 keys with fp16 products (the CUDA default): q clamped to fp16's range and cast."""
+    setting = make_setting("fp16-fp8kv")
+    q, w, keys, scale, table, lens, starts, T = _index_inputs(setting, *INDEX_CASES["decode-p4"],
+                                                              seed=2)
+    q = q.float()
+    out = index_scores(q, w, keys, table, lens, starts, 0.2, T, index_scale=scale,
+                       config={"fp8_fp16": True})
+    ref = index_scores_ref(q.half().float(), w, keys, table, lens, starts, 0.2, T,
+                           index_scale=scale)
+    _assert_scores(out, ref, 2e-3)
+
+
+def _same_sets(index, ref_index):
+    for row, ref_row in zip(index.cpu().tolist(), ref_index.cpu().tolist()):
+        assert sorted(row) == sorted(ref_row)
+
+
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_topk_matches_torch(device, chunk):
+    """Rows longer than a chunk (several passes), rows with fewer finite entries than k, a row
+    with none."""
+    gen = torch.Generator().manual_seed(3)
+    values = torch.randn(4, 300, generator=gen)
+    values[1, 20:] = float("-inf")  # 20 finite: all of them, then -1
+    values[2] = float("-inf")
+    values[3, ::2] = float("-inf")
+    values = values.to(device)
+    k = 8 if chunk == 16 else 24
+    v, i = topk_rows(values, k, config={"CHUNK": chunk})
+    ref_v, ref_i = topk_rows_ref(values, k)
+    assert v.shape == i.shape == (4, k) and i.dtype == torch.int32
+    _same_sets(i, ref_i)
+    torch.testing.assert_close(v.sort(dim=1, descending=True).values.cpu(), ref_v.cpu())
+
+
+def test_topk_ties_in_column_order(device):
+    values = torch.zeros(2, 200, device=device)
+    values[1, 150:] = 1.0
+    _, i = topk_rows(values, 5, config={"CHUNK": 16})
+    assert sorted(i[0].tolist()) == [0, 1, 2, 3, 4]
+    assert sorted(i[1].tolist()) == [150, 151, 152, 153, 154]
+
+
+def test_topk_carries_index_and_slots(device):
+    """A given index travels with its values (-1 entries stay -1 when chosen); block tables
+    turn positions into slots (with a request per row)."""
+    gen = torch.Generator().manual_seed(4)
+    values = torch.randn(3, 40, generator=gen).to(device)
+    index = torch.randint(0, 1000, (3, 40), generator=gen, dtype=torch.int32).to(device)
+    index[:, ::3] = -1
+    v, i = topk_rows(values, 6, index=index)
+    _same_sets(i, topk_rows_ref(values, 6, index=index)[1])
+    table = block_table([40, 33], 4, 30, device, gen)
+    row_req = torch.tensor([1, 0, 1], dtype=torch.int32, device=device)
+    values[0, 33:] = float("-inf")  # request 1 has 33 tokens
+    values[2, 33:] = float("-inf")
+    _, slots = topk_rows(values, 6, block_table=table, row_req=row_req, page_size=4)
+    _same_sets(slots, topk_rows_ref(values, 6, block_table=table, row_req=row_req,
+                                    page_size=4)[1])
+
+
+SPARSE_CASES = {"h20-p16": (32, 16, 16, 20, 12), "npow2-p4": (24, 8, 4, 5, 7)}
+
+
+def _sparse_inputs(setting, L, R, PS, H, K, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    dev = setting.device
+    num_pages = 12
+    kv, scale = paged_cache(num_pages, PS, L + R, setting.kv_dtype, dev, gen)
+    slots = torch.stack([torch.randperm(num_pages * PS, generator=gen)[:K] for _ in range(4)])
+    slots[1, K // 2:] = -1  # a partly empty selection
+    slots[2] = -1  # nothing selected: out 0, lse -inf
+    q = torch.randn(4, H, L + R, generator=gen).to(setting.q_dtype).to(dev)
+    return q, kv, scale, slots.to(torch.int32).to(dev)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+@pytest.mark.parametrize("case", list(SPARSE_CASES))
+def test_sparse_matches_reference(setting, case, num_splits):
+    L, R, PS, H, K = SPARSE_CASES[case]
+    q, kv, scale, slots = _sparse_inputs(setting, L, R, PS, H, K)
+    out, lse = mla_sparse(q, kv, slots, 0.15, L, kv_scale=scale, num_splits=num_splits)
+    ref_out, ref_lse = mla_sparse_ref(q, kv, slots, 0.15, L, kv_scale=scale)
+    assert out.shape == (4, H, L) and out.dtype == q.dtype
+    assert_close(out, ref_out, setting.atol, setting.rtol)
+    assert_lse(lse, ref_lse, setting.lse_tol)
+    assert torch.all(out[2].cpu() == 0)
+
+
+def test_sparse_over_the_whole_history_is_dense_decode(device):
+    setting = make_setting("fp32")
+    gen = torch.Generator().manual_seed(5)
+    L, R, PS, H, lens = 32, 16, 4, 4, [5, 19]
+    kv, _ = paged_cache(12, PS, L + R, torch.float32, device, gen)
+    table = block_table(lens, PS, 12, device, gen)
+    q = torch.randn(2, H, L + R, generator=gen).to(device)
+    slots = torch.full((2, 24), -1, dtype=torch.int32)
+    for n, length in enumerate(lens):
+        pos = torch.arange(length)
+        slots[n, :length] = table[n].cpu()[pos // PS] * PS + pos % PS
+    out, lse = mla_sparse(q, kv, slots.to(device), 0.2, L)
+    dense, dense_lse = mla_decode(q, kv, table, torch.tensor(lens, dtype=torch.int32,
+                                                                device=device), 0.2, L)
+    assert_close(out, dense, setting.atol, setting.rtol)
+    assert_lse(lse, dense_lse, setting.lse_tol)
+
+
+def test_bad_arguments_are_clear_errors(device):
+    q = torch.zeros(2, 4, 48, device=device)
+    kv = torch.zeros(3, 4, 48, device=device)
+    with pytest.raises(ValueError, match="slots has entries outside"):
+        mla_sparse(q, kv, torch.tensor([[0, 12], [1, -1]], device=device), 0.1, 32)
+    with pytest.raises(ValueError, match="one slot list per query row"):
+        mla_sparse(q, kv, torch.zeros(3, 2, dtype=torch.int32, device=device), 0.1, 32)
+    with pytest.raises(ValueError, match="k=0"):
+        topk_rows(torch.zeros(2, 5, device=device), 0)
+    with pytest.raises(ValueError, match="row_req needs a block_table"):
+        topk_rows(torch.zeros(2, 5, device=device), 2,
+                  row_req=torch.zeros(2, dtype=torch.int32, device=device))
+    keys = torch.zeros(3, 4, 16, device=device)
+    one = torch.ones(1, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="weights has shape"):
+        index_scores(torch.zeros(1, 2, 16, device=device), torch.zeros(1, 3, device=device),
+                     keys, one[None], one, torch.tensor([0, 1], dtype=torch.int32,
+                                                        device=device), 0.1, 8)
+    with pytest.raises(ValueError, match="max_len"):
+        index_scores(torch.zeros(1, 2, 16, device=device), torch.zeros(1, 2, device=device),
+                     keys, one[None], one * 9, torch.tensor([0, 1], dtype=torch.int32,
+                                                            device=device), 0.1, 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_dsa_deepseek_shapes(gpu_device, kind):
+    """V3.2 / GLM-5 shapes on the GPU: 64 index heads of 128 over fp8 (or bf16) keys, page 64,
+    index_topk 2048 of 5000 tokens, then sparse MLA (L=512, R=64, 128 heads) over the winners."""
+    gen = torch.Generator().manual_seed(6)
+    setting = make_setting("bf16-fp8kv" if kind == "fp8" else "bf16")
+    lens, PS = [5000, 3000, 70], 64
+    q, w, keys, kscale, table, seq_lens, starts, T = _index_inputs(setting, 64, 128, PS,
+                                                                   [1, 1, 1], [n - 1 for n in lens])
+    out = index_scores(q, w, keys, table, seq_lens, starts, 128 ** -0.5, T, index_scale=kscale)
+    ref = index_scores_ref(q, w, keys, table, seq_lens, starts, 128 ** -0.5, T, index_scale=kscale)
+    finite = torch.isfinite(ref)
+    err = (out[finite] - ref[finite]).abs().max() / ref[finite].abs().max()
+    assert err < 1e-2, err
+    _, slots = topk_rows(ref.to(gpu_device), 2048, block_table=table, page_size=PS)
+    _same_sets(slots, topk_rows_ref(ref.to(gpu_device), 2048, block_table=table, page_size=PS)[1])
+    kv, scale = paged_cache(int(table.max()) + 1, PS, 576, setting.kv_dtype, gpu_device, gen)
+    qs = torch.randn(3, 128, 576, generator=gen).to(torch.bfloat16).to(gpu_device)
+    o, lse = mla_sparse(qs, kv, slots, 0.1147, 512, kv_scale=scale)
+    ref_o, ref_lse = mla_sparse_ref(qs, kv, slots, 0.1147, 512, kv_scale=scale)
+    assert_close(o, ref_o, setting.atol, setting.rtol)
+    assert_lse(lse, ref_lse, setting.lse_tol)
+
+
+def test_long_prefill_picks_in_pieces_the_same(device):
+    """The layouts score a long prefill in row pieces (bounded score memory), cutting requests
+    where needed; the picks equal one whole-batch pick."""
+    setting = make_setting("fp32")
+    rows, prefix = [6, 1, 9], [0, 21, 17]
+    q, w, keys, _, table, lens, starts, _ = _index_inputs(setting, 5, 24, 4, rows, prefix, 7)
+    row_req = torch.repeat_interleave(torch.arange(3), torch.tensor(rows)).to(torch.int32)
+    args = {"block_table": table, "seq_lens": lens, "q_start_loc": starts,
+            "row_req": row_req.to(device)}
+    host = (rows, [n + p for n, p in zip(rows, prefix)])
+    whole = topk_indexed(q, w, keys, None, args, 0.2, 6, {}, host)
+    width = table.shape[1] * 4
+    pieces = topk_indexed(q, w, keys, None, args, 0.2, 6, {}, host, budget=4 * width)
+    _same_sets(pieces[1], whole[1])
+    torch.testing.assert_close(pieces[0].sort(dim=1).values, whole[0].sort(dim=1).values)
