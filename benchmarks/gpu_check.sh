@@ -6,7 +6,8 @@
 #
 # PART: tests (GPU kernel + CUDA-graph tests, then the multi-rank tests with CUDA tensors over
 # gloo), engine (bf16 / fp8 KV vs fp32 transformers), kernels (benchmarks/kernel_bench.py, no sweep),
-# moe (fused MoE, default config), offline (throughput vs transformers), profile (ncu).
+# moe (fused MoE, default config), offline (throughput vs transformers), profile (ncu),
+# prefix (prefix caching and n samples on GRPO and agent traces, V2-Lite dims).
 # Default: tests engine kernels moe offline (about 8 minutes on an H200).
 set -uo pipefail
 PARTS=${*:-tests engine kernels moe offline}
@@ -20,7 +21,7 @@ part() {  # name, timeout, command...
   echo "== $name: $*"
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
-  grep -E "passed|failed|error|top1|\"batch\"|summary|Error" "$OUT/$name.log" | tail -n 12
+  grep -E "passed|failed|error|top1|\"batch\"|summary|Error|grpo|agentic" "$OUT/$name.log" | tail -n 12
   echo "== $name: exit $rc"
 }
 
@@ -37,6 +38,10 @@ for p in $PARTS; do
     offline) part offline 240 python3 benchmarks/offline_throughput.py \
       --out "$OUT/offline_throughput.json" ;;
     profile) part profile 300 bash benchmarks/profile_kernels.sh "$OUT/profile" ;;
-    *) echo "unknown part $p (tests engine kernels moe offline profile)"; exit 2 ;;
+    prefix) part prefix_cache 1200 python3 benchmarks/prefix_cache.py --backend cuda \
+      --full-dims --layers 4 --prompts 64 --n 8 --template 1024 --question 512 --output 1024 \
+      --page-size 64 --batch-tokens 8192 --sessions 32 --turns 6 --context 8192 --turn-len 1024 \
+      --out "$OUT/prefix_cache.json" ;;
+    *) echo "unknown part $p (tests engine kernels moe offline profile prefix)"; exit 2 ;;
   esac
 done

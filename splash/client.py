@@ -113,6 +113,12 @@ class Client(_Base):
         """Switch live at the next step; under auto it stays pinned until "auto" releases it."""
         self._call(self._msg(P.SwitchLayout, layout=layout))
 
+    def update_weights(self, path: str) -> str:
+        """Load a checkpoint directory (on the server's host) in place, between rounds: the
+        server refuses while requests are in flight."""
+        reply = self._call(self._msg(P.UpdateWeights, path=str(path)))
+        return reply.detail  # type: ignore[attr-defined]
+
     def health(self) -> bool:
         return bool(self._call(self._msg(P.Health)).healthy)  # type: ignore[attr-defined]
 

@@ -95,6 +95,12 @@ class AsyncClient(_Base):
         """Switch live at the next step; under auto it stays pinned until "auto" releases it."""
         await self._call(self._msg(P.SwitchLayout, layout=layout))
 
+    async def update_weights(self, path: str) -> str:
+        """Load a checkpoint directory (on the server's host) in place, between rounds: the
+        server refuses while requests are in flight."""
+        reply = await self._call(self._msg(P.UpdateWeights, path=str(path)))
+        return reply.detail  # type: ignore[attr-defined]
+
     async def health(self) -> bool:
         return bool((await self._call(self._msg(P.Health))).healthy)  # type: ignore[attr-defined]
 

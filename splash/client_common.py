@@ -10,7 +10,7 @@ import zmq
 
 from splash import envs
 from splash.errors import ConfigError, ProtocolError, RequestTimeoutError
-from splash.outputs import RequestOutput
+from splash.outputs import Logprobs, RequestOutput
 from splash.sampling_params import SamplingParams
 from splash.server import protocol as P
 
@@ -90,16 +90,19 @@ class _StreamState:
         self.request_id = request_id
         self.output: RequestOutput | None = None  # set when the request finished
         self.done = False
+        self.logprobs: list[Logprobs] = []  # of the tokens yielded so far (logprobs=k asked)
         self._received = 0
 
     def _take(self, reply: P.Reply) -> list[int]:
         if isinstance(reply, P.Delta):
             self._received += len(reply.token_ids)
+            self.logprobs += reply.logprobs or []
             return list(reply.token_ids)
         if isinstance(reply, P.Final):
             self.output, self.done = reply.output, True
             tail = reply.output.token_ids[self._received:]  # final carries what deltas did not
             self._received = len(reply.output.token_ids)
+            self.logprobs += (reply.output.logprobs or [])[len(self.logprobs):]
             return list(tail)
         raise ProtocolError(f"unexpected {type(reply).__name__} reply in a stream")
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from splash.engine.api import EngineAPI
@@ -57,6 +58,12 @@ class LLM:
                 raise InvalidRequestError(f"{NO_TOKENIZER}: pass token ids")
             return list(self.engine.tokenizer.encode(prompt))
         return list(prompt)
+
+    def update_weights(self, source: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
+        """Load new weights of the same architecture in place, between ``generate`` calls: a
+        checkpoint directory, or ``{hf_name: tensor}`` (only those tensors change). The prefix
+        cache is flushed. Raises (changing nothing) while requests are in flight."""
+        return self.engine.update_weights(source)
 
     def switch_layout(self, name: str) -> None:
         """Switch live at the next step. Under layout="auto" the layout stays pinned until

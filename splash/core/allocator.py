@@ -1,42 +1,127 @@
-"""Page allocators: the controller's single source of truth for every rank's KV pages."""
+"""Page allocators: the controller's single source of truth for every rank's KV pages.
+
+Pages are reference counted: a page is shared by the requests whose block tables hold it (the
+n samples of a prompt, requests with a common cached prefix). Each rank also keeps its part of
+the prefix cache: full pages registered under the hash of their tokens (and of every token
+before them). A cached page whose last reference goes stays cached, in LRU order, until an
+allocation needs it; the tail pages of a freed history are evicted before its head.
+"""
 
 from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
 
 from splash.errors import ConfigError
 
 
+@dataclass(frozen=True)
+class CachedBlock:
+    """A page registered in a rank's prefix cache."""
+
+    page: int
+    parent: bytes | None  # hash of the previous page of the history (None: the first page)
+    index: int  # logical page index in the history
+
+
 class PageAllocator:
-    """Free list of one rank's physical pages. ``reserved`` pages are held back for state the
-    current layout keeps beside the KV pool (replicated projections), so capacity follows the
-    layout: a sharded-projection layout lends them to KV."""
+    """One rank's physical pages. ``reserved`` pages are held back for state the current
+    layout keeps beside the KV pool (replicated projections), so capacity follows the layout:
+    a sharded-projection layout lends them to KV."""
 
     def __init__(self, num_pages: int) -> None:
         if num_pages <= 0:
             raise ConfigError(f"a rank needs at least one KV page, got {num_pages}")
         self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, -1, -1))
+        self._free = list(range(num_pages - 1, -1, -1))  # unreferenced and not cached
+        self._refs = [0] * num_pages
+        self._cached: dict[bytes, CachedBlock] = {}  # hash -> page holding it
+        self._hash_of: dict[int, bytes] = {}  # cached page -> its hash
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
         self.reserved = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages no request holds (cached ones included: they are reclaimed on demand)."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - self.num_free
 
     @property
     def num_available(self) -> int:
         """Pages that can still be handed out under the current reservation."""
-        return max(len(self._free) - self.reserved, 0)
+        return max(self.num_free - self.reserved, 0)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    def refcount(self, page: int) -> int:
+        return self._refs[page]
 
     def allocate(self, n: int) -> list[int]:
+        """``n`` pages with one reference each; evicts least recently used cached pages when
+        the free list runs out."""
         if n > self.num_available:
             raise MemoryError(f"need {n} pages, {self.num_available} available")
-        return [self._free.pop() for _ in range(n)]
+        pages = []
+        for _ in range(n):
+            if self._free:
+                page = self._free.pop()
+            else:
+                page, _ = self._evictable.popitem(last=False)
+                del self._cached[self._hash_of.pop(page)]
+            self._refs[page] = 1
+            pages.append(page)
+        return pages
+
+    def incref(self, pages: list[int]) -> None:
+        for page in pages:
+            if self._refs[page] == 0:
+                if page not in self._evictable:
+                    raise ValueError(f"page {page} is free; only held or cached pages are shared")
+                del self._evictable[page]
+            self._refs[page] += 1
 
     def free(self, pages: list[int]) -> None:
-        self._free.extend(pages)
+        """Drop one reference to each page; an unreferenced page returns to the free list, or,
+        if cached, to the end of the LRU order (the last page of ``pages`` is evicted first)."""
+        for page in reversed(pages):
+            if self._refs[page] <= 0:
+                raise ValueError(f"page {page} freed more often than it was held")
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                if page in self._hash_of:
+                    self._evictable[page] = None
+                else:
+                    self._free.append(page)
+
+    # -- prefix cache ---------------------------------------------------------------------
+    def register(self, page: int, key: bytes, parent: bytes | None, index: int) -> None:
+        """Cache a held, full page under ``key``; a no-op when another page already holds it
+        (that page stays the cached one) or this page is cached already."""
+        if key in self._cached or page in self._hash_of:
+            return
+        self._cached[key] = CachedBlock(page, parent, index)
+        self._hash_of[page] = key
+        if self._refs[page] == 0:
+            self._evictable[page] = None
+
+    def lookup(self, key: bytes) -> int | None:
+        block = self._cached.get(key)
+        return None if block is None else block.page
+
+    def cached_blocks(self) -> dict[bytes, CachedBlock]:
+        return self._cached
+
+    def clear_cache(self) -> None:
+        """Forget every cached page (new weights make their KV stale)."""
+        self._cached.clear()
+        self._hash_of.clear()
+        self._free.extend(reversed(self._evictable))
+        self._evictable.clear()
 
 
 class RankAllocators:
@@ -62,3 +147,7 @@ class RankAllocators:
 
     def used(self) -> list[int]:
         return [a.num_used for a in self.ranks]
+
+    def clear_cache(self) -> None:
+        for a in self.ranks:
+            a.clear_cache()

@@ -16,6 +16,26 @@ class SeqSampling(msgspec.Struct, frozen=True):
     top_p: float
     top_k: int
     seed: int | None  # with the output index, seeds this row's sampling
+    logprobs: int | None = None  # with each draw: the chosen token's logprob and the top-k
+    banned: list[int] = []  # token ids that may not be drawn (min_tokens holds EOS/stops back)
+    draws: int = 1  # tokens drawn from the row: n at an n-sample prompt's last row, draw i
+    #                 seeded by sample_seed(seed, i)
+
+
+class PromptLogprobs(msgspec.Struct, frozen=True):
+    """Rows of one request that score prompt tokens (the logprob of the next prompt token)."""
+
+    index: int  # the request's index in the step
+    first_row: int  # the first of its rows that scores one
+    targets: list[int]  # the prompt tokens rows first_row, first_row + 1, ... score
+    k: int  # top-k to return beside each target
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """Log-softmax of one row's fp32 logits at the chosen (or scored) token, then the top-k."""
+
+    token_ids: list[int]  # chosen token first, then the top-k by rank
+    logprobs: list[float]
 
 
 class TableUpdate(msgspec.Struct, frozen=True):
@@ -78,6 +98,13 @@ class SwitchPlan(msgspec.Struct, frozen=True):
         return self.mode == "live"
 
 
+class WeightLoad(msgspec.Struct, frozen=True):
+    """New values for model tensors, copied in place (no request runs meanwhile)."""
+
+    path: str  # checkpoint directory (safetensors) holding them
+    names: list[str]  # HF tensor names to load from it
+
+
 class StepPlan(msgspec.Struct, frozen=True):
     version: int
     step: int
@@ -93,7 +120,11 @@ class StepPlan(msgspec.Struct, frozen=True):
     output_index: list[int]  # per request: index of the token being sampled (for seeds)
     table_updates: list[TableUpdate] = []  # this rank's block-table changes
     released: list[str] = []  # requests whose tables this rank drops
+    prompt_logprobs: list[PromptLogprobs] = []  # rank 0 scores these prompt rows
+    page_copies: list[list[int]] = []  # [src, dst] pages on this rank, copied (all layers)
+    #                                    before the step computes: copy-on-write of shared pages
     switch: SwitchPlan | None = None
+    load_weights: WeightLoad | None = None  # a weight update instead of a step
     shutdown: bool = False
 
 
@@ -101,7 +132,9 @@ class StepResult(msgspec.Struct, tag=True):
     version: int
     step: int
     rank: int
-    tokens: list[int] = []  # rank 0: one per request with sample=True, in order
+    tokens: list[int] = []  # rank 0: `draws` per request with sample=True, in order
+    logprobs: list[TokenLogprobs] = []  # rank 0: one per draw whose row asked for logprobs
+    prompt_logprobs: list[list[TokenLogprobs]] = []  # rank 0: per plan.prompt_logprobs entry
     elapsed_ms: float = 0.0  # forward time of this rank
     switch_ms: float = 0.0  # time spent waiting for switch transfers
     graph_replay: bool = False  # the step was replayed from a CUDA graph

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
+from splash.outputs import Logprobs
 from splash.sampling_params import SamplingParams
 
 
@@ -27,10 +28,17 @@ class Request:
     tables: list[list[int]] = field(default_factory=list)  # per rank: local block table
     status: Status = Status.WAITING
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that finished it
     error: str | None = None
     num_preemptions: int = 0
     first_token_s: float | None = None
     num_reported: int = 0  # output tokens already handed to the caller
+    logprobs: list[Logprobs] | None = None  # per output token, when params.logprobs is set
+    prompt_logprobs: list[Logprobs | None] | None = None  # per prompt token scored so far
+    group: SampleGroup | None = None  # the n samples this request is one of (n > 1)
+    sample_index: int = 0  # its index there
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of full pages
+    num_cached_pages: int = 0  # leading full pages registered in the prefix cache
 
     @property
     def num_tokens(self) -> int:
@@ -44,3 +52,22 @@ class Request:
     def num_pending(self) -> int:
         """Tokens whose KV still has to be computed before the next sample."""
         return self.num_tokens - self.num_computed
+
+    @property
+    def fork_pending(self) -> bool:
+        """The prompt's last row draws the n samples of this request's group."""
+        return self.group is not None and len(self.group.members) < self.group.n
+
+
+@dataclass(eq=False)
+class SampleGroup:
+    """The n samples of one prompt: the first request prefills it; at its last row n tokens
+    are drawn and n - 1 more requests fork off, sharing its pages."""
+
+    request_id: str  # the caller's id
+    n: int
+    members: list[Request] = field(default_factory=list)  # in sample order
+
+    @property
+    def finished(self) -> bool:
+        return all(r.status is Status.FINISHED for r in self.members)

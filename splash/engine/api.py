@@ -23,6 +23,9 @@ class EngineAPI(Protocol):
       steps from now (under layout="auto" the layout stays pinned until ``switch_layout("auto")``
       releases it); an unknown name raises InvalidRequestError, one that does not fit the
       model or group LayoutInfeasibleError.
+    - ``update_weights(path_or_mapping)`` loads new weights of the same architecture in place
+      between rounds; with requests in flight it raises InvalidRequestError and changes
+      nothing.
     - ``stats`` holds at least: layout, switches, kv_capacity_tokens, kv_pages_used,
       kv_pages_total, num_waiting, num_running, step_time_ms_ema, tokens_per_s, worker_pids.
     """
@@ -39,6 +42,8 @@ class EngineAPI(Protocol):
     def has_unfinished(self) -> bool: ...
 
     def switch_layout(self, name: str, after_steps: int = 0) -> None: ...
+
+    def update_weights(self, source: Any) -> dict[str, Any]: ...
 
     def stats(self) -> dict[str, Any]: ...
 

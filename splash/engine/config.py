@@ -27,6 +27,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # prefill chunk budget (default 256 CPU, 2048 GPU)
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True  # reuse the KV pages of cached prefixes (hashed pages)
     # auto | background (pre-copy while serving, then hand off) | live (layer-pipelined within
     # one step) | blocking (move everything, then compute: the baseline)
     switch_mode: str = "auto"

@@ -18,22 +18,26 @@ import dataclasses
 import gc
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 
 import msgspec
 import torch
 import zmq
+from safetensors.torch import save_file
 
 from splash import envs
 from splash.core.protocol import (
     WORKER_PROTOCOL_VERSION,
     StepPlan,
     StepResult,
+    WeightLoad,
     WorkerHello,
     WorkerReady,
     decode_result,
@@ -44,6 +48,7 @@ from splash.engine.worker_config import WorkerConfig
 from splash.engine.worker_loop import worker_main
 from splash.errors import WorkerDiedError
 from splash.logging_utils import get_logger
+from splash.model.loader import CheckpointWeights
 
 logger = get_logger("splash.executor")
 
@@ -54,6 +59,15 @@ class InprocExecutor:
     def __init__(self, cfg: WorkerConfig) -> None:
         self.worker: Worker | None = Worker(cfg)
         self.pids: list[int] = []
+
+    def load_weights(self, source: str | Mapping[str, torch.Tensor], names: list[str],
+                     step: int) -> None:
+        """Copy new values of ``names`` (a checkpoint directory's, or the mapping's) in place."""
+        if self.worker is None:
+            raise WorkerDiedError("the engine was shut down")
+        weights = source if isinstance(source, Mapping) else CheckpointWeights(
+            source, self.worker.model.cfg)
+        self.worker.load_weights(weights, names)
 
     def execute(self, plans: list[StepPlan]) -> list[StepResult]:
         if self.worker is None:
@@ -150,6 +164,24 @@ class MPExecutor:
                 os.kill(pid, signal.SIGUSR1)
         logger.error("worker(s) %s silent: their stacks follow on stderr", ranks)
         time.sleep(0.5)
+
+    def load_weights(self, source: str | Mapping[str, torch.Tensor], names: list[str],
+                     step: int) -> None:
+        """Every worker copies new values of ``names`` in place; a mapping reaches them as a
+        temporary safetensors file (workers on other hosts need a shared filesystem)."""
+        tmp = None
+        if isinstance(source, Mapping):
+            tmp = tempfile.mkdtemp(prefix="splash-weights-")
+            save_file({n: source[n].detach().to("cpu").contiguous() for n in names},
+                      os.path.join(tmp, "model.safetensors"))
+            source = tmp
+        try:
+            plan = msgspec.structs.replace(_shutdown_plan(), step=step, shutdown=False,
+                                           load_weights=WeightLoad(str(source), names))
+            self.execute([plan] * self.world)
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
 
     def execute(self, plans: list[StepPlan]) -> list[StepResult]:
         with _sigint_deferred():  # every rank gets the step or none does (Ctrl-C mid-send left

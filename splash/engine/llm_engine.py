@@ -7,20 +7,26 @@ requests with the sampled tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from splash.core.protocol import StepPlan, StepResult
-from splash.core.request import Request, Status
+from splash.core.request import Request, SampleGroup, Status
 from splash.engine.auto_layout import AutoLayout
 from splash.engine.config import EngineConfig
 from splash.engine.executor import start_executor
+from splash.engine.output_processor import OutputProcessor
 from splash.engine.plans import build_plans
 from splash.engine.setup import build_scheduler, load_tokenizer, resolve_setup
 from splash.engine.switches import SwitchController
-from splash.errors import InvalidRequestError, WorkerDiedError
+from splash.errors import ConfigError, InvalidRequestError, WorkerDiedError
 from splash.logging_utils import get_logger
+from splash.model.config import ModelConfig
+from splash.model.loader import checkpoint_shapes, with_expert_aliases
 from splash.outputs import RequestOutput
 from splash.sampling_params import SamplingParams
 
@@ -43,6 +49,8 @@ class LLMEngine:
         self.executor = start_executor(s.worker_config(), cfg.worker_addr)
         self.tokenizer = load_tokenizer(cfg.model)
         self.vocab_size = self.model_cfg.vocab_size
+        self.outputs = OutputProcessor(self.tokenizer, set(self.model_cfg.eos_token_ids),
+                                       s.max_model_len)
         self.requests: dict[str, Request] = {}
         self.step_count = 0
         self.healthy = True
@@ -51,6 +59,7 @@ class LLMEngine:
         self._tokens_total = 0
         self._graph_steps = 0
         self._step_ms_ema: float | None = None
+        self.weight_version = 0  # in-place weight updates so far
         self._started = time.monotonic()
 
     @classmethod
@@ -69,6 +78,9 @@ class LLMEngine:
         if rid in self.requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
         req = Request(rid, list(prompt_token_ids), params)
+        if params.n > 1:
+            req.group = SampleGroup(rid, params.n, [req])
+        self.outputs.start(req)
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
@@ -92,13 +104,24 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt + max_tokens = {len(prompt) + params.max_tokens} tokens does not fit "
                 f"the KV pool ({self.setup.max_request_tokens} tokens per request)")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer and this checkpoint has none; "
+                                      "use stop_token_ids")
+        if params.n > self.cfg.max_num_seqs:
+            raise InvalidRequestError(
+                f"n={params.n} samples exceed max_num_seqs={self.cfg.max_num_seqs}")
 
     def abort_request(self, request_id: str) -> bool:
         req = self.requests.get(request_id)
-        if req is None or req.status is Status.FINISHED:
+        if req is None:
             return False
-        self.scheduler.finish(req, "abort")
-        self._pending_outputs.append(self._output(req, []))
+        live = [m for m in (req.group.members if req.group is not None else [req])
+                if m.status is not Status.FINISHED]
+        if not live:
+            return False
+        for m in live:
+            self.scheduler.finish(m, "abort")
+        self._pending_outputs.append(self._output(req))
         return True
 
     def has_unfinished(self) -> bool:
@@ -117,20 +140,30 @@ class LLMEngine:
         plans = build_plans(self.scheduler, batch, switch, self.step_count, self.setup)
         results, step_ms = self._execute(plans)
         self.switches.finish(switch, results, step_ms, self.step_count, batch)
-        sampled = self.scheduler.update_from_output(batch, results[0].tokens)
+        sampled = self.scheduler.update_from_output(batch, results[0], self.outputs)
         self._count_step(results, step_ms, len(sampled))
-        outputs += [self._output(req, req.output_token_ids[-1:]) for req in sampled]
+        heads: dict[str, Request] = {}  # one output per prompt: its n samples report together
+        for req in sampled:
+            head = req.group.members[0] if req.group is not None else req
+            heads.setdefault(head.request_id, head)
+        outputs += [self._output(head, sampled) for head in heads.values()]
         for out in outputs:  # finished requests leave the table (ids may be reused)
             if out.finished:
-                self.requests.pop(out.request_id, None)
+                self._forget(out.request_id)
         return outputs
 
     def _take_pending(self) -> list[RequestOutput]:
         """Outputs produced between steps (aborts); their requests leave the table."""
         outputs, self._pending_outputs = self._pending_outputs, []
         for out in outputs:
-            self.requests.pop(out.request_id, None)
+            self._forget(out.request_id)
         return outputs
+
+    def _forget(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            for member in req.group.members if req.group is not None else [req]:
+                self.outputs.forget(member)
 
     def _execute(self, plans: list[StepPlan]) -> tuple[list[StepResult], float]:
         t0 = time.perf_counter()
@@ -148,14 +181,13 @@ class LLMEngine:
         self._graph_steps += int(all(r.graph_replay for r in results))
         self._tokens_total += tokens
 
-    def _output(self, req: Request, new: list[int]) -> RequestOutput:
-        finished = req.status is Status.FINISHED
-        text = None
-        if self.tokenizer is not None and finished:
-            text = self.tokenizer.decode(req.output_token_ids)
-        return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids),
-                             new_token_ids=new, finished=finished,
-                             finish_reason=req.finish_reason, error=req.error, text=text)
+    def _output(self, req: Request, sampled: list[Request] | None = None) -> RequestOutput:
+        """``req``'s prompt's output (all samples of its group); the requests in ``sampled``
+        report their last token as new."""
+        got = {id(m) for m in sampled or []}
+        members = req.group.members if req.group is not None else [req]
+        return self.outputs.output(req, {m: m.output_token_ids[-1:] for m in members
+                                         if id(m) in got})
 
     def _fail_all(self, message: str) -> None:
         """The worker group is gone: every in-flight request finishes with the error (the
@@ -164,7 +196,74 @@ class LLMEngine:
         self.healthy = False
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.finish(req, "error", message)
-            self.requests.pop(req.request_id, None)
+        for rid in list(self.requests):
+            self._forget(rid)
+
+    # -- weights --------------------------------------------------------------------------
+    def update_weights(self, source: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
+        """Load new weights of the same architecture in place: a checkpoint directory (every
+        tensor) or a mapping of HF tensor names to tensors (only those; the rest keep their
+        values). Only between rounds: with requests in flight this raises and changes nothing.
+        Every rank copies its slices into the tensors it holds now (CUDA graphs stay valid);
+        the prefix cache is flushed (its KV came from the old weights)."""
+        in_flight = len(self.scheduler.running) + len(self.scheduler.waiting)
+        if in_flight:
+            raise InvalidRequestError(
+                f"{in_flight} requests in flight: weights are updated between rollout rounds, "
+                "when no request runs (let them finish or abort them first)")
+        if self.switches.inflight is not None:
+            raise InvalidRequestError("a layout switch is moving weights in the background: "
+                                      "update the weights once it has completed")
+        t0 = time.perf_counter()
+        names, payload = self._weight_names(source)
+        self.executor.load_weights(payload, names, self.step_count)
+        self.scheduler.prefix.clear()
+        self.weight_version += 1
+        ms = (time.perf_counter() - t0) * 1e3
+        what = source if isinstance(source, (str, os.PathLike)) else f"{len(names)} tensors"
+        logger.info("weights updated in place from %s (%d tensors, %.0f ms); prefix cache "
+                    "flushed; weight version %d", what, len(names), ms, self.weight_version)
+        return {"tensors": len(names), "ms": round(ms, 3), "weight_version": self.weight_version}
+
+    def _weight_names(self, source: Any) -> tuple[list[str], Any]:
+        """The HF names to load and what the executor reads them from; a mismatch with the
+        running checkpoint (architecture, unknown names, shapes) is an error here."""
+        shapes, known = checkpoint_shapes(self.cfg.model, self.model_cfg)
+        if isinstance(source, (str, os.PathLike)):
+            path = str(source)
+            if not os.path.isfile(os.path.join(path, "config.json")):
+                raise ConfigError(f"{path!r} is not a checkpoint dir (no config.json)")
+            other = ModelConfig.from_hf(path)
+            differ = [f.name for f in dataclasses.fields(other)
+                      if getattr(other, f.name) != getattr(self.model_cfg, f.name)]
+            if differ:
+                raise ConfigError(f"{path!r} has a different architecture ({', '.join(differ)} "
+                                  "differ): only weights of the same architecture load in place")
+            new, _ = checkpoint_shapes(path, self.model_cfg)
+            for name, shape in shapes.items():
+                if new.get(name) != shape:
+                    raise ConfigError(f"{path!r}: tensor {name!r} is "
+                                      f"{new.get(name, 'missing')}, the model has {shape}")
+            return sorted(shapes), path
+        if not isinstance(source, Mapping):
+            raise InvalidRequestError("update_weights takes a checkpoint directory or a mapping "
+                                      "of tensor names to tensors")
+        shapes = with_expert_aliases(shapes)
+        known |= set(shapes)
+        names = []
+        for name, t in source.items():
+            if name not in known:
+                raise InvalidRequestError(f"the model has no tensor {name!r}")
+            if name not in shapes:
+                continue  # in the checkpoint, not served (MTP layers, DSA indexer)
+            if tuple(getattr(t, "shape", ())) != shapes[name]:
+                raise InvalidRequestError(f"tensor {name!r} has shape "
+                                          f"{tuple(getattr(t, 'shape', ()))}, the model has "
+                                          f"{shapes[name]}")
+            names.append(name)
+        if not names:
+            raise InvalidRequestError("none of the given tensors is one the model is built from")
+        return names, {n: source[n] for n in names}
 
     # -- control and introspection ----------------------------------------------------------
     @property
@@ -211,6 +310,12 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_steps": self.step_count,
             "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_caching": self.scheduler.prefix.enabled,
+            "prefix_cache_hit_tokens": self.scheduler.prefix.hit_tokens,
+            "prefix_cache_queried_tokens": self.scheduler.prefix.queried_tokens,
+            "prefix_cache_pages": [a.num_cached for a in self.allocators.ranks],
+            "prompt_tokens_computed": self.scheduler.prompt_tokens_computed,
+            "weight_version": self.weight_version,
             "cuda_graphs": self.setup.cuda_graphs,
             "graph_steps": self._graph_steps,  # steps replayed from CUDA graphs
             "step_time_ms_ema": self._step_ms_ema,

@@ -6,12 +6,14 @@ from typing import Any
 
 from splash.core.protocol import (
     WORKER_PROTOCOL_VERSION,
+    PromptLogprobs,
     SeqSampling,
     StepPlan,
     SwitchPlan,
     TableUpdate,
     run_rows,
 )
+from splash.engine.sampling_plan import prompt_logprob_rows, seq_sampling
 from splash.engine.scheduler import ScheduledBatch, Scheduler
 from splash.engine.setup import EngineSetup
 from splash.engine.switches import SwitchStep
@@ -32,7 +34,9 @@ def build_plans(sched: Scheduler, batch: ScheduledBatch, action: SwitchStep | No
     sample: list[bool] = []
     sampling: list[SeqSampling] = []
     output_index: list[int] = []
-    for req, n in batch.entries:
+    prompt_logprobs: list[PromptLogprobs] = []
+    eos = sched.cfg.eos_token_ids
+    for b, (req, n) in enumerate(batch.entries):
         start = req.num_computed
         ids.append(req.request_id)
         query_lens.append(n)
@@ -41,9 +45,11 @@ def build_plans(sched: Scheduler, batch: ScheduledBatch, action: SwitchStep | No
         input_ids.extend(req.token_at(i) for i in range(start, start + n))
         positions.extend(range(start, start + n))
         sample.append(start + n == req.num_tokens)
-        p = req.params
-        sampling.append(SeqSampling(p.temperature, p.top_p, p.top_k, p.seed))
+        sampling.append(seq_sampling(req, eos))
         output_index.append(len(req.output_token_ids))
+        rows = prompt_logprob_rows(req, b, start, n)
+        if rows is not None:
+            prompt_logprobs.append(rows)
     released, sched.released = sched.released, []
     shape = _collectives(setup, action.manifest) if action is not None else {}
     plans = []
@@ -58,7 +64,9 @@ def build_plans(sched: Scheduler, batch: ScheduledBatch, action: SwitchStep | No
             version=WORKER_PROTOCOL_VERSION, step=step, layout=sched.layout.name,
             request_ids=ids, query_lens=query_lens, context_lens=context_lens, owners=owners,
             input_ids=input_ids, positions=positions, sample=sample, sampling=sampling,
-            output_index=output_index, table_updates=updates, released=released, switch=switch))
+            output_index=output_index, table_updates=updates, released=released, switch=switch,
+            prompt_logprobs=prompt_logprobs if rank == 0 else [],
+            page_copies=sched.take_copies(rank)))
     return plans
 
 

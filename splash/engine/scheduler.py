@@ -5,6 +5,12 @@ applies a switch's new tables and owners, and after the step appends the sampled
 finishes the requests that stop (`update_from_output`). Which ranks hold a request's pages is
 decided by the current layout's KV placement (`ownership.num_local_pages`), so the same code
 batches for all four layouts.
+
+Pages are shared (reference counted): a request admitted with a cached prefix takes the cached
+pages (`splash.core.prefix_cache`), a prefill that reaches pages another request computed in
+the meantime takes them too, and the n samples of a prompt fork off sharing its pages. A row is
+never written into a shared page: the writer first copies it (copy-on-write; the copy runs on
+the workers before the step computes).
 """
 
 from __future__ import annotations
@@ -13,10 +19,23 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import msgspec
+
 from splash.core.allocator import RankAllocators
-from splash.core.ownership import Layout, least_loaded, num_local_pages
+from splash.core.ownership import (
+    Layout,
+    least_loaded,
+    local_page_index,
+    num_local_pages,
+    page_holders,
+)
+from splash.core.prefix_cache import PrefixCache
+from splash.core.protocol import StepResult
 from splash.core.request import Request, Status
+from splash.engine.output_processor import OutputProcessor
+from splash.engine.sampling_plan import num_draws, prompt_logprob_rows
 from splash.logging_utils import get_logger
+from splash.sampling_params import sample_seed
 from splash.switching.manifest import SwitchManifest
 
 logger = get_logger("splash.scheduler")
@@ -30,6 +49,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # requests in one step
     max_num_batched_tokens: int = 512  # rows in one step (the prefill chunk budget)
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     eos_token_ids: tuple[int, ...] = ()  # the model's end-of-sequence tokens
 
     def __post_init__(self) -> None:
@@ -57,7 +77,10 @@ class Scheduler:
         self.hold_admission = False  # set while a deferred switch waits for pages
         self.dirty: list[dict[str, int]] = [{} for _ in range(cfg.world)]  # rank: rid -> start
         self.released: list[str] = []
+        self.copies: list[list[list[int]]] = [[] for _ in range(cfg.world)]  # rank: [src, dst]
         self.num_preemptions = 0
+        self.prompt_tokens_computed = 0  # prefill work: prompt rows computed
+        self.prefix = PrefixCache(allocators, cfg.world, cfg.page_size, cfg.enable_prefix_caching)
 
     # -- bookkeeping ----------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -82,12 +105,16 @@ class Scheduler:
         return count
 
     def free(self, req: Request) -> None:
+        self._drop_pages(req)
+        self.released.append(req.request_id)
+
+    def _drop_pages(self, req: Request) -> None:
         for rank, pages in enumerate(req.tables):
             if pages:
                 self.alloc[rank].free(pages)
             self.dirty[rank].pop(req.request_id, None)
         req.tables = [[] for _ in range(self.cfg.world)]
-        self.released.append(req.request_id)
+        req.num_cached_pages = 0
 
     def finish(self, req: Request, reason: str, error: str | None = None) -> None:
         if req in self.running:
@@ -112,25 +139,81 @@ class Scheduler:
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         need = self.pages_needed(req, num_tokens)
-        if not any(need):  # most decode steps: the last page still has room
+        shared = self._shared_tail(req)
+        if not any(need) and not shared:  # most decode steps: the last page still has room
             return True
+        for rank in shared:
+            need[rank] += 1
         if not self.alloc.can_allocate(need):
             return False
         for rank, pages in enumerate(self.alloc.allocate(need)):
+            if rank in shared:  # copy-on-write: the next row lands in a page others hold
+                local, page = shared[rank], pages.pop()
+                self.copies[rank].append([req.tables[rank][local], page])
+                self.alloc[rank].free([req.tables[rank][local]])
+                req.tables[rank][local] = page
+                self.mark_dirty(req, rank, local)
             if pages:
                 self.mark_dirty(req, rank, len(req.tables[rank]))
                 req.tables[rank].extend(pages)
         return True
 
-    def _pick_owner(self, req: Request, num_tokens: int) -> int | None:
-        """The least-loaded rank (`ownership.least_loaded`); under an owned layout only ranks
-        with room for the request's pages. Owners matter only under owned layouts, but are
-        kept balanced under the others too."""
-        ranks = None
-        if self.layout.uses_owners:
-            pages = -(-num_tokens // self.cfg.page_size)
-            ranks = [r for r in range(self.cfg.world) if self.alloc[r].num_available >= pages]
-        return least_loaded(self.live_tokens_by_rank(), self.requests_by_rank(), ranks)
+    def _shared_tail(self, req: Request) -> dict[int, int]:
+        """rank -> local index of the partly filled page the next row writes, where that page
+        is shared with other requests (the samples of one prompt)."""
+        ps = self.cfg.page_size
+        if req.num_computed % ps == 0:
+            return {}
+        logical = req.num_computed // ps
+        local = local_page_index(self.layout, logical, self.cfg.world)
+        return {d: local for d in page_holders(self.layout, logical, req.owner, self.cfg.world)
+                if local < len(req.tables[d])
+                and self.alloc[d].refcount(req.tables[d][local]) > 1}
+
+    def _take_cached(self, req: Request, found: list[list[tuple[int, int]]]) -> None:
+        """Continue ``req``'s history with cached pages (from ``PrefixCache.match``)."""
+        if not found:
+            return
+        start = [len(t) for t in req.tables]
+        for holders in found:
+            for rank, page in holders:
+                self.alloc[rank].incref([page])
+                req.tables[rank].append(page)
+        for rank, t in enumerate(req.tables):
+            if len(t) > start[rank]:
+                self.mark_dirty(req, rank, start[rank])
+        req.num_computed += len(found) * self.cfg.page_size
+        req.num_cached_pages = req.num_computed // self.cfg.page_size
+        self.prefix.hit_tokens += len(found) * self.cfg.page_size
+
+    def _place(self, req: Request, num_tokens: int) -> tuple[int | None, list]:
+        """Owner rank and cached pages for an admission: the least-loaded rank
+        (`ownership.least_loaded`; under an owned layout only ranks with room for the pages the
+        request still needs), except that under owned KV (DP, DOP) a rank holding a longer
+        cached prefix wins unless that would unbalance the ranks — its live tokens exceed the
+        least-loaded rank's by more than a prefill chunk and by a quarter (the two thresholds
+        of SGLang's cache-aware router)."""
+        load, count = self.live_tokens_by_rank(), self.requests_by_rank()
+        if not self.layout.uses_owners:  # owners matter only after a switch to an owned layout
+            least = least_loaded(load, count)
+            assert least is not None
+            return least, self.prefix.match(req, self.layout, least)
+        pages = -(-num_tokens // self.cfg.page_size)
+        found = {r: self.prefix.match(req, self.layout, r) for r in range(self.cfg.world)}
+        fits = [r for r in found if self.alloc[r].num_available >= pages - len(found[r])]
+        least = least_loaded(load, count, fits)
+        if least is None:
+            return None, []
+        longest = max(len(found[r]) for r in fits)
+        best = least_loaded(load, count, [r for r in fits if len(found[r]) == longest])
+        assert best is not None
+        excess = load[best] - load[least]
+        if excess > self.cfg.max_num_batched_tokens and load[best] > 1.25 * load[least]:
+            logger.debug("%s placed on rank %d, not on rank %d with %d cached tokens: %d more "
+                         "live tokens there", req.request_id, least, best,
+                         longest * self.cfg.page_size, excess)
+            return least, found[least]
+        return best, found[best]
 
     # -- one step -------------------------------------------------------------------------
     def schedule(self, allow_preemption: bool = True) -> ScheduledBatch:
@@ -139,6 +222,8 @@ class Scheduler:
         for req in list(self.running):  # decodes and unfinished prefills, oldest first
             if req not in self.running:
                 continue  # preempted below to make room for an older request
+            if req.num_pending > 1:  # a prefill may reach pages computed meanwhile
+                self._take_cached(req, self.prefix.match(req, self.layout, req.owner))
             n = self._chunk(req, budget)
             if n == 0:
                 continue
@@ -153,6 +238,7 @@ class Scheduler:
             if n:
                 batch.entries.append((req, n))
                 budget -= n
+                self.prefix.register(req, self.layout, req.num_computed + n)
         if not self.hold_admission and not batch.preempted:
             self._admit(batch, budget)
         return batch
@@ -167,20 +253,27 @@ class Scheduler:
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
-            n = self._chunk(req, budget)
-            if n == 0:
+            if self._chunk(req, budget) == 0:
                 break
-            owner = self._pick_owner(req, req.num_computed + n)
+            owner, found = self._place(req, req.num_computed + min(req.num_pending, budget))
             if owner is None:
                 break
             req.owner = owner
-            if not self._grow(req, req.num_computed + n):
+            hits_before = self.prefix.hit_tokens
+            self._take_cached(req, found)
+            n = self._chunk(req, budget)
+            if n == 0 or not self._grow(req, req.num_computed + n):
+                self.prefix.hit_tokens = hits_before
+                self._drop_pages(req)
+                req.num_computed = 0
                 break  # first come, first served: wait for pages
+            self.prefix.queried_tokens += req.num_tokens if self.prefix.enabled else 0
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
             batch.entries.append((req, n))
             budget -= n
+            self.prefix.register(req, self.layout, req.num_computed + n)
 
     def _preempt(self, victim: Request, batch: ScheduledBatch) -> None:
         logger.info("preempting %s (recompute): KV pages exhausted", victim.request_id)
@@ -193,6 +286,35 @@ class Scheduler:
         victim.status = Status.WAITING
         self.waiting.appendleft(victim)
         batch.preempted.append(victim)
+
+    def fork(self, parent: Request) -> list[Request]:
+        """The other n - 1 samples of ``parent``'s prompt, now that it is prefilled: they run
+        right after it, sharing its pages, each with its own seed stream."""
+        group = parent.group
+        assert group is not None
+        children = []
+        for i in range(1, group.n):
+            params = msgspec.structs.replace(parent.params, n=1,
+                                             seed=sample_seed(parent.params.seed, i))
+            child = Request(f"{group.request_id}\x1e{i}", parent.prompt_token_ids, params,
+                            arrival_s=parent.arrival_s, group=group, sample_index=i,
+                            owner=parent.owner, num_computed=parent.num_computed,
+                            tables=[list(t) for t in parent.tables],
+                            status=Status.RUNNING, block_hashes=list(parent.block_hashes),
+                            num_cached_pages=parent.num_cached_pages)
+            for rank, pages in enumerate(child.tables):
+                if pages:
+                    self.alloc[rank].incref(pages)
+                    self.mark_dirty(child, rank, 0)
+            children.append(child)
+        group.members += children
+        at = self.running.index(parent) + 1
+        self.running[at:at] = children
+        return children
+
+    def take_copies(self, rank: int) -> list[list[int]]:
+        copies, self.copies[rank] = self.copies[rank], []
+        return copies
 
     def take_table_updates(self, rank: int) -> list[tuple[str, int, list[int]]]:
         """Block-table changes for ``rank`` since the last call, for running requests."""
@@ -215,36 +337,48 @@ class Scheduler:
             req.owner = manifest.new_owners.get(req.request_id, req.owner)
             for rank in range(self.cfg.world):
                 self.mark_dirty(req, rank, 0)
+        for chain in manifest.cached:
+            chain.tables = manifest.new_tables[chain.request_id]
+            chain.owner = manifest.new_owners[chain.request_id]
+        # pages received in this step are hits from now on: a request admitted into this very
+        # step reads them in each layer only after that layer's transfer has landed
+        for hist in [*self.running, *manifest.cached]:
+            self.prefix.register_moved(hist, manifest.dst)
         self.layout = manifest.dst
 
-    def update_from_output(self, batch: ScheduledBatch, tokens: list[int]) -> list[Request]:
-        """Advance every scheduled request by its rows, append the tokens sampled for the
-        requests whose prompt and outputs are now all computed (in batch order), and finish
-        those that stop. Returns the requests that got a token."""
+    def update_from_output(self, batch: ScheduledBatch, result: StepResult,
+                           out: OutputProcessor) -> list[Request]:
+        """Advance every scheduled request by its rows, record its prompt logprobs, append the
+        tokens (and logprobs) sampled for the requests whose prompt and outputs are now all
+        computed (in batch order; an n-sample prompt's last row forks its samples), and finish
+        those that stop (``out`` decides). Returns the requests that got a token."""
         sampled = []
-        it = iter(tokens)
-        for req, n in batch.entries:
+        tokens, logprobs = iter(result.tokens), iter(result.logprobs)
+        prompt_logprobs = iter(result.prompt_logprobs)
+        for b, (req, n) in enumerate(batch.entries):
+            start = req.num_computed
+            if prompt_logprob_rows(req, b, start, n) is not None:
+                out.add_prompt_logprobs(req, next(prompt_logprobs))
+            self.prompt_tokens_computed += max(min(start + n, len(req.prompt_token_ids)) - start,
+                                               0)
             req.num_computed += n
             if req.num_computed < req.num_tokens:
                 continue  # a prefill chunk short of the prompt's end: nothing sampled
-            token = next(it)
+            draws = num_draws(req)
+            toks = [next(tokens) for _ in range(draws)]
+            lps = [next(logprobs) if req.params.logprobs is not None else None for _ in toks]
             if req.status is Status.FINISHED:
                 continue
-            req.output_token_ids.append(token)
-            if req.first_token_s is None:
-                req.first_token_s = time.monotonic()
-            reason = self._stop_reason(req, token)
-            if reason:
-                self.finish(req, reason)
-            sampled.append(req)
+            samples = [req]
+            if draws > 1:
+                samples += self.fork(req)
+                for child in samples[1:]:
+                    out.start(child)
+            for member, token, lp in zip(samples, toks, lps):
+                if member.first_token_s is None:
+                    member.first_token_s = time.monotonic()
+                reason = out.append(member, token, lp)
+                if reason:
+                    self.finish(member, reason)
+                sampled.append(member)
         return sampled
-
-    def _stop_reason(self, req: Request, token: int) -> str | None:
-        p = req.params
-        if not p.ignore_eos and token in self.cfg.eos_token_ids:
-            return "stop"
-        if p.stop_token_ids and token in p.stop_token_ids:
-            return "stop"
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.cfg.max_model_len:
-            return "length"
-        return None

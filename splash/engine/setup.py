@@ -132,6 +132,7 @@ def build_scheduler(setup: EngineSetup) -> Scheduler:
         max_num_batched_tokens=cfg.max_num_batched_tokens or (
             256 if setup.backend_name == "cpu" else 2048),
         enable_chunked_prefill=cfg.enable_chunked_prefill,
+        enable_prefix_caching=cfg.enable_prefix_caching,
         eos_token_ids=tuple(setup.model_cfg.eos_token_ids))
     return Scheduler(sched_cfg, allocators, layout)
 

@@ -21,6 +21,11 @@ How a switch runs (``switch_mode``):
 - ``auto`` (default): ``live`` when the running step time covers the predicted transfer at
   the profile's link bandwidth twice over, else ``background``.
 
+Prefix caching: a switch that completes in one step (live, blocking, the handoff) also moves
+the cached pages no request holds any more (``cached_histories``), when they fit, and every
+page received is registered in the prefix cache of its new holder (``Scheduler.apply_switch``),
+so cached prefixes stay hits in the destination. A pre-copy moves only the requests' pages.
+
 Cost of a switch (``overhead_ms`` in the history): the time the workers spent on its work in
 the step that completes it — issuing, waiting for and installing transfers — on the slowest
 rank. When the next step decodes the same requests (a matched interval), ``step_minus_ready_ms``
@@ -34,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from splash.core.ownership import get_layout
+from splash.core.prefix_cache import CachedHistory, cached_histories
 from splash.core.protocol import StepResult
 from splash.engine.scheduler import ScheduledBatch, Scheduler
 from splash.engine.setup import EngineSetup
@@ -146,6 +152,13 @@ class SwitchController:
         running = list(sched.running)
         manifest = build_manifest(src, dst, running, alloc, setup.world, setup.page_size,
                                   setup.model_cfg.num_attention_heads)
+        if manifest is not None and self._mode(manifest, step_ms_ema) != "background":
+            cached = self._cached()
+            if cached:  # rebuilt with the cached chains (or without them if they do not fit)
+                manifest.give_back(alloc)
+                manifest = build_manifest(src, dst, running, alloc, setup.world,
+                                          setup.page_size, setup.model_cfg.num_attention_heads,
+                                          cached=cached)
         if manifest is None:
             alloc.set_reserved(setup.reserved_pages(src))
             reason = (f"switch {src.name}->{dst.name} deferred at step {step}: the destination "
@@ -191,6 +204,13 @@ class SwitchController:
         step_ms = step_ms_ema or 0.0
         return "live" if step_ms >= 2 * transfer_ms else "background"
 
+    def _cached(self) -> list[CachedHistory]:
+        """The cached chains no request holds, complete under the current layout."""
+        sched = self.scheduler
+        if not sched.prefix.enabled:
+            return []
+        return cached_histories(sched.alloc, sched.layout, self.setup.world, self.setup.page_size)
+
     def _free_placed(self, placed: dict, keep: set[str]) -> None:
         for (rid, _, rank), page in placed.items():
             if rid not in keep:
@@ -208,7 +228,8 @@ class SwitchController:
         owners = {rid: o for rid, o in pre.new_owners.items() if rid in live}
         delta = build_manifest(pre.src, pre.dst, running, sched.alloc, setup.world,
                                setup.page_size, setup.model_cfg.num_attention_heads,
-                               owners=owners, rows_from=pc.copied, staged=staged)
+                               owners=owners, rows_from=pc.copied, staged=staged,
+                               cached=self._cached())
         if delta is None:
             self._free_placed(staged, keep=set())
             self._cancelled(pc, step, "no free pages for the delta")
@@ -258,6 +279,8 @@ class SwitchController:
         manifest = action.manifest
         self._last_rows = rows
         for rank, pages in enumerate(manifest.discard):
+            alloc[rank].free(pages)
+        for rank, pages in enumerate(manifest.release):
             alloc[rank].free(pages)
         alloc.set_reserved(setup.reserved_pages(manifest.dst))
         mcfg = setup.model_cfg

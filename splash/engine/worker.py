@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -18,17 +18,18 @@ from splash import envs
 from splash.backends import get_backend
 from splash.backends.dtypes import torch_dtype
 from splash.core.ownership import get_layout, heads_held
-from splash.core.protocol import WORKER_PROTOCOL_VERSION, StepPlan, StepResult
+from splash.core.protocol import WORKER_PROTOCOL_VERSION, StepPlan, StepResult, TokenLogprobs
 from splash.dist.comm import Comm
 from splash.engine.graphs import DecodeGraphs
+from splash.engine.sampling import sample_step
 from splash.engine.worker_config import WorkerConfig
 from splash.kernels_triton import set_value_checks
 from splash.layouts.base import AttentionLayout, KVStore, StepMeta
 from splash.layouts.registry import make_layouts
 from splash.model.config import ModelConfig
+from splash.model.loader import CheckpointWeights
 from splash.model.mlp import MoE
 from splash.model.model import MLAModel
-from splash.model.sampler import sample
 from splash.switching.executor import PreCopy, SwitchExecutor
 
 
@@ -109,20 +110,38 @@ class Worker:
             table.extend(up.pages)
 
     @torch.inference_mode()
+    def load_weights(self, weights: Mapping[str, torch.Tensor], names: list[str]) -> None:
+        """Copy new values of ``names`` into the model in place (every placement it holds)."""
+        unused = self.model.load_weights(weights, names)
+        if unused:
+            raise ValueError(f"the model holds no tensor {unused[0]!r}")
+        self.backend.synchronize()
+
+    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
+        if plan.load_weights is not None:
+            weights = CheckpointWeights(plan.load_weights.path, self.model.cfg)
+            self.load_weights(weights, plan.load_weights.names)
+            return StepResult(version=WORKER_PROTOCOL_VERSION, step=plan.step, rank=self.cfg.rank,
+                              elapsed_ms=(time.perf_counter() - t0) * 1e3)
         self._apply_tables(plan)
         switch = self._switch(plan)
+        if switch is None:  # before anything writes into the copies (else layer by layer)
+            self.store.copy_pages(plan.page_copies)
         tokens: list[int] = []
+        logprobs: list[TokenLogprobs] = []
+        prompt_logprobs: list[list[TokenLogprobs]] = []
         self.graph_step = False
         if plan.input_ids:
-            tokens = self._forward(plan, switch)
+            tokens, logprobs, prompt_logprobs = self._forward(plan, switch)
         elif switch is not None:  # nothing to compute: complete every layer's transfer
             for layer in range(self.model.cfg.num_hidden_layers):
                 switch.before_layer(layer)
         self.backend.synchronize()
         return StepResult(
             version=WORKER_PROTOCOL_VERSION, step=plan.step, rank=self.cfg.rank, tokens=tokens,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             elapsed_ms=(time.perf_counter() - t0) * 1e3,
             switch_ms=switch.busy_ms if switch else 0.0, graph_replay=self.graph_step,
             kv_bytes_received=switch.kv_bytes if switch else 0,
@@ -156,13 +175,15 @@ class Worker:
     def _model_forward(self, ids: torch.Tensor, meta: StepMeta, impl: AttentionLayout,
                        switch: SwitchExecutor | None = None) -> torch.Tensor:
         def attn_fn(layer: int, attn, h: torch.Tensor) -> torch.Tensor:
-            if switch is not None:
+            if switch is not None:  # a copied page may have arrived with this layer's transfer
                 switch.before_layer(layer)
+                self.store.copy_pages(meta.plan.page_copies, range(layer, layer + 1))
             return impl.forward(layer, attn, h, meta)
 
         return self.model.forward(ids, meta.positions, attn_fn, self.comm.all_reduce)
 
-    def _forward(self, plan: StepPlan, switch: SwitchExecutor | None) -> list[int]:
+    def _forward(self, plan: StepPlan, switch: SwitchExecutor | None
+                 ) -> tuple[list[int], list[TokenLogprobs], list[list[TokenLogprobs]]]:
         impl = self.layouts[plan.layout]
         hidden = None
         if self.graphs is not None and (switch is None or not switch.plan.hooks_forward):
@@ -174,25 +195,8 @@ class Worker:
             ids = torch.tensor(plan.input_ids, dtype=torch.long, device=self.device)
             hidden = self._model_forward(ids, meta, impl, switch)
         if self.cfg.rank != 0:
-            return []
-        picks = [b for b, s in enumerate(plan.sample) if s]
-        if not picks:
-            return []
-        ends = np.cumsum(plan.query_lens)
-        rows = torch.tensor([int(ends[b]) - 1 for b in picks], device=self.device)
-        logits = self.model.compute_logits(hidden[rows])  # (n, V) fp32
-        sp = [plan.sampling[b] for b in picks]
-        if all(s.temperature <= 0 for s in sp):  # all greedy: no parameter tensors, no sync
-            return logits.argmax(dim=-1).tolist()
-        out = sample(
-            logits,
-            torch.tensor([s.temperature for s in sp]),
-            torch.tensor([s.top_p for s in sp]),
-            torch.tensor([s.top_k for s in sp]),
-            seeds=[s.seed for s in sp],
-            steps=[plan.output_index[b] for b in picks],
-        )
-        return out.tolist()
+            return [], [], []
+        return sample_step(self.model, hidden, plan)
 
     def shutdown(self) -> None:
         if self.cfg.world > 1 and dist.is_initialized():

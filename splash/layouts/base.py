@@ -20,7 +20,14 @@ import torch
 from splash.core.ownership import Layout, holds, local_kv_len, local_page_index
 from splash.core.protocol import StepPlan
 from splash.dist.comm import Comm
-from splash.kernels_triton import kv_write, mla_decode, mla_extend, mla_sparse
+from splash.kernels_triton import (
+    gather_rows,
+    kv_write,
+    mla_decode,
+    mla_extend,
+    mla_sparse,
+    scatter_rows,
+)
 
 
 class StepMeta:
@@ -162,6 +169,20 @@ class KVStore:
         pools = [self.caches[i], self.scales[i] if self.scales is not None else None,
                  self.index_caches[i], self.index_scales[i]]
         return [p for p in pools if p is not None]
+
+    def copy_pages(self, pairs: list[list[int]], layers: range | None = None) -> None:
+        """Copy whole pages of every slot pool (rows, fp8 scales, indexer keys; bit-exact) of
+        ``layers`` (default all): [src, dst] pairs, dst pages distinct (copy-on-write of pages
+        shared by several requests)."""
+        if not pairs:
+            return
+        device = self.caches[0].device
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=device)
+        for i in layers if layers is not None else range(len(self.caches)):
+            for pool in self.slot_pools(i):
+                pages = pool.view(pool.shape[0], -1).view(torch.uint8)  # (P, page bytes)
+                scatter_rows(pages, dst, gather_rows(pages, src))
 
 
 def store_rows(store: KVStore, layer: int, attn: Any, x: torch.Tensor, positions: torch.Tensor,

@@ -26,6 +26,37 @@ from splash.model.norm import LATENT_NORM_EPS, rms_norm
 from splash.model.rope import RotaryEmbedding
 
 PLACED_NAMES = ("q_b", "w_uk", "w_uv", "w_o")
+# HF names (under `self_attn.`) of the common state -> attribute
+_COMMON = {"kv_a_proj_with_mqa.weight": "kv_a_proj", "kv_a_layernorm.weight": "kv_a_layernorm",
+           "q_a_proj.weight": "q_a_proj", "q_a_layernorm.weight": "q_a_layernorm"}
+
+
+def _placed_sources(cfg: ModelConfig) -> tuple[str, ...]:
+    """HF names (under `self_attn.`) the placed tensors are cut from."""
+    q = "q_b_proj.weight" if cfg.q_lora_rank is not None else "q_proj.weight"
+    return (q, "kv_b_proj.weight", "o_proj.weight")
+
+
+def _head_slice(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], name: str, hs: int,
+                he: int) -> torch.Tensor:
+    """Heads [hs, he) of HF tensor ``name``: rows of the head-major projections, columns of
+    o_proj."""
+    if name.endswith("o_proj.weight"):
+        return take(weights, name, 1, hs * cfg.v_head_dim, he * cfg.v_head_dim)  # (hidden, h*v)
+    per = cfg.qk_nope_head_dim + (cfg.v_head_dim if name.endswith("kv_b_proj.weight")
+                                  else cfg.qk_rope_head_dim)
+    return take(weights, name, 0, hs * per, he * per)
+
+
+def _place(cfg: ModelConfig, name: str, t: torch.Tensor, h: int) -> dict[str, torch.Tensor]:
+    """Placed tensors of ``h`` heads from their slice ``t`` of HF tensor ``name``."""
+    nope, L = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    if name.endswith("o_proj.weight"):
+        return {"w_o": t.t().reshape(h, cfg.v_head_dim, cfg.hidden_size).contiguous()}
+    if name.endswith("kv_b_proj.weight"):
+        kv_b = t.view(h, nope + cfg.v_head_dim, L)
+        return {"w_uk": kv_b[:, :nope].contiguous(), "w_uv": kv_b[:, nope:].contiguous()}
+    return {"q_b": t.view(h, nope + cfg.qk_rope_head_dim, cfg.q_in_dim)}
 
 
 class MLAAttention:
@@ -75,36 +106,42 @@ class MLAAttention:
         if not (0 <= head_start and h > 0 and head_start + h <= H):
             raise ConfigError(f"head range [{head_start}, {head_start + h}) outside [0, {H})")
         p = f"model.layers.{layer_idx}.self_attn." if prefix is None else prefix
-        nope, R, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        L, hs, he = cfg.kv_lora_rank, head_start, head_start + h
+        hs, he = head_start, head_start + h
 
         def prep(t: torch.Tensor) -> torch.Tensor:
             return t.to(device=device, dtype=dtype or t.dtype).contiguous()
 
-        def get(name: str, dim: int | None = None, a: int = 0, b: int | None = None) -> torch.Tensor:
-            return prep(take(weights, p + name, dim, a, b))
-
-        common = {"kv_a_proj_with_mqa": get("kv_a_proj_with_mqa.weight"),
-                  "kv_a_layernorm": get("kv_a_layernorm.weight")}
-        if cfg.q_lora_rank is not None:
-            common["q_a_proj"] = get("q_a_proj.weight")
-            common["q_a_layernorm"] = get("q_a_layernorm.weight")
-            q_b = get("q_b_proj.weight", 0, hs * (nope + R), he * (nope + R))
-        else:
-            q_b = get("q_proj.weight", 0, hs * (nope + R), he * (nope + R))
-        kv_b = get("kv_b_proj.weight", 0, hs * (nope + v), he * (nope + v)).view(h, nope + v, L)
-        w_o = get("o_proj.weight", 1, hs * v, he * v)  # (hidden, h*v)
-        placed = {
-            "q_b": q_b.view(h, nope + R, cfg.q_in_dim),
-            "w_uk": kv_b[:, :nope].contiguous(),  # (h, nope, L)
-            "w_uv": kv_b[:, nope:].contiguous(),  # (h, v, L)
-            "w_o": w_o.t().reshape(h, v, cfg.hidden_size).contiguous(),  # (h, v, hidden)
-        }
+        common = {name.removesuffix(".weight"): prep(take(weights, p + name)) for name in _COMMON
+                  if cfg.q_lora_rank is not None or not name.startswith("q_a")}
+        placed: dict[str, torch.Tensor] = {}
+        for name in _placed_sources(cfg):
+            placed.update(_place(cfg, name, prep(_head_slice(cfg, weights, p + name, hs, he)),
+                                 h))
         indexer = None
         if cfg.has_indexer(layer_idx):
             index_rope = RotaryEmbedding(cfg, device, interleave=cfg.index_rope_interleave)
             indexer = Indexer.from_weights(cfg, weights, p + "indexer.", index_rope, dtype, device)
         return cls(cfg, common, head_start, placed, rope or RotaryEmbedding(cfg, device), indexer)
+
+    def load_weight(self, weights: Mapping[str, torch.Tensor], name: str, prefix: str) -> bool:
+        """Copy the new value of HF tensor ``prefix + name`` into the state it feeds, in place
+        (every head range held: each placement's slice). False: not an attention tensor."""
+        if name in _COMMON:
+            t = getattr(self, _COMMON[name])
+            if t is None:
+                return False
+            t.copy_(take(weights, prefix + name))
+            return True
+        if name.startswith("indexer."):
+            return self.indexer is not None and self.indexer.load_weight(
+                weights, name.removeprefix("indexer."), prefix + "indexer.")
+        if name not in _placed_sources(self.cfg):
+            return False
+        for (hs, h), buf in self._buffers.items():
+            for key, t in _place(self.cfg, name, _head_slice(self.cfg, weights, prefix + name,
+                                                               hs, hs + h), h).items():
+                buf[key].copy_(t)
+        return True
 
     # --- placement -----------------------------------------------------------------------
     def placed_weights(self) -> dict[str, torch.Tensor]:

@@ -64,6 +64,15 @@ class Indexer:
                          "k_norm_weight": get("k_norm.weight"), "k_norm_bias": get("k_norm.bias"),
                          "weights_proj": get("weights_proj.weight", keep_fp32=True)}, rope)
 
+    def load_weight(self, weights: Mapping[str, torch.Tensor], name: str, prefix: str) -> bool:
+        """Copy the new value of HF tensor ``prefix + name`` in place (replicated tensors)."""
+        attr = {"wq_b.weight": "wq_b", "wk.weight": "wk", "k_norm.weight": "k_norm_weight",
+                "k_norm.bias": "k_norm_bias", "weights_proj.weight": "weights_proj"}.get(name)
+        if attr is None:
+            return False
+        getattr(self, attr).copy_(take(weights, prefix + name))
+        return True
+
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         R = self.rope_dim
         return torch.cat((self.rope(x[..., :R], positions), x[..., R:]), dim=-1)

@@ -120,6 +120,46 @@ class CheckpointWeights(Mapping[str, torch.Tensor]):
         return t.to(self.device).contiguous()
 
 
+def checkpoint_shapes(path: str | Path, cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]],
+                                                                    set[str]]:
+    """(shape of every tensor the model is built from, every tensor name) of a checkpoint
+    directory, read from the safetensors headers alone."""
+    weights = CheckpointWeights(path, cfg)
+    shapes = {n: tuple(weights._handle(n).get_slice(n).get_shape()) for n in weights}
+    return shapes, set(weights._file_of)
+
+
+_EXPERT_NAME = re.compile(r"(.*\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight")
+_FUSED_NAME = re.compile(r"(.*\.mlp\.experts\.)(gate_up|down)_proj")
+
+
+def with_expert_aliases(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Shapes under both namings of routed experts the loader reads: per expert
+    (``experts.{e}.gate_proj.weight``, as checkpoints store them) and fused
+    (``experts.gate_up_proj`` (E, 2I, hidden), ``experts.down_proj`` (E, hidden, I), as
+    transformers' modules hold them)."""
+    out = dict(shapes)
+    experts: dict[str, dict[str, tuple[int, ...]]] = {}
+    counts: dict[str, int] = {}
+    for name, shape in shapes.items():
+        if (m := _EXPERT_NAME.fullmatch(name)) is not None:
+            experts.setdefault(m.group(1), {})[m.group(3)] = shape
+            counts[m.group(1)] = max(counts.get(m.group(1), 0), int(m.group(2)) + 1)
+        elif (m := _FUSED_NAME.fullmatch(name)) is not None:
+            num, rows, cols = shape
+            for e in range(num):
+                if m.group(2) == "down":
+                    out[f"{m.group(1)}{e}.down_proj.weight"] = (rows, cols)
+                else:
+                    out[f"{m.group(1)}{e}.gate_proj.weight"] = (rows // 2, cols)
+                    out[f"{m.group(1)}{e}.up_proj.weight"] = (rows // 2, cols)
+    for prefix, proj in experts.items():
+        if "gate" in proj and "down" in proj:
+            out[prefix + "gate_up_proj"] = (counts[prefix], 2 * proj["gate"][0], proj["gate"][1])
+            out[prefix + "down_proj"] = (counts[prefix], *proj["down"])
+    return out
+
+
 def take(weights: Mapping[str, torch.Tensor], name: str, dim: int | None = None, start: int = 0,
          end: int | None = None) -> torch.Tensor:
     """weights[name], or its [start:end) slice along dim; a missing name is a ConfigError."""

@@ -8,6 +8,7 @@ all-reduce) gives the full output. The router runs replicated, in fp32, on every
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 import torch
@@ -16,6 +17,8 @@ import torch.nn.functional as F
 from splash.kernels_triton import fused_moe
 from splash.model.config import ModelConfig
 from splash.model.loader import take
+
+_EXPERT = re.compile(r"experts\.(\d+)\.(gate|up|down)_proj\.weight")
 
 
 def shard_range(n: int, rank: int, world: int) -> tuple[int, int]:
@@ -34,10 +37,12 @@ def _prep(t: torch.Tensor, dtype: torch.dtype | None, device: torch.device | str
 class DenseMLP:
     """down(silu(gate(x)) * up(x)) over this rank's intermediate slice; returns a partial sum."""
 
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                 shard: tuple[int, int] | None = None) -> None:
         self.size = gate.shape[0]
         self.gate_up = torch.cat((gate, up), dim=0)  # (2i, hidden)
         self.down = down  # (hidden, i)
+        self.shard = shard or (0, self.size)  # [start, end) of the intermediate dim held
 
     @classmethod
     def from_weights(cls, weights: Mapping[str, torch.Tensor], prefix: str, intermediate: int,
@@ -46,7 +51,20 @@ class DenseMLP:
         s, e = shard_range(intermediate, rank, world)
         return cls(_prep(take(weights, prefix + "gate_proj.weight", 0, s, e), dtype, device),
                    _prep(take(weights, prefix + "up_proj.weight", 0, s, e), dtype, device),
-                   _prep(take(weights, prefix + "down_proj.weight", 1, s, e), dtype, device))
+                   _prep(take(weights, prefix + "down_proj.weight", 1, s, e), dtype, device),
+                   (s, e))
+
+    def load_weight(self, weights: Mapping[str, torch.Tensor], name: str, prefix: str) -> bool:
+        """Copy the new value of HF tensor ``prefix + name`` into this rank's slice, in place."""
+        s, e = self.shard
+        if name == "down_proj.weight":
+            self.down.copy_(take(weights, prefix + name, 1, s, e))
+        elif name in ("gate_proj.weight", "up_proj.weight"):
+            half = slice(0, self.size) if name.startswith("gate") else slice(self.size, None)
+            self.gate_up[half].copy_(take(weights, prefix + name, 0, s, e))
+        else:
+            return False
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = x @ self.gate_up.t()  # (N, 2i)
@@ -107,7 +125,8 @@ class MoE:
     """
 
     def __init__(self, cfg: ModelConfig, router: torch.Tensor, bias: torch.Tensor | None,
-                 w13: torch.Tensor, w2: torch.Tensor, shared: DenseMLP | None) -> None:
+                 w13: torch.Tensor, w2: torch.Tensor, shared: DenseMLP | None,
+                 shard: tuple[int, int] | None = None) -> None:
         self.cfg = cfg
         self.router = router.float()  # (E, hidden)
         self.bias = None if bias is None else bias.float()  # (E,)
@@ -115,6 +134,7 @@ class MoE:
         self.w2 = w2  # (E, hidden, i)
         self.size = w2.shape[2]
         self.shared = shared
+        self.shard = shard or (0, self.size)  # [start, end) of each expert's intermediate dim
         self.kernel_config: dict | None = None
 
     @classmethod
@@ -144,7 +164,37 @@ class MoE:
             shared = DenseMLP.from_weights(weights, prefix + "shared_experts.",
                                            size * cfg.n_shared_experts, rank, world, dtype, device)
         router = take(weights, prefix + "gate.weight").to(device)
-        return cls(cfg, router, bias, _prep(w13, dtype, device), _prep(w2, dtype, device), shared)
+        return cls(cfg, router, bias, _prep(w13, dtype, device), _prep(w2, dtype, device), shared,
+                   (s, e))
+
+    def load_weight(self, weights: Mapping[str, torch.Tensor], name: str, prefix: str) -> bool:
+        """Copy the new value of HF tensor ``prefix + name`` into this rank's slice, in place."""
+        s, e = self.shard
+        size, full = self.size, self.cfg.moe_intermediate_size
+        if name == "gate.weight":
+            self.router.copy_(take(weights, prefix + name))
+        elif name == "gate.e_score_correction_bias" and self.bias is not None:
+            self.bias.copy_(take(weights, prefix + name))
+        elif name.startswith("shared_experts.") and self.shared is not None:
+            return self.shared.load_weight(weights, name.removeprefix("shared_experts."),
+                                           prefix + "shared_experts.")
+        elif name == "experts.gate_up_proj":
+            gu = take(weights, prefix + name)  # (E, 2I, hidden)
+            self.w13.copy_(torch.cat((gu[:, s:e], gu[:, full + s:full + e]), dim=1))
+        elif name == "experts.down_proj":
+            self.w2.copy_(take(weights, prefix + name)[:, :, s:e])
+        elif (m := _EXPERT.fullmatch(name)) is not None:
+            x, proj = int(m.group(1)), m.group(2)
+            t = take(weights, prefix + name, 1 if proj == "down" else 0, s, e)
+            if proj == "down":
+                self.w2[x].copy_(t)
+            elif proj == "gate":
+                self.w13[x, :size].copy_(t)
+            else:
+                self.w13[x, size:].copy_(t)
+        else:
+            return False
+        return True
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (N, hidden) -> (weights (N, k) fp32, ids (N, k)); identical on every rank."""

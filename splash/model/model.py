@@ -9,7 +9,8 @@ non-paged `attn_fn` for tests and references.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from splash.model.mlp import DenseMLP, MoE
 from splash.model.norm import rms_norm
 from splash.model.rope import RotaryEmbedding
 
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 AttnFn = Callable[[int, MLAAttention, torch.Tensor], torch.Tensor]
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -57,10 +59,8 @@ class MLAModel:
             return take(weights, name).to(device=device, dtype=dtype).contiguous()
 
         self.embed_tokens = get("model.embed_tokens.weight")  # (V, hidden)
-        if "lm_head.weight" in weights or not cfg.tie_word_embeddings:
-            self.lm_head = get("lm_head.weight")  # (V, hidden)
-        else:
-            self.lm_head = self.embed_tokens
+        self.tied = "lm_head.weight" not in weights and cfg.tie_word_embeddings
+        self.lm_head = self.embed_tokens if self.tied else get("lm_head.weight")  # (V, hidden)
         self.norm = get("model.norm.weight")
         self.rope = RotaryEmbedding(cfg, device)
         self.layers: list[DecoderLayer] = []
@@ -104,6 +104,38 @@ class MLAModel:
         return rms_norm(h, self.norm, eps)
 
     __call__ = forward
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor], names: Iterable[str]) -> list[str]:
+        """Copy new values of the HF tensors ``names`` (read from ``weights``) into this rank's
+        tensors in place, sliced and placed as they are held now: the addresses never change,
+        so captured CUDA graphs stay valid. Returns the names this model does not hold."""
+        unused = []
+        for name in names:
+            if not self._load_one(weights, name):
+                unused.append(name)
+        return unused
+
+    def _load_one(self, weights: Mapping[str, torch.Tensor], name: str) -> bool:
+        top = {"model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.norm}
+        if not self.tied:
+            top["lm_head.weight"] = self.lm_head
+        if name in top:
+            top[name].copy_(take(weights, name))
+            return True
+        m = _LAYER.fullmatch(name)
+        if m is None or int(m.group(1)) >= len(self.layers):
+            return False
+        layer, rest = self.layers[int(m.group(1))], m.group(2)
+        prefix = name[: len(name) - len(rest)]
+        if rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            getattr(layer, rest.removesuffix(".weight")).copy_(take(weights, name))
+            return True
+        if rest.startswith("self_attn."):
+            return layer.self_attn.load_weight(weights, rest.removeprefix("self_attn."),
+                                               prefix + "self_attn.")
+        if rest.startswith("mlp."):
+            return layer.mlp.load_weight(weights, rest.removeprefix("mlp."), prefix + "mlp.")
+        return False
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (n, hidden) final-normed rows -> (n, vocab) fp32 logits."""

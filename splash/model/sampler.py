@@ -72,3 +72,13 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     # A zero draw would make filtered tokens 0/0 = nan; keep noise strictly positive.
     out[rand_rows] = (probs / noise.clamp_(min=1e-20)).argmax(dim=-1)
     return out
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                   k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-softmax of logits (n, V) in fp32 at ``tokens`` (n,) and its top-k per row ->
+    (logprob (n,), top ids (n, k), top logprobs (n, k))."""
+    logp = logits.float().log_softmax(dim=-1)  # (n, V)
+    chosen = logp.gather(1, tokens.long()[:, None])[:, 0]
+    top_lp, top_ids = logp.topk(k, dim=-1, sorted=True)
+    return chosen, top_ids, top_lp

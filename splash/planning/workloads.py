@@ -4,6 +4,11 @@ Every generator returns a list of `TraceRequest` sorted by arrival, identical fo
 arguments. Lengths are tokens, arrivals seconds from the start of the run.
 
     python benchmarks/workloads.py rollout --n 256 --seed 0     # summary statistics
+
+Sharing, for prefix caching: ``prefix_group`` marks requests that continue one history (an
+agent session: each turn resends the whole context so far, the previous turns' outputs
+included), ``common_prefix_len`` the leading prompt tokens every request of a trace shares
+(a system prompt or few-shot template), and ``n`` the samples drawn per prompt (GRPO's group).
 """
 
 from __future__ import annotations
@@ -30,10 +35,15 @@ class TraceRequest:
     output_len: int
     arrival_s: float = 0.0
     prefix_group: int | None = None  # requests of one group share a prompt prefix
+    n: int = 1  # samples per prompt (GRPO's group size)
+    common_prefix_len: int = 0  # leading prompt tokens shared by every request of the trace
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.output_len < 1:
             raise TraceError(f"prompt_len and output_len must be >= 1, got {self}")
+        if self.n < 1 or not 0 <= self.common_prefix_len <= self.prompt_len:
+            raise TraceError(f"n must be >= 1 and common_prefix_len in [0, prompt_len], "
+                             f"got {self}")
         if not math.isfinite(self.arrival_s) or self.arrival_s < 0:
             raise TraceError(f"arrival_s must be a finite number >= 0, got {self.arrival_s}")
 
@@ -56,6 +66,20 @@ def rollout(n: int = 256, seed: int = 0, prompt_median: int = 1024, output_media
     prompts = _lognormal(rng, prompt_median, 0.5, n, 64, max_prompt)
     outputs = _lognormal(rng, output_median, output_sigma, n, 16, max_output)
     return [TraceRequest(int(p), int(o), 0.0) for p, o in zip(prompts, outputs)]
+
+
+def grpo(prompts: int = 64, n: int = 8, seed: int = 0, template_len: int = 512,
+         question_median: int = 256, output_median: int = 2048, output_sigma: float = 0.8,
+         max_question: int = 4096, max_output: int = 16384) -> list[TraceRequest]:
+    """A GRPO rollout round: ``prompts`` prompts of ``n`` samples each, all at 0; every prompt
+    is a shared template (``template_len`` tokens: instructions, few-shot examples) followed by
+    its own question; long, heavy-tailed outputs (one length per prompt)."""
+    rng = np.random.default_rng(seed)
+    questions = _lognormal(rng, question_median, 0.6, prompts, 8, max_question)
+    outputs = _lognormal(rng, output_median, output_sigma, prompts, 16, max_output)
+    return [TraceRequest(template_len + int(q), int(o), 0.0, prefix_group=i, n=n,
+                         common_prefix_len=template_len)
+            for i, (q, o) in enumerate(zip(questions, outputs))]
 
 
 def agentic(sessions: int = 16, turns: int = 6, seed: int = 0, prefix_len: int = 32768,
@@ -99,7 +123,8 @@ def stationary(n: int = 256, prompt_len: int = 4096, output_len: int = 512,
 
 def load_jsonl(path: str | Path) -> list[TraceRequest]:
     """One JSON object per line with ``prompt_len``, ``output_len``, ``arrival_s`` (optional,
-    default 0) and optional ``prefix_group``; blank lines and ``#`` comments are skipped."""
+    default 0) and optional ``prefix_group``, ``n``, ``common_prefix_len``; blank lines and
+    ``#`` comments are skipped."""
     reqs = []
     path = Path(path)
     if not path.is_file():
@@ -124,7 +149,8 @@ def load_jsonl(path: str | Path) -> list[TraceRequest]:
             group = obj.get("prefix_group")
             reqs.append(TraceRequest(vals["prompt_len"], vals["output_len"],
                                      float(obj.get("arrival_s", 0.0)),
-                                     None if group is None else int(group)))
+                                     None if group is None else int(group),
+                                     int(obj.get("n", 1)), int(obj.get("common_prefix_len", 0))))
         except (TraceError, TypeError, ValueError) as e:
             raise TraceError(f"{where}: {e}") from None
     if not reqs:
@@ -140,12 +166,17 @@ def scaled(trace: Sequence[TraceRequest], max_prompt: int,
         raise TraceError("max_prompt and max_output must be >= 1")
     fp = min(1.0, max_prompt / max(r.prompt_len for r in trace))
     fo = min(1.0, max_output / max(r.output_len for r in trace))
-    return [replace(r, prompt_len=max(1, round(r.prompt_len * fp)),
-                    output_len=max(1, round(r.output_len * fo))) for r in trace]
+    out = []
+    for r in trace:
+        prompt = max(1, round(r.prompt_len * fp))
+        out.append(replace(r, prompt_len=prompt, output_len=max(1, round(r.output_len * fo)),
+                           common_prefix_len=min(round(r.common_prefix_len * fp), prompt)))
+    return out
 
 
 GENERATORS: dict[str, Callable[..., list[TraceRequest]]] = {
-    "rollout": rollout, "agentic": agentic, "chat": chat, "stationary": stationary}
+    "rollout": rollout, "agentic": agentic, "chat": chat, "stationary": stationary,
+    "grpo": grpo}
 
 
 def get_trace(name: str, seed: int = 0, n: int | None = None) -> list[TraceRequest]:
@@ -156,7 +187,7 @@ def get_trace(name: str, seed: int = 0, n: int | None = None) -> list[TraceReque
         raise TraceError(f"unknown trace {name!r}; choose from {sorted(GENERATORS)} or a .jsonl")
     if n is None:
         return GENERATORS[name](seed=seed)
-    key = "sessions" if name == "agentic" else "n"
+    key = {"agentic": "sessions", "grpo": "prompts"}.get(name, "n")
     return GENERATORS[name](seed=seed, **{key: n})
 
 
@@ -169,7 +200,8 @@ def summary(trace: Sequence[TraceRequest]) -> dict:
         return {"p50": float(np.percentile(x, 50)), "p99": float(np.percentile(x, 99)),
                 "max": int(x.max()), "mean": round(float(x.mean()), 1)}
 
-    return {"requests": len(trace), "prompt": stats(p), "output": stats(o),
+    return {"requests": len(trace), "samples": sum(r.n for r in trace),
+            "prompt": stats(p), "output": stats(o),
             "total_tokens": int(p.sum() + o.sum()), "span_s": round(float(a.max() - a.min()), 2),
             "prefix_groups": len({r.prefix_group for r in trace} - {None})}
 

@@ -24,6 +24,7 @@ from splash.client import Client
 from splash.detokenize import IncrementalDetokenizer
 from splash.errors import NO_TOKENIZER, InvalidRequestError, SplashError
 from splash.logging_utils import get_logger
+from splash.outputs import CompletionOutput, Logprobs
 from splash.sampling_params import SamplingParams
 from splash.server import protocol as P
 from splash.server.metrics import CONTENT_TYPE, render_metrics
@@ -33,11 +34,11 @@ logger = get_logger(__name__)
 _STATUS = {"invalid_request": 400, "config": 400, "layout_infeasible": 400, "protocol": 400,
            "unauthorized": 401, "not_found": 404, "worker_died": 503, "timeout": 504}
 _PARAM_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids",
-               "ignore_eos")
+               "ignore_eos", "stop", "min_tokens", "n", "prompt_logprobs")
 # OpenAI parameters the engine does not implement: a request setting one to anything but its
 # neutral value gets a 400 instead of being silently ignored
-_UNSUPPORTED = ("stop", "logprobs", "top_logprobs", "echo", "best_of", "logit_bias",
-                "presence_penalty", "frequency_penalty", "suffix")
+_UNSUPPORTED = ("echo", "best_of", "logit_bias", "presence_penalty", "frequency_penalty",
+                "suffix")
 _NEUTRAL: tuple[Any, ...] = (None, False, 0, "", [], {})
 
 
@@ -126,34 +127,49 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _complete(self, chat: bool) -> None:
         body = self._read_json()
-        if body.get("n", 1) != 1:
-            raise InvalidRequestError("only n=1 is supported")
         unsupported = [k for k in _UNSUPPORTED
                        if k in body and not any(body[k] is v or body[k] == v for v in _NEUTRAL)]
         if unsupported:
-            hint = "; `stop_token_ids` stops on token ids" if "stop" in unsupported else ""
             raise InvalidRequestError(
                 f"{', '.join(unsupported)} {'is' if len(unsupported) == 1 else 'are'} not "
-                f"supported yet{hint}")
+                "supported yet")
         prompt_ids = self._chat_prompt(body) if chat else self._text_prompt(body.get("prompt"))
         params = {k: body[k] for k in _PARAM_KEYS if body.get(k) is not None}
+        k = _logprobs_k(body, chat)
+        if k is not None:
+            params["logprobs"] = k
         sampling = P.parse_params(params)
+        if body.get("stream") and sampling.n > 1:
+            raise InvalidRequestError("streaming n > 1 samples is not supported; send "
+                                      "\"stream\": false")
         created, kind = int(time.time()), "chat.completion" if chat else "text_completion"
         with self.server.client() as c:
             if not body.get("stream"):
                 out = c.generate(prompt_ids, sampling)
-                choice = self._choice(chat, out.token_ids, out.finish_reason, final=True)
-                self._json(200, {"id": f"cmpl-{out.request_id}", "object": kind,
-                                 "created": created, "model": self.server.model_name,
-                                 "choices": [choice], "usage": {
-                                     "prompt_tokens": len(prompt_ids),
-                                     "completion_tokens": len(out.token_ids),
-                                     "total_tokens": len(prompt_ids) + len(out.token_ids)}})
+                samples = out.outputs or [CompletionOutput(  # an engine reporting one sample
+                    0, out.token_ids, finish_reason=out.finish_reason, text=out.text,
+                    stop_reason=out.stop_reason, logprobs=out.logprobs)]
+                choices = [self._choice(chat, o.token_ids, o.finish_reason, final=True,
+                                        text=self._final_text(o.token_ids, o.text, o.stop_reason),
+                                        logprobs=o.logprobs, index=o.index)
+                           for o in samples]
+                completion = sum(len(o.token_ids) for o in samples)
+                reply = {"id": f"cmpl-{out.request_id}", "object": kind, "created": created,
+                         "model": self.server.model_name, "choices": choices, "usage": {
+                             "prompt_tokens": len(prompt_ids), "completion_tokens": completion,
+                             "total_tokens": len(prompt_ids) + completion}}
+                if out.prompt_logprobs is not None:  # vLLM's extension
+                    reply["prompt_logprobs"] = [None if d is None else {str(t): v for t, v in
+                                                                        d.items()}
+                                                for d in out.prompt_logprobs]
+                self._json(200, reply)
                 return
             self._stream(c, prompt_ids, sampling, chat, created, kind + ("" if not chat else ".chunk"))
 
     def _stream(self, c: Client, prompt_ids: list[int], sampling: SamplingParams, chat: bool,
                 created: int, kind: str) -> None:
+        # text that could still turn out to begin a stop string is held back (it is cut off)
+        hold = max((len(s) for s in sampling.stop or []), default=1) - 1
         with c.stream(prompt_ids, sampling) as stream:
             first = next(stream, None)  # errors before the first token still get a JSON status
             self.send_response(200)
@@ -162,18 +178,30 @@ class _Handler(BaseHTTPRequestHandler):
             self.end_headers()
             tok = self.server.tokenizer
             detok = None if tok is None else IncrementalDetokenizer(tok, prompt_ids)
+            num_tokens, text, sent = 0, "", 0
             deltas = [] if first is None else [first]
             head = {"id": f"cmpl-{stream.request_id}", "object": kind, "created": created,
                     "model": self.server.model_name}
             try:
                 for delta in _chain(deltas, stream):
-                    text = "" if detok is None else detok.push(delta)
-                    choice = self._choice(chat, delta, None, final=False, text=text)
+                    logprobs = stream.logprobs[num_tokens:num_tokens + len(delta)]
+                    num_tokens += len(delta)
+                    text += "" if detok is None else detok.push(delta)
+                    # the last tokens (output set) wait for the final text, cut at its stop
+                    upto = max(len(text) - hold, sent) if stream.output is None else sent
+                    choice = self._choice(chat, delta, None, final=False, text=text[sent:upto],
+                                          logprobs=logprobs if sampling.logprobs is not None
+                                          else None)
+                    sent = upto
                     self._sse({**head, "choices": [choice]})
-                reason = stream.output.finish_reason if stream.output else None
-                text = "" if detok is None else detok.finish()
+                out = stream.output
+                if out is not None and isinstance(out.stop_reason, str) and out.text is not None:
+                    text = out.text  # cut before the stop string
+                elif detok is not None:
+                    text += detok.finish()
+                reason = out.finish_reason if out else None
                 self._sse({**head, "choices": [self._choice(chat, [], reason, final=False,
-                                                             text=text)]})
+                                                             text=text[sent:])]})
             except SplashError as e:  # headers are out: report in-band
                 self._sse({"error": {"message": str(e), "code": P.error_code(e)}})
             self.wfile.write(b"data: [DONE]\n\n")
@@ -212,15 +240,37 @@ class _Handler(BaseHTTPRequestHandler):
         tok = self.server.tokenizer
         return "" if tok is None or not ids else tok.decode(ids, skip_special_tokens=True)
 
+    def _final_text(self, ids: list[int], text: str | None, stop_reason: object) -> str:
+        """The whole text of a finished sample: the engine's, cut before its stop string."""
+        return text if isinstance(stop_reason, str) and text is not None else self._decode(ids)
+
+    def _token_text(self, token: int) -> str:
+        return self._decode([token]) if self.server.tokenizer is not None else f"token_id:{token}"
+
     def _choice(self, chat: bool, ids: list[int], reason: str | None, final: bool,
-                text: str | None = None) -> dict[str, Any]:
+                text: str | None = None, logprobs: list[Logprobs] | None = None,
+                index: int = 0) -> dict[str, Any]:
         text = self._decode(ids) if text is None else text
+        lp = None if logprobs is None else self._logprobs(chat, ids, logprobs)
         if chat:
             body = {"role": "assistant", "content": text}
-            return {"index": 0, ("message" if final else "delta"): body, "token_ids": ids,
-                    "finish_reason": reason}
-        return {"index": 0, "text": text, "token_ids": ids, "logprobs": None,
+            return {"index": index, ("message" if final else "delta"): body, "token_ids": ids,
+                    "logprobs": lp, "finish_reason": reason}
+        return {"index": index, "text": text, "token_ids": ids, "logprobs": lp,
                 "finish_reason": reason}
+
+    def _logprobs(self, chat: bool, ids: list[int], logprobs: list[Logprobs]) -> dict[str, Any]:
+        """OpenAI's logprobs object: per token its logprob and the top alternatives (the
+        chosen token first in each mapping, then the top-k)."""
+        name = self._token_text
+        if chat:
+            return {"content": [{"token": name(t), "logprob": d[t], "top_logprobs": [
+                {"token": name(a), "logprob": v} for a, v in _top(d, t)]}
+                for t, d in zip(ids, logprobs)]}
+        return {"tokens": [name(t) for t in ids],
+                "token_logprobs": [d[t] for t, d in zip(ids, logprobs)],
+                "top_logprobs": [dict((name(a), v) for a, v in _top(d, t))
+                                 for t, d in zip(ids, logprobs)]}
 
     def _read_json(self) -> dict[str, Any]:
         length = int(self.headers.get("Content-Length") or 0)
@@ -253,6 +303,33 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+
+
+def _top(d: Logprobs, chosen: int) -> list[tuple[int, float]]:
+    """The top-k of a position's mapping (chosen token first, then the top-k): the chosen
+    token counts only when it is one of them."""
+    rest = list(d.items())[1:]
+    if rest and d[chosen] < min(v for _, v in rest):
+        return rest
+    return sorted(d.items(), key=lambda kv: -kv[1])
+
+
+def _logprobs_k(body: dict[str, Any], chat: bool) -> int | None:
+    """Top-k logprobs asked for: completions' integer ``logprobs``; chat's ``logprobs: true``
+    with ``top_logprobs`` (default 0)."""
+    if not chat:
+        k = body.get("logprobs")
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int)):
+            raise InvalidRequestError("`logprobs` must be an integer (top-k) for completions")
+        return k
+    if not body.get("logprobs"):
+        if body.get("top_logprobs"):
+            raise InvalidRequestError("`top_logprobs` needs `logprobs: true`")
+        return None
+    k = body.get("top_logprobs") or 0
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise InvalidRequestError("`top_logprobs` must be an integer")
+    return k
 
 
 def _chain(first: list[list[int]], rest: Any) -> Any:

@@ -78,6 +78,12 @@ def render_metrics(stats: dict[str, Any]) -> str:
              [({}, stats.get("tokens_per_s"))])
     w.family("step_time_ms", "gauge", "engine step time, exponential moving average",
              [({}, stats.get("step_time_ms_ema"))])
+    for key, help_text in [
+        ("prefix_cache_hit_tokens", "prompt tokens served from the prefix cache"),
+        ("prefix_cache_queried_tokens", "prompt tokens looked up in the prefix cache"),
+        ("prompt_tokens_computed", "prompt tokens whose KV was computed (prefill work)"),
+    ]:
+        w.family(f"{key}_total", "counter", help_text, [({}, stats.get(key))])
     server = stats.get("server") or {}
     for key, help_text in [
         ("requests_total", "generate requests accepted"),

@@ -7,7 +7,7 @@ every reply; for ``generate`` it is also the engine's request id). Decoding is s
 fields, wrong types and frames over the size limit are ProtocolErrors, answered with an
 ``error`` reply and never fatal to the server.
 
-Requests: generate, abort, stats, switch_layout, health, keepalive.
+Requests: generate, abort, stats, switch_layout, health, keepalive, update_weights.
 Replies:  delta (stream tokens), final (RequestOutput), stats, ok, health, alive, error.
 """
 
@@ -28,7 +28,7 @@ from splash.errors import (
     SplashError,
     WorkerDiedError,
 )
-from splash.outputs import RequestOutput
+from splash.outputs import Logprobs, RequestOutput
 from splash.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
@@ -67,13 +67,19 @@ class Health(Request, tag="health"):
     pass
 
 
+class UpdateWeights(Request, tag="update_weights"):
+    """Load a checkpoint directory's weights in place (same architecture), between rounds."""
+
+    path: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]  # on the server's host
+
+
 class KeepAlive(Request, tag="keepalive"):
     """Lease renewal: the client still waits on these generate ids (sent about once a second)."""
 
     request_ids: Annotated[list[RequestId], msgspec.Meta(max_length=65536)]
 
 
-AnyRequest = Generate | Abort | Stats | SwitchLayout | Health | KeepAlive
+AnyRequest = Generate | Abort | Stats | SwitchLayout | Health | KeepAlive | UpdateWeights
 
 
 # ----------------------------------------------------------------------------- replies
@@ -83,7 +89,8 @@ class Reply(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, kw_onl
 
 
 class Delta(Reply, tag="delta"):
-    token_ids: list[int]  # tokens produced by one engine step
+    token_ids: list[int]  # tokens produced by one engine step (sample 0 when n > 1)
+    logprobs: list[Logprobs] | None = None  # theirs, when the request asked for logprobs
 
 
 class Final(Reply, tag="final"):

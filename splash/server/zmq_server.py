@@ -170,7 +170,9 @@ class ZmqServer:
             self._counters.requests_finished += 1
             self._send(lease.identity, P.Final(id=out.request_id, output=out))
         elif lease.stream and out.new_token_ids:
-            self._send(lease.identity, P.Delta(id=out.request_id, token_ids=out.new_token_ids))
+            lps = None if out.logprobs is None else out.logprobs[-len(out.new_token_ids):]
+            self._send(lease.identity, P.Delta(id=out.request_id, token_ids=out.new_token_ids,
+                                               logprobs=lps))
 
     def _fail_all(self, reason: str) -> None:
         logger.error("%s; failing %d in-flight requests and exiting", reason, len(self._leases))
@@ -242,6 +244,10 @@ class ZmqServer:
         if isinstance(msg, P.SwitchLayout):
             self.engine.switch_layout(msg.layout)
             return P.Ok(id=msg.id, detail=f"switch to {msg.layout} requested")
+        if isinstance(msg, P.UpdateWeights):  # refused while requests are in flight
+            info = self.engine.update_weights(msg.path)
+            return P.Ok(id=msg.id, detail=f"weights updated from {msg.path} ({info['tensors']} "
+                        f"tensors, version {info['weight_version']})")
         raise ProtocolError(f"unhandled message type {type(msg).__name__}")
 
     def _generate(self, identity: bytes, msg: P.Generate) -> P.Reply | None:

@@ -11,6 +11,11 @@ moves (`weight_moves`). Pure CPU; no device tensors.
 A background switch builds two: the pre-copy moves each request's rows as they are when it
 starts; the handoff moves only the rows written since (``rows_from``) into the pages the
 pre-copy placed (``staged``), with the pre-copy's owners.
+
+Pages are shared (reference counted): a full page several histories hold moves once and stays
+shared at the destination (a partly filled one is copied per holder: they write different rows
+next). Besides the requests, a manifest may carry unreferenced cached chains (`CachedHistory`):
+they move when their pages fit, and hold their pages only for the switch step.
 """
 
 from __future__ import annotations
@@ -26,10 +31,12 @@ from splash.core.ownership import (
     local_page_index,
     page_holders,
 )
+from splash.core.prefix_cache import CachedHistory
 from splash.core.protocol import KVMove, WeightMove
 from splash.core.request import Request
 
 PageKey = tuple[str, int, int]  # (request id, logical page, destination rank)
+History = Request | CachedHistory  # a request's pages, or an unreferenced cached chain
 
 
 @dataclass
@@ -51,11 +58,23 @@ class SwitchManifest:
     dst: Layout
     weights: list[WeightMove]  # per rank
     kv: list[KVMove]  # per rank
-    new_tables: dict[str, list[list[int]]]  # request -> per-rank local block tables
+    new_tables: dict[str, list[list[int]]]  # history -> per-rank local block tables
     new_owners: dict[str, int]
-    discard: list[list[int]]  # per rank: pages freed once the switch step is done
+    discard: list[list[int]]  # per rank: requests' page references dropped once the step is done
     summary: list[RankSummary] = field(default_factory=list)
-    placed: dict[PageKey, int] = field(default_factory=dict)  # received pages, where they went
+    placed: dict[PageKey, int] = field(default_factory=dict)  # requests' received pages, where
+    #   they went: one reference each (a page k requests share is placed k times)
+    cached: list[CachedHistory] = field(default_factory=list)  # cached chains moved along
+    release: list[list[int]] = field(default_factory=list)  # per rank: references held for
+    #   the step only (cached chains' pages, received pages no request holds)
+
+    def give_back(self, allocators: RankAllocators) -> None:
+        """Drop every page reference building this manifest took (it will not be carried
+        out). Only for a manifest built without staged pages."""
+        for rank, pages in enumerate(self.release):
+            allocators[rank].free(pages)
+        for (_, _, rank), page in self.placed.items():
+            allocators[rank].free([page])
 
     @property
     def kv_op(self) -> str:
@@ -83,48 +102,57 @@ class SwitchManifest:
 class PagePlan:
     """One destination page of one request on one rank: kept in place or received."""
 
-    request: Request
+    request: History
     logical: int  # logical page of the request
     rank: int  # the destination rank that holds it
     page: int  # the kept page, or the page a pre-copy staged it in (-1: a fresh one)
     source: tuple[int, int] | None  # (rank, page) it is copied from when received
     rows: range  # the page's rows to move (offsets in the page; received pages only)
+    shared: bool = False  # a full page an earlier plan receives already: no rows of its own
 
 
 @dataclass
 class PagePlacement:
     """The destination tables and the row moves, once received pages have their pages."""
 
-    new_tables: dict[str, list[list[int]]]  # request -> per-rank local block tables
+    new_tables: dict[str, list[list[int]]]  # history -> per-rank local block tables
     send: list[list[list[int]]]  # [src][dst]: runs (first slot, rows) src sends to dst
     recv: list[list[list[int]]]  # [dst][src]: runs dst writes, in the same order
     kept: list[set[int]]  # per rank: pages kept in place
-    placed: dict[PageKey, int]  # received pages: where they went
+    placed: dict[PageKey, int]  # requests' received pages: where they went
+    users: list[dict[int, int]] = field(default_factory=list)  # rank: fresh page -> requests
 
 
-def destination_owners(src: Layout, dst: Layout, requests: list[Request], world: int,
+def destination_owners(src: Layout, dst: Layout, requests: list[History], world: int,
                        owners: dict[str, int] | None = None) -> dict[str, int]:
     """Owners kept between owned layouts; entering an owned layout places them with
-    `ownership.assign_owners` over the live KV tokens (the cost model places them the same).
-    ``owners`` (a pre-copy's) are kept; requests it lacks (admitted meanwhile) are placed by
-    the same rules."""
+    `ownership.assign_owners` over the live KV tokens (the cost model places them the same;
+    cached chains are balanced among themselves; histories sharing pages may land on
+    different owners, each then holding its own copy). ``owners`` (a pre-copy's) are kept;
+    requests it lacks (admitted meanwhile) are placed by the same rules."""
     fixed = owners or {}
     fresh = [r for r in requests if r.request_id not in fixed]
+    new: dict[str, int] = {}
     if dst.uses_owners and not src.uses_owners:
-        placed = assign_owners([r.num_computed for r in fresh], world)
-        new = {r.request_id: int(o) for r, o in zip(fresh, placed)}
+        reqs: list[History] = [r for r in fresh if not isinstance(r, CachedHistory)]
+        chains: list[History] = [r for r in fresh if isinstance(r, CachedHistory)]
+        for part in (reqs, chains):
+            placed = assign_owners([r.num_computed for r in part], world)
+            new.update({r.request_id: int(o) for r, o in zip(part, placed)})
     else:
         new = {r.request_id: r.owner for r in fresh}
     return {**fixed, **new} if fixed else new
 
 
-def plan_pages(src: Layout, dst: Layout, requests: list[Request], owners: dict[str, int],
+def plan_pages(src: Layout, dst: Layout, requests: list[History], owners: dict[str, int],
                world: int, page_size: int, rows_from: dict[str, int] | None = None,
                staged: dict[PageKey, int] | None = None) -> list[PagePlan]:
     """Every destination page of every request, in logical order per request: kept where the
     source already holds it, else received from its first source holder — its rows from
-    ``rows_from`` (rows already moved per request) on, into its ``staged`` page if any."""
+    ``rows_from`` (rows already moved per request) on, into its ``staged`` page if any. A full
+    page an earlier plan already receives onto the same rank is ``shared`` (moves once)."""
     rows_from, staged = rows_from or {}, staged or {}
+    received: set[tuple[int, int, int]] = set()  # full (source rank, page, destination rank)
     plans = []
     for req in requests:
         done = rows_from.get(req.request_id, 0)
@@ -136,10 +164,17 @@ def plan_pages(src: Layout, dst: Layout, requests: list[Request], owners: dict[s
             for d in page_holders(dst, i, owners[req.request_id], world):
                 if d in src_h:
                     plans.append(PagePlan(req, i, d, req.tables[d][src_local], None, rows))
-                else:
-                    s = src_h[0]
-                    page = staged.get((req.request_id, i, d), -1)
-                    plans.append(PagePlan(req, i, d, page, (s, req.tables[s][src_local]), rows))
+                    continue
+                s = src_h[0]
+                source = (s, req.tables[s][src_local])
+                page = staged.get((req.request_id, i, d), -1)
+                full = req.num_computed >= (i + 1) * page_size
+                if page < 0 and full and (*source, d) in received:
+                    plans.append(PagePlan(req, i, d, page, source, range(0), shared=True))
+                    continue
+                if page < 0 and full:
+                    received.add((*source, d))
+                plans.append(PagePlan(req, i, d, page, source, rows))
     return plans
 
 
@@ -147,7 +182,7 @@ def received_pages(plans: list[PagePlan], world: int) -> list[int]:
     """Fresh pages each rank needs for the pages it receives (staged ones have theirs)."""
     need = [0] * world
     for p in plans:
-        need[p.rank] += p.source is not None and p.page < 0
+        need[p.rank] += p.source is not None and p.page < 0 and not p.shared
     return need
 
 
@@ -158,7 +193,9 @@ def place_pages(plans: list[PagePlan], fresh: list[list[int]], world: int,
     fresh = [list(pages) for pages in fresh]
     out = PagePlacement({}, [[[] for _ in range(world)] for _ in range(world)],
                         [[[] for _ in range(world)] for _ in range(world)],
-                        [set() for _ in range(world)], {})
+                        [set() for _ in range(world)], {},
+                        [{p: 0 for p in pages} for pages in fresh])
+    moved: dict[tuple[int, int, int], int] = {}  # full (source rank, page, rank) -> its page
     for p in plans:
         table = out.new_tables.setdefault(p.request.request_id, [[] for _ in range(world)])
         page = p.page
@@ -166,9 +203,15 @@ def place_pages(plans: list[PagePlan], fresh: list[list[int]], world: int,
             out.kept[p.rank].add(page)
         else:
             s, src_page = p.source
-            if page < 0:
+            if p.shared:
+                page = moved[(s, src_page, p.rank)]
+            elif page < 0:
                 page = fresh[p.rank].pop(0)
-            out.placed[(p.request.request_id, p.logical, p.rank)] = page
+                moved[(s, src_page, p.rank)] = page
+            if not isinstance(p.request, CachedHistory):
+                out.placed[(p.request.request_id, p.logical, p.rank)] = page
+                if page in out.users[p.rank]:
+                    out.users[p.rank][page] += 1
             if p.rows:
                 out.send[s][p.rank] += [src_page * page_size + p.rows.start, len(p.rows)]
                 out.recv[p.rank][s] += [page * page_size + p.rows.start, len(p.rows)]
@@ -203,23 +246,41 @@ def weight_moves(src: Layout, dst: Layout, world: int, num_heads: int) -> list[W
 def _summaries(src: Layout, dst: Layout, plans: list[PagePlan], discard: list[list[int]],
                weights: list[WeightMove], world: int, num_heads: int) -> list[RankSummary]:
     summary = [RankSummary() for _ in range(world)]
+    kept: set[tuple[int, int]] = set()
     for p in plans:
         if p.source is None:
+            if (p.rank, p.page) in kept:
+                continue  # shared: counted once
+            kept.add((p.rank, p.page))
             summary[p.rank].pages_kept += 1
             if local_page_index(src, p.logical, world) != local_page_index(dst, p.logical, world):
                 summary[p.rank].pages_repacked += 1
             continue
-        summary[p.rank].pages_received += p.page < 0  # a staged page was counted before
+        # a staged page was counted before; a shared one with its first receiver
+        summary[p.rank].pages_received += p.page < 0 and not p.shared
         summary[p.rank].kv_rows_received += len(p.rows)
         summary[p.source[0]].kv_rows_sent += len(p.rows)
     for rank, mv in enumerate(weights):
         old = set(heads_held(src, rank, world, num_heads))
         new = set(range(mv.head_start, mv.head_stop))
-        summary[rank].pages_discarded = len(discard[rank])
+        summary[rank].pages_discarded = len(set(discard[rank]) - {p for r, p in kept if r == rank})
         summary[rank].heads_received = sum(len(x) for x in mv.recv_from)
         summary[rank].heads_kept = len(old & new)
         summary[rank].heads_discarded = len(old - new)
     return summary
+
+
+def _dropped(requests: list[History], new_tables: dict[str, list[list[int]]],
+             world: int) -> list[list[int]]:
+    """Per rank: the page references the requests hold under the source and not under the
+    destination (a page stays held when another request keeps it)."""
+    out: list[list[int]] = [[] for _ in range(world)]
+    for req in requests:
+        new = new_tables.get(req.request_id)
+        for rank in range(world):
+            keep = set(new[rank]) if new is not None else set()
+            out[rank] += [p for p in req.tables[rank] if p not in keep]
+    return out
 
 
 def build_manifest(
@@ -233,22 +294,57 @@ def build_manifest(
     owners: dict[str, int] | None = None,
     rows_from: dict[str, int] | None = None,
     staged: dict[PageKey, int] | None = None,
+    cached: list[CachedHistory] | None = None,
 ) -> SwitchManifest | None:
     """The manifest for switching ``requests`` (with their current tables) from ``src`` to
     ``dst``, allocating destination pages; None (nothing allocated) when the pages needed do
     not fit — the caller defers the switch. A handoff passes the pre-copy's ``owners``, the
     rows it moved per request (``rows_from``, absent = 0) and the pages it placed (``staged``);
-    a page a destination rank already holds under ``src`` is kept and never moves."""
-    owners = destination_owners(src, dst, requests, world, owners)
-    plans = plan_pages(src, dst, requests, owners, world, page_size, rows_from, staged)
+    a page a destination rank already holds under ``src`` is kept and never moves.
+    ``cached`` chains (pinned here for the step) move along when their pages fit beside the
+    requests'; otherwise they stay where they are."""
+    if cached:
+        for h in cached:  # pinned: the allocation below must not evict what moves or stays
+            for rank, pages in enumerate(h.tables):
+                allocators[rank].incref(pages)
+        m = _build(src, dst, [*requests, *cached], allocators, world, page_size, num_heads,
+                   owners, rows_from, staged)
+        if m is not None:
+            m.cached = list(cached)
+            for h in cached:
+                for rank, pages in enumerate(h.tables):
+                    m.release[rank] += pages
+            return m
+        for h in cached:
+            for rank, pages in enumerate(h.tables):
+                allocators[rank].free(pages)
+    return _build(src, dst, list(requests), allocators, world, page_size, num_heads, owners,
+                  rows_from, staged)
+
+
+def _build(src: Layout, dst: Layout, histories: list[History], allocators: RankAllocators,
+           world: int, page_size: int, num_heads: int, owners: dict[str, int] | None,
+           rows_from: dict[str, int] | None, staged: dict[PageKey, int] | None
+           ) -> SwitchManifest | None:
+    owners = destination_owners(src, dst, histories, world, owners)
+    plans = plan_pages(src, dst, histories, owners, world, page_size, rows_from, staged)
     need = received_pages(plans, world)
     if not allocators.can_allocate(need):
         return None
     placed = place_pages(plans, allocators.allocate(need), world, page_size)
-    discard = [[p for req in requests for p in req.tables[rank] if p not in placed.kept[rank]]
-               for rank in range(world)]
+    # a fresh page starts with one reference: one more per further request holding it, and
+    # none kept for pages only cached chains hold (released after the step)
+    release: list[list[int]] = [[] for _ in range(world)]
+    for rank, users in enumerate(placed.users):
+        for page, n in users.items():
+            if n == 0:
+                release[rank].append(page)
+            elif n > 1:
+                allocators[rank].incref([page] * (n - 1))
+    discard = _dropped([h for h in histories if not isinstance(h, CachedHistory)],
+                       placed.new_tables, world)
     weights = weight_moves(src, dst, world, num_heads)
     kv = [KVMove(placed.send[r], placed.recv[r]) for r in range(world)]
     summary = _summaries(src, dst, plans, discard, weights, world, num_heads)
     return SwitchManifest(src, dst, weights, kv, placed.new_tables, owners, discard, summary,
-                          placed.placed)
+                          placed.placed, release=release)

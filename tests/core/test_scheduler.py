@@ -23,7 +23,9 @@ def _sched(layout="dop", world=2, pages=64, budget=16, chunked=True):
 
 
 def _req(i, n, max_tokens=4):
-    return Request(f"r{i}", list(range(2, 2 + n)), SamplingParams(max_tokens=max_tokens))
+    # distinct prompts: nothing is shared through the prefix cache (test_prefix_cache covers it)
+    return Request(f"r{i}", list(range(2 + 100 * i, 2 + 100 * i + n)),
+                   SamplingParams(max_tokens=max_tokens))
 
 
 def _advance(batch):

@@ -38,6 +38,18 @@ def test_agentic_chat_stationary_shapes() -> None:
     assert {(r.prompt_len, r.output_len) for r in st} == {(100, 10)}
 
 
+def test_grpo_groups_share_a_template() -> None:
+    tr = W.grpo(prompts=64, n=8, seed=1)
+    assert W.grpo(prompts=64, n=8, seed=1) == tr and len(tr) == 64
+    assert {r.n for r in tr} == {8} and {r.prefix_group for r in tr} == set(range(64))
+    assert all(r.prompt_len > r.common_prefix_len == 512 and r.arrival_s == 0 for r in tr)
+    assert np.median([r.output_len for r in tr]) > 1000  # long generations
+    assert W.summary(tr)["samples"] == 512
+    small = W.scaled(tr, max_prompt=128, max_output=32)
+    assert all(0 < r.common_prefix_len < r.prompt_len <= 128 for r in small)
+    assert W.get_trace("grpo", n=4)[0].n == 8 and len(W.get_trace("grpo", n=4)) == 4
+
+
 def test_scaled_bounds_lengths() -> None:
     tr = W.scaled(W.rollout(n=64), max_prompt=128, max_output=32)
     assert max(r.prompt_len for r in tr) <= 128 and max(r.output_len for r in tr) <= 32

@@ -1,9 +1,10 @@
 """Live layout switches among all four layouts (T=2 and T=4 over gloo): every one of the 12
-directions while requests decode and a chunked prefill is in flight gives the tokens of the
-run without switches, in each switch mode (background pre-copy + handoff, live, blocking);
-bytes received equal the manifest's prediction; a switch that does not fit is deferred, then
-completes; requests admitted after a switch, or during a pre-copy, complete; a cancelled
-pre-copy changes nothing."""
+directions while requests decode, a chunked prefill is in flight, two histories share cached
+pages and a 3-sample prompt's samples share its pages gives the tokens of the run without
+switches and without prefix caching, in each switch mode (background pre-copy + handoff, live,
+blocking); bytes received equal the manifest's prediction; a switch that does not fit is
+deferred, then completes; requests admitted after a switch, or during a pre-copy, complete; a
+cancelled pre-copy changes nothing."""
 
 from __future__ import annotations
 
@@ -29,17 +30,25 @@ def _params(n):
 def test_all_twelve_directions_token_identical(world, mode):
     path = checkpoint("v3")
     # short prompts decode while the 90-token prompt is prefilled in chunks across the
-    # first dozen steps: each switch step carries decodes and a chunked prefill
-    prompts = mixed_prompts(seed=11, lengths=(3, 5, 2, 90))
+    # first dozen steps: each switch step carries decodes and a chunked prefill; a history
+    # sharing its first 40 tokens prefills beside it (cached pages); 3 samples of one prompt
+    # share its pages (its last page partly filled: copy-on-write)
+    prompts = mixed_prompts(seed=11, lengths=(3, 5, 2, 90, 10))
+    prompts.insert(4, prompts[3][:40] + [7, 8, 9])
     gap = 3 if mode == "background" else 1
-    params = [_params(16 * gap)] * 3 + [_params(4)]
+    params = [_params(16 * gap)] * 3 + [_params(4), _params(6),
+                                        SamplingParams(max_tokens=12 * gap, temperature=0.8,
+                                                       seed=3, n=3, ignore_eos=True)]
     plan = [(1 + gap * i, dst) for i, dst in enumerate(CIRCUIT[1:])]
     with LLM(path, tp_size=world, layout=CIRCUIT[0], switch_mode=mode, **KW) as llm:
         switched = llm.generate(prompts, params, layout_plan=plan)
         stats = llm.stats()
-    with LLM(path, tp_size=world, layout=CIRCUIT[0], **KW) as llm:
+    with LLM(path, tp_size=world, layout=CIRCUIT[0], enable_prefix_caching=False, **KW) as llm:
         plain = llm.generate(prompts, params)
-    assert [o.token_ids for o in switched] == [o.token_ids for o in plain]
+    assert [[c.token_ids for c in o.outputs] for o in switched] == \
+        [[c.token_ids for c in o.outputs] for o in plain]
+    assert len({tuple(c.token_ids) for c in switched[-1].outputs}) == 3
+    assert stats["prefix_cache_hit_tokens"] >= 36  # the shared history's 9 full pages
     directions = [(s["from"], s["to"]) for s in stats["switches"]]
     assert directions == list(zip(CIRCUIT, CIRCUIT[1:]))
     assert {s["mode"] for s in stats["switches"]} == {mode}

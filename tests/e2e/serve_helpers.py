@@ -115,6 +115,14 @@ class FakeEngine:
                                "overhead_ms": 1.0})
         self._layout = name
 
+    def update_weights(self, source: object) -> dict:
+        self._check_thread()
+        if self._reqs:
+            raise InvalidRequestError(f"{len(self._reqs)} requests in flight: weights are "
+                                      "updated between rollout rounds")
+        self._weight_version = getattr(self, "_weight_version", 0) + 1
+        return {"tensors": 0, "ms": 0.0, "weight_version": self._weight_version}
+
     def is_healthy(self) -> bool:
         return not self._dead
 

@@ -57,6 +57,8 @@ def test_engine_api_conformance(engine: EngineAPI) -> None:
         engine.switch_layout("zigzag")
     long = engine.add_request([8, 9], SamplingParams(max_tokens=40, ignore_eos=True))
     assert long != rid and engine.has_unfinished()
+    with pytest.raises(InvalidRequestError, match="in flight"):
+        engine.update_weights({})  # never while requests run
 
     first = engine.step()
     assert {o.request_id for o in first} == {rid, long}

@@ -25,6 +25,7 @@ from serve_helpers import REPO, RawPeer, ServeProcess, fuzz_server
 
 from splash.client import AsyncClient, Client
 from splash.errors import InvalidRequestError, RequestTimeoutError, WorkerDiedError
+from splash.outputs import RequestOutput
 from splash.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -69,6 +70,8 @@ def test_serve_matches_offline_and_survives_abuse(model_dir: str, tmp_path: Path
     with LLM(model=model_dir, tp_size=2, backend="cpu") as llm:
         prompts, params = _prompts(NUM_CONCURRENT, llm.engine.vocab_size)
         reference = [o.token_ids for o in llm.generate(prompts, params)]
+        with_logprobs = llm.generate([prompts[2]], SamplingParams(
+            max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2, n=2))[0]
     server = ServeProcess([*SERVE_ARGS, "--model", model_dir, "--http-port", "0"],
                           tmp_path / "serve.log")
     try:
@@ -103,6 +106,7 @@ def test_serve_matches_offline_and_survives_abuse(model_dir: str, tmp_path: Path
             assert c.health()
 
         _check_http(server.http_url, prompts[2], params[2], reference[2])
+        _check_http_logprobs(server.http_url, prompts[2], with_logprobs)
     finally:
         assert server.stop() == 0, server.log()
 
@@ -135,6 +139,36 @@ def _check_http(url: str, prompt: list[int], params: SamplingParams, expected: l
     metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
     _assert_prometheus(metrics)
     assert "splash_kv_pages_used{rank=\"1\"}" in metrics and "splash_layout_info{" in metrics
+
+
+def _check_http_logprobs(url: str, prompt: list[int], expected: RequestOutput) -> None:
+    """n samples and logprobs through the OpenAI API, as the offline engine gives them."""
+    body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "logprobs": 2, "n": 2}
+    for stream in (False, True):
+        body["stream"], body["n"] = stream, 1 if stream else 2
+        req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            raw = resp.read().decode()
+        if stream:
+            chunks = [json.loads(e[6:]) for e in raw.split("\n\n")
+                      if e.startswith("data: {")]
+            lps = [ch["choices"][0]["logprobs"] for ch in chunks if ch["choices"][0]["token_ids"]]
+            got = [sum((lp["token_logprobs"] for lp in lps), [])]
+        else:
+            choices = json.loads(raw)["choices"]
+            assert [ch["index"] for ch in choices] == [0, 1]
+            for ch, sample in zip(choices, expected.outputs):
+                assert ch["token_ids"] == sample.token_ids
+                assert all(len(top) == 2 for top in ch["logprobs"]["top_logprobs"])
+            got = [ch["logprobs"]["token_logprobs"] for ch in choices]
+        want = [[d[t] for t, d in zip(s.token_ids, s.logprobs or [])] for s in expected.outputs]
+        for g, w in zip(got, want):
+            assert g == pytest.approx(w, abs=1e-5)
+    metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    assert "splash_prefix_cache_hit_tokens_total" in metrics
+    assert "splash_prefix_cache_queried_tokens_total" in metrics
 
 
 def _assert_prometheus(text: str) -> None:

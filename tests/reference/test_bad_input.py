@@ -23,6 +23,8 @@ def llm():
     ([1, -3], SamplingParams(max_tokens=2), "vocab"),
     ([1, 2.5], SamplingParams(max_tokens=2), "int"),
     (list(range(2, 62)), SamplingParams(max_tokens=8), "max_model_len 64"),
+    ([5, 6], SamplingParams(max_tokens=2, stop=["ab"]), "stop strings need a tokenizer"),
+    ([5, 6], SamplingParams(max_tokens=2, n=300), "max_num_seqs"),
 ])
 def test_bad_requests_raise_and_engine_keeps_serving(llm, prompt, params, match):
     with pytest.raises(InvalidRequestError, match=match):
@@ -31,6 +33,16 @@ def test_bad_requests_raise_and_engine_keeps_serving(llm, prompt, params, match)
                                                     ignore_eos=True))
     assert good[0].token_ids == hf_greedy(checkpoint("v3"), [[5, 6, 7]], 3)[0]
     assert llm.stats()["num_waiting"] == 0 and llm.stats()["kv_pages_used"] == [0]
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(n=0), "n must"), (dict(logprobs=21), "logprobs must"),
+    (dict(prompt_logprobs=-1), "prompt_logprobs must"), (dict(stop=[""]), "stop must"),
+    (dict(min_tokens=5, max_tokens=4), "min_tokens must"),
+])
+def test_bad_sampling_params(kw, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        SamplingParams(**kw)
 
 
 @pytest.mark.parametrize("rid", ["", "\x00ghost-0", "a\nb"])

@@ -58,3 +58,34 @@ def test_dsa_graph_decode_matches_transformers_and_eager(layout):
     assert stats["graph_steps"] > 0
     eager, _ = _run(path, layout, prompts, enforce_eager=True)
     assert graphs == eager == hf_greedy(path, prompts, MAX_NEW)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graphs_stay_valid_across_a_weight_update():
+    """Weights are copied into the tensors the graphs were captured with: replays after an
+    update compute with the new weights (in every layout's placement the graphs keep), and the
+    n samples' copy-on-write pages are copied before a replayed step."""
+    import tempfile
+
+    import transformers
+
+    path = checkpoint("v3")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-1.0)
+    new = tempfile.mkdtemp(prefix="splash-graph-weights-")
+    model.save_pretrained(new)
+    prompts = mixed_prompts(lengths=(3, 5, 8))
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, min_tokens=MAX_NEW)
+    with LLM(path, tp_size=1, backend="cuda", layout="tp", dtype="fp32", page_size=4) as llm:
+        before = [o.token_ids for o in llm.generate(prompts, params, layout_plan=[(3, "dp")])]
+        steps = llm.stats()["graph_steps"]
+        llm.update_weights(new)
+        after = [o.token_ids for o in llm.generate(prompts, params, layout_plan=[(3, "tp")])]
+        forked = llm.generate([prompts[2]], SamplingParams(max_tokens=MAX_NEW, temperature=0.0,
+                                                           min_tokens=MAX_NEW, n=3))[0]
+        assert llm.stats()["graph_steps"] > steps
+    assert before == hf_greedy(path, prompts, MAX_NEW)
+    assert after == hf_greedy(new, prompts, MAX_NEW)
+    assert [c.token_ids for c in forked.outputs] == [after[2]] * 3

@@ -1,0 +1,86 @@
+"""Rank 0's end of a step: the logits of the rows that sample, the draws (n at an n-sample
+prompt's last row), min_tokens' banned tokens, and the logprobs asked for.
+
+Logprobs are the log-softmax of the very fp32 logits the draw used, before temperature, top-k/p
+and min_tokens' masking (vLLM's "raw" logprobs). Prompt logprobs score each prompt token by the
+row before it; they are computed in slices, so a long prefill never holds a (rows, vocab) block.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from splash.core.protocol import SeqSampling, StepPlan, TokenLogprobs
+from splash.model.model import MLAModel
+from splash.model.sampler import sample, token_logprobs
+from splash.sampling_params import sample_seed
+
+_PROMPT_ROWS_PER_SLICE = 256  # prompt rows whose (rows, vocab) logits exist at once
+
+
+def _logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -> list[TokenLogprobs]:
+    chosen, ids, lps = token_logprobs(logits, tokens, max(ks))
+    chosen_l, ids_l, lps_l, tok_l = chosen.tolist(), ids.tolist(), lps.tolist(), tokens.tolist()
+    return [TokenLogprobs([tok_l[i]] + ids_l[i][:k], [chosen_l[i]] + lps_l[i][:k])
+            for i, k in enumerate(ks)]
+
+
+def _draw(logits: torch.Tensor, sp: list[SeqSampling], seeds: list[int | None],
+          steps: list[int]) -> torch.Tensor:
+    if any(s.banned for s in sp):
+        logits = logits.clone()
+        for j, s in enumerate(sp):
+            if s.banned:
+                logits[j, s.banned] = float("-inf")
+    if all(s.temperature <= 0 for s in sp):  # all greedy: no parameter tensors, no sync
+        return logits.argmax(dim=-1)
+    return sample(logits, torch.tensor([s.temperature for s in sp]),
+                  torch.tensor([s.top_p for s in sp]), torch.tensor([s.top_k for s in sp]),
+                  seeds=seeds, steps=steps)
+
+
+def sample_step(model: MLAModel, hidden: torch.Tensor,
+                plan: StepPlan) -> tuple[list[int], list[TokenLogprobs], list[list[TokenLogprobs]]]:
+    """hidden (N, hidden) of the step's rows -> (tokens, logprobs per draw that asked, prompt
+    logprobs per ``plan.prompt_logprobs`` entry)."""
+    starts = np.concatenate([[0], np.cumsum(plan.query_lens)])
+    rows: list[int] = []
+    sp: list[SeqSampling] = []
+    seeds: list[int | None] = []
+    steps: list[int] = []
+    for b, s in enumerate(plan.sample):
+        if not s:
+            continue
+        cfg = plan.sampling[b]
+        for i in range(cfg.draws):
+            rows.append(int(starts[b + 1]) - 1)
+            sp.append(cfg)
+            seeds.append(sample_seed(cfg.seed, i))
+            steps.append(plan.output_index[b])
+    tokens: list[int] = []
+    logprobs: list[TokenLogprobs] = []
+    if rows:
+        unique = sorted(set(rows))  # a row drawn n times computes its logits once
+        at = {r: i for i, r in enumerate(unique)}
+        where = [at[r] for r in rows] if len(unique) < len(rows) else None
+        logits = model.compute_logits(hidden[torch.tensor(unique, device=hidden.device)])
+        if where is not None:
+            logits = logits[torch.tensor(where, device=logits.device)]  # (draws, V)
+        drawn = _draw(logits, sp, seeds, steps)
+        tokens = drawn.tolist()
+        want = [j for j, s in enumerate(sp) if s.logprobs is not None]
+        if want:
+            idx = torch.tensor(want, device=logits.device)
+            logprobs = _logprob_rows(logits[idx], drawn[idx], [sp[j].logprobs or 0 for j in want])
+    prompt: list[list[TokenLogprobs]] = []
+    for pl in plan.prompt_logprobs:
+        first = int(starts[pl.index]) + pl.first_row
+        out: list[TokenLogprobs] = []
+        for lo in range(0, len(pl.targets), _PROMPT_ROWS_PER_SLICE):
+            hi = min(lo + _PROMPT_ROWS_PER_SLICE, len(pl.targets))
+            logits = model.compute_logits(hidden[first + lo:first + hi])
+            targets = torch.tensor(pl.targets[lo:hi], device=logits.device)
+            out += _logprob_rows(logits, targets, [pl.k] * (hi - lo))
+        prompt.append(out)
+    return tokens, logprobs, prompt
