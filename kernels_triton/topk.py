@@ -42,7 +42,7 @@ def _kth_largest(key, K: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr):
     prefix = tl.zeros((ROWS,), tl.uint32)
     need = tl.full((ROWS,), K, tl.int32)  # winners still to place at or below the prefix
     for r in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * r
+        shift = 24 - 8 * r
         digit = ((ukey >> shift) & 255).to(tl.int32)
         if r == 0:
             match = digit >= 0

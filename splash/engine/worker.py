@@ -89,7 +89,7 @@ class Worker:
         layers = range(mcfg.num_hidden_layers)
         if not mcfg.is_dsa:
             return [None for _ in layers], [None for _ in layers]
-        dtype = torch_dtype(self.cfg.index_dtype, self.backend)
+        dtype = torch_dtype(self.cfg.index_dtype, self.backend.fp8_dtype)
         shape = (self.cfg.num_pages, self.cfg.page_size, int(mcfg.index_head_dim or 0))
         keys = [torch.zeros(shape, dtype=dtype, device=self.device)
                 if mcfg.has_indexer(i) else None for i in layers]
