@@ -143,6 +143,10 @@ def main() -> int:
                              [e.get("decision_to_handoff_ms", e["interval_ms"]) for e in mine],
                              0.5),
                          "worker_switch_ms_p50": _pct([e["overhead_ms"] for e in mine], 0.5),
+                         "controller_ms_p50": _pct([e.get("controller_ms", 0.0)
+                                                    for e in mine], 0.5),
+                         "switch_step_ms_p50": _pct([e["step_ms"] for e in mine], 0.5),
+                         "precopy_step_ms": [e.get("precopy_step_ms") for e in mine],
                          "samples": len(mine)}
             if mine:
                 rec["kv_bytes_received"] = mine[0]["kv_bytes_received"]
