@@ -50,6 +50,7 @@ from splash.switching.manifest import SwitchManifest, build_manifest
 logger = get_logger("splash.switch")
 
 MAX_PRECOPY_STEPS = 256  # hand off after this many steps even if a rank still reports work
+SHORT_TRANSFER_MS = 1.0  # auto: a switch moving less than this completes within one step
 
 
 @dataclass
@@ -216,13 +217,15 @@ class SwitchController:
                                              moved["weight_bytes_received"]))
         transfer_ms = per_rank / (self.setup.profile.link_gbps * 1e9) * 1e3
         step_ms = step_ms_ema or 0.0
+        if transfer_ms <= SHORT_TRANSFER_MS:  # less than a pre-copy's extra planning round
+            return "blocking"
         return "live" if step_ms >= 2 * transfer_ms else "background"
 
     def _cached(self) -> list[CachedHistory]:
         """The cached chains no request holds, complete under the current layout."""
         sched = self.scheduler
-        if not sched.prefix.enabled:
-            return []
+        if not sched.prefix.enabled or not any(a.num_evictable for a in sched.alloc.ranks):
+            return []  # every cached page is a running request's: it moves with its request
         return cached_histories(sched.alloc, sched.layout, self.setup.world, self.setup.page_size)
 
     def _free_placed(self, placed: dict, keep: set[str]) -> None:
