@@ -208,11 +208,13 @@ class _Transfer:
         parts = {i: _head_rows(self.attns[i]) for i in layers}
         send = parts[layers[0]][0].new_empty(
             (len(m.sent_heads), sum(t.shape[1] for ts in parts.values() for t in ts)))
-        col = 0
+        col, index = 0, {}
         for i in layers:
             start = self.attns[i].head_start
-            idx = torch.tensor([h - start for h in m.sent_heads], dtype=torch.long,
-                               device=self.device)
+            if start not in index:  # one host-to-device copy for every layer alike
+                index[start] = torch.tensor([h - start for h in m.sent_heads], dtype=torch.long,
+                                            device=self.device)
+            idx = index[start]
             for t in parts[i]:
                 gather_rows(t, idx, out=send[:, col:col + t.shape[1]])
                 col += t.shape[1]
