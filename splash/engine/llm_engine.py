@@ -140,6 +140,9 @@ class LLMEngine:
         plans = build_plans(self.scheduler, batch, switch, self.step_count, self.setup)
         results, step_ms = self._execute(plans)
         self.switches.finish(switch, results, step_ms, self.step_count, batch)
+        if self.auto is not None:
+            self.auto.observe(self.step_count, batch, step_ms, self.layout,
+                              switch is not None or precopy)
         sampled = self.scheduler.update_from_output(batch, results[0], self.outputs)
         self._count_step(results, step_ms, len(sampled))
         heads: dict[str, Request] = {}  # one output per prompt: its n samples report together
@@ -302,6 +305,9 @@ class LLMEngine:
                 "to": self.switches.inflight.manifest.dst.name,
                 "decision_step": self.switches.inflight.step},
             "policy_decisions": self.auto.decisions[-50:] if self.auto else [],
+            # switches made and declined: predicted gain and cost, realized gain of switches
+            "policy_audit": self.auto.audit.entries if self.auto else [],
+            "cost_model_source": self.setup.profile.source,
             "kv_capacity_tokens": self.setup.kv_capacity_tokens(),
             "kv_pages_used": self.allocators.used(),
             "kv_pages_total": self.setup.num_pages,
