@@ -44,6 +44,12 @@ class AutoLayout:
         logger.info("layout policy: cost model on profile %s (source %s), margin %.0f%%",
                     setup.profile.name, setup.profile.source, 100 * margin)
 
+    def reset(self) -> None:
+        """Forget every decision, the audit and the policy's smoothing and dwell."""
+        self.decisions.clear()
+        self.audit = DecisionAudit(self.policy.cost_fn)
+        self.policy.reset()
+
     def __call__(self, step: int) -> str | None:
         sched = self.scheduler
         current = sched.layout.name

@@ -90,6 +90,13 @@ class SwitchController:
         self.inflight: _InFlight | None = None  # a background pre-copy
         self.cancelled: list[dict[str, Any]] = []
 
+    def forget_history(self) -> None:
+        """Drop the records of past switches (the engine's warm-up is not part of a run)."""
+        self.history.clear()
+        self.deferred.clear()
+        self.cancelled.clear()
+        self._last_switch = self._last_rows = None
+
     def request(self, name: str) -> None:
         """Switch at the next step; under auto this pins ``name``; "auto" releases the pin. An
         unknown layout is an InvalidRequestError."""

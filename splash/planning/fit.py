@@ -76,7 +76,7 @@ def nnls(a: np.ndarray, b: np.ndarray, tol: float = 1e-10) -> np.ndarray:
     return x
 
 
-def _neutral(profile: HardwareProfile) -> HardwareProfile:
+def neutral(profile: HardwareProfile) -> HardwareProfile:
     """``profile`` with the fitted fields at their no-op values."""
     return dataclasses.replace(profile, gemm_time_scale=1.0, attention_time_scale=1.0,
                                step_overhead_us=0.0, switch_time_scale=1.0)
@@ -101,8 +101,8 @@ def fit_profile(cfg: Any, world: int, base: HardwareProfile, steps: Sequence[Ste
     docstring. ``model_kw``: the CostModel's dtypes and page size as the engine ran."""
     if not steps:
         raise ValueError("no measured steps to fit")
-    neutral = _neutral(base)
-    cm = _model(cfg, world, neutral, **model_kw)
+    start_from = neutral(base)
+    cm = _model(cfg, world, start_from, **model_kw)
     rows, fixed = zip(*(step_features(cm, p) for p in steps))
     y = np.array([p.measured_ms for p in steps])
     a = np.array(rows) / y[:, None]  # relative errors: divide every row by its measurement
@@ -116,9 +116,9 @@ def fit_profile(cfg: Any, world: int, base: HardwareProfile, steps: Sequence[Ste
     x[used] += nnls(a[:, used], b - a @ lower)
     fitted = dict(zip(FITTED, (float(v) for v in x)))
     if switches:
-        with_steps = dataclasses.replace(neutral, **fitted)
+        with_steps = dataclasses.replace(start_from, **fitted)
         fitted["switch_time_scale"] = _switch_scale(cfg, world, with_steps, switches, model_kw)
-    return dataclasses.replace(neutral, **fitted)
+    return dataclasses.replace(start_from, **fitted)
 
 
 def predict_switch(cm: CostModel, p: SwitchPoint) -> float:
@@ -149,7 +149,7 @@ def error_table(cfg: Any, world: int, profiles: dict[str, HardwareProfile],
         step_rows.append({"kind": p.kind, "layout": p.layout,
                           "batch": len(p.batch.decode_ctx) + len(p.batch.prefill),
                           "rows": p.batch.num_rows,
-                          "context": max(p.batch.tokens_after(), default=0),
+                          "context": int(max(p.batch.tokens_after(), default=0)),
                           "measured_ms": round(p.measured_ms, 4),
                           **{f"{n}_ms": round(v, 4) for n, v in pred.items()},
                           **{f"{n}_err": round(v / p.measured_ms - 1, 4)
