@@ -82,15 +82,14 @@ def _switch(eng: LLMEngine, layout: str, out: Measurements) -> None:
     running = list(eng.scheduler.running)
     src = eng.layout
     owners = tuple(r.owner for r in running) if get_layout(src).uses_owners else None
-    point = dict(src=src, dst=layout, live_tokens=tuple(r.num_computed for r in running),
-                 live_owners=owners)
+    live = tuple(r.num_computed for r in running)
     before = len(eng.switches.history)
     eng.switch_layout(layout)
     batch = _shape(eng)
     eng.step()
     if len(eng.switches.history) > before and running:
         entry = eng.switches.history[-1]
-        out.switches.append(SwitchPoint(batch=batch, measured_ms=entry["overhead_ms"], **point))
+        out.switches.append(SwitchPoint(src, layout, batch, live, owners, entry["overhead_ms"]))
 
 
 def _sweep(eng: LLMEngine, quick: bool) -> Measurements:

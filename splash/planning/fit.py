@@ -143,7 +143,8 @@ def error_table(cfg: Any, world: int, profiles: dict[str, HardwareProfile],
     """Predicted vs measured per point under each named profile, and per profile the RMS,
     mean and max relative error of steps and switches."""
     models = {name: _model(cfg, world, prof, **model_kw) for name, prof in profiles.items()}
-    step_rows, switch_rows = [], []
+    step_rows: list[dict[str, Any]] = []
+    switch_rows: list[dict[str, Any]] = []
     for p in steps:
         pred = {n: cm.step_time_ms(p.layout, p.batch) for n, cm in models.items()}
         step_rows.append({"kind": p.kind, "layout": p.layout,
