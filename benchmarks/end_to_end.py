@@ -33,22 +33,22 @@ LAYOUTS = ["auto", "tp", "dp", "cp", "dop"]
 TRACES = ["rollout", "stationary", "bursty", "agentic"]
 SIZES: dict[str, dict[str, dict[str, Any]]] = {
     "gpu": {
-        "rollout": dict(n=64, group=8, prompt_median=512, max_prompt=2048, output_median=192,
-                        output_sigma=1.0, max_output=1024),
+        "rollout": dict(n=64, group=8, prompt_median=512, max_prompt=2048, output_median=160,
+                        output_sigma=1.0, max_output=768),
         "stationary": dict(n=64, prompt_len=1024, output_len=128),
-        "bursty": dict(n=96, bursts=4, gap_s=3.0, burst_span_s=0.5, prompt_median=512,
+        "bursty": dict(n=96, bursts=4, gap_s=2.0, burst_span_s=0.5, prompt_median=512,
                        max_prompt=2048, output_median=128, max_output=512),
         "agentic": dict(sessions=8, turns=3, prefix_len=2048, turn_len=512, output_median=128,
-                        max_output=512, gap_s=4.0),
+                        max_output=512, gap_s=3.0),
     },
     "cpu": {
-        "rollout": dict(n=16, group=4, prompt_median=64, max_prompt=64, output_median=8,
-                        output_sigma=1.0, max_output=32),
-        "stationary": dict(n=8, prompt_len=48, output_len=12),
-        "bursty": dict(n=12, bursts=3, gap_s=2.0, burst_span_s=0.2, prompt_median=24,
-                       max_prompt=64, output_median=8, max_output=24),
-        "agentic": dict(sessions=3, turns=2, prefix_len=48, turn_len=16, output_median=8,
-                        max_output=16, gap_s=2.0),
+        "rollout": dict(n=8, group=4, prompt_median=48, max_prompt=48, output_median=6,
+                        output_sigma=1.0, max_output=16),
+        "stationary": dict(n=6, prompt_len=32, output_len=8),
+        "bursty": dict(n=8, bursts=2, gap_s=2.0, burst_span_s=0.2, prompt_median=24,
+                       max_prompt=48, output_median=6, max_output=12),
+        "agentic": dict(sessions=2, turns=2, prefix_len=32, turn_len=8, output_median=6,
+                        max_output=12, gap_s=2.0),
     },
 }
 
@@ -212,6 +212,35 @@ def checkpoint(args) -> str:
     return multi_gpu.build(f"/tmp/splash-v3-{args.layers}l-o1", args.layers, 32)
 
 
+def write_results(names, runs, traces, size, path, out_dir, args, final=False) -> list[str]:
+    """One JSON (+ PNG when final) per trace with the runs so far; a summary line each."""
+    cpu = args.backend == "cpu"
+    summaries = []
+    for name in names:
+        fixed = [r for r in runs[name] if r["layout"] != "auto"]
+        auto = next((r for r in runs[name] if r["layout"] == "auto"), None)
+        best = max(fixed, key=lambda r: r["tokens_per_s"]) if fixed else None
+        ratio = auto["tokens_per_s"] / best["tokens_per_s"] if auto and best else float("nan")
+        result = {"benchmark": "end_to_end", "trace": name, "trace_params": SIZES[size].get(name),
+                  "seed": args.seed, "requests": len(traces[name]), "tp": args.tp,
+                  "backend": args.backend, "checkpoint": path, "time_scale": args.time_scale,
+                  "auto_vs_best_fixed": ratio, "best_fixed": best and best["layout"],
+                  "all_complete": all(r["complete"] for r in runs[name]),
+                  "calibration": os.environ.get("SPLASH_CALIBRATION") or None,
+                  "runs": runs[name]}
+        if cpu:
+            result["note"] = "CPU figures (Triton interpreter + gloo) are not GPU claims"
+        out = os.path.join(out_dir, f"end_to_end_{name}_tp{args.tp}.json")
+        save_json(out, result)
+        if final:
+            plot(result, out.replace(".json", ".png"))
+        line = " | ".join(f"{r['layout']} {r['tokens_per_s']:.0f}" for r in runs[name])
+        summaries.append(f"{name}: {line} tokens/s; auto switched "
+                         f"{len(auto['switches']) if auto else 0}x; auto / best fixed "
+                         f"({result['best_fixed']}) = {ratio:.3f} -> {out}")
+    return summaries
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -224,7 +253,8 @@ def main() -> int:
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--time-scale", type=float, default=1.0, help="arrival seconds x this")
-    ap.add_argument("--run-timeout-s", type=float, default=90.0)
+    ap.add_argument("--run-timeout-s", type=float, default=None,
+                    help="cut a run after this long (default: 90 s on GPUs, 300 s on the CPU)")
     ap.add_argument("--layers", type=int, default=None, help="default: 2 on CPU, 8 on GPU")
     ap.add_argument("--ckpt", default=None, help="checkpoint dir (default: built)")
     ap.add_argument("--out-dir", default=None,
@@ -234,6 +264,7 @@ def main() -> int:
     if cpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     args.layers = args.layers or (2 if cpu else 8)
+    args.run_timeout_s = args.run_timeout_s or (300.0 if cpu else 90.0)
     size = args.trace_size or ("cpu" if cpu else "gpu")
     out_dir = args.out_dir or ("benchmarks/results/cpu" if cpu
                                else f"benchmarks/results/h200x{args.tp}")
@@ -255,29 +286,8 @@ def main() -> int:
                       f"{r['ttft_p50_s'] or 0:.3f} s  TPOT p50 {r['tpot_p50_s'] or 0:.4f} s  "
                       f"switches {len(r['switches'])}  {r['elapsed_s']:.1f} s"
                       f"{'' if r['complete'] else '  (cut)'}", flush=True)
-    summaries = []
-    for name in names:
-        fixed = [r for r in runs[name] if r["layout"] != "auto"]
-        auto = next((r for r in runs[name] if r["layout"] == "auto"), None)
-        best = max(fixed, key=lambda r: r["tokens_per_s"]) if fixed else None
-        ratio = auto["tokens_per_s"] / best["tokens_per_s"] if auto and best else float("nan")
-        result = {"benchmark": "end_to_end", "trace": name, "trace_params": SIZES[size].get(name),
-                  "seed": args.seed, "requests": len(traces[name]), "tp": args.tp,
-                  "backend": args.backend, "checkpoint": path, "time_scale": args.time_scale,
-                  "auto_vs_best_fixed": ratio, "best_fixed": best and best["layout"],
-                  "all_complete": all(r["complete"] for r in runs[name]),
-                  "calibration": os.environ.get("SPLASH_CALIBRATION") or None,
-                  "runs": runs[name]}
-        if cpu:
-            result["note"] = "CPU figures (Triton interpreter + gloo) are not GPU claims"
-        out = os.path.join(out_dir, f"end_to_end_{name}_tp{args.tp}.json")
-        save_json(out, result)
-        plot(result, out.replace(".json", ".png"))
-        line = " | ".join(f"{r['layout']} {r['tokens_per_s']:.0f}" for r in runs[name])
-        summaries.append(f"{name}: {line} tokens/s; auto switched "
-                         f"{len(auto['switches']) if auto else 0}x; auto / best fixed "
-                         f"({result['best_fixed']}) = {ratio:.3f} -> {out}")
-    print("\n".join(summaries))
+        write_results(names, runs, traces, size, path, out_dir, args)  # kept if later runs die
+    print("\n".join(write_results(names, runs, traces, size, path, out_dir, args, final=True)))
     return 0
 
 

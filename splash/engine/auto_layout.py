@@ -41,6 +41,7 @@ class AutoLayout:
                                    min_dwell_steps=min_dwell_steps,
                                    sparse_attention=False)  # the engine runs dense MLA
         self.audit = DecisionAudit(self.policy.cost_fn)
+        self._pending: str | None = None  # a switch decided and not yet in place (pre-copy)
         logger.info("layout policy: cost model on profile %s (source %s), margin %.0f%%",
                     setup.profile.name, setup.profile.source, 100 * margin)
 
@@ -48,6 +49,7 @@ class AutoLayout:
         """Forget every decision, the audit and the policy's smoothing and dwell."""
         self.decisions.clear()
         self.audit = DecisionAudit(self.policy.cost_fn)
+        self._pending = None
         self.policy.reset()
 
     def __call__(self, step: int) -> str | None:
@@ -75,7 +77,11 @@ class AutoLayout:
             live_tokens=[r.num_computed for r in running],
             live_owners=[r.owner for r in running])
         horizon = float(statistics.median(remaining))
-        entry = self.audit.record(step, current, decision, horizon)
+        if self._pending == current:
+            self._pending = None
+        entry = None
+        if decision.switch or decision.candidate != self._pending:  # not the switch under way
+            entry = self.audit.record(step, current, decision, horizon)
         record = entry if entry is not None and decision.switch else {
             "step": step, "layout": decision.layout, "switch": decision.switch,
             "reason": decision.reason}
@@ -83,6 +89,7 @@ class AutoLayout:
         self.decisions.append(record)
         del self.decisions[:-200]
         if decision.switch:
+            self._pending = decision.layout
             logger.info("policy: %s -> %s at step %d: %s (predicted gain %.2f ms/step, switch "
                         "%.2f ms)", current, decision.layout, step, decision.reason,
                         decision.gain_ms, decision.candidate_cost_ms)

@@ -199,6 +199,8 @@ class SwitchController:
         mode = self.setup.cfg.switch_mode
         if mode != "auto":
             return mode
+        if not self.scheduler.running:  # nothing to keep serving: a pre-copy would only run
+            return "live"  # the requests being admitted in the source layout
         mem, mcfg = self.setup.memory, self.setup.model_cfg
         head_bytes = mem.projection_bytes_per_layer // mcfg.num_attention_heads
         moved = manifest.predicted_bytes(mem.kv_bytes_per_token_per_layer, head_bytes,

@@ -9,8 +9,10 @@ After a switch from A to B, the *realized* gain is measured from step times: the
 in A just before the decision give A's measured-to-predicted ratio ``f``; on each of the first
 ``window`` steps served in B (the switch's own step excluded), staying would have cost
 ``f * predicted_A(batch)``, so the realized gain per step is the median of that minus the
-measured time in B. A declined switch has no realized gain (what would have happened is not
-observed).
+measured time in B. When no step ran in A before the decision (an idle engine choosing for the
+load about to arrive), ``f`` is 1: staying is the cost model's prediction alone
+(``stay_basis`` says which). A declined switch has no realized gain (what would have happened
+is not observed).
 """
 
 from __future__ import annotations
@@ -99,11 +101,14 @@ class DecisionAudit:
     def _realize(self, entry: dict[str, Any], before: list[Observation],
                  after: list[Observation]) -> None:
         src = entry["from"]
-        if not before or not after:
-            entry["realized_note"] = "no steps measured on one side of the switch"
+        if not after:
+            entry["realized_note"] = "no step was served in the destination layout"
             return
-        predicted_before = sum(self.cost_fn(src, o.batch) for o in before)
-        f = sum(o.ms for o in before) / max(predicted_before, 1e-12)
+        f = 1.0
+        if before:
+            predicted_before = sum(self.cost_fn(src, o.batch) for o in before)
+            f = sum(o.ms for o in before) / max(predicted_before, 1e-12)
+        entry["stay_basis"] = "measured" if before else "model"
         stay = [f * self.cost_fn(src, o.batch) for o in after]
         gains = [s - o.ms for s, o in zip(stay, after)]
         entry.update(realized_gain_ms=_r(statistics.median(gains)), realized_steps=len(after),

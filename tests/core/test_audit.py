@@ -97,3 +97,13 @@ def test_policy_decisions_say_what_was_weighed(cm: CostModel) -> None:
     assert (d.kind, d.candidate, d.candidate_cost_ms) == ("economics", "dop", 7.0)
     costs["dop"] = 4.8  # 4% lead < 10% margin
     assert pol.decide("dp", batch, 100).kind == "margin"
+
+
+def test_switch_before_any_step_uses_the_model_for_staying() -> None:
+    audit = DecisionAudit(per_row_cost, window=2)
+    entry = audit.record(0, "tp", switch_to("dp"), 10)  # an idle engine chose for the arrivals
+    audit.observe(0, "dp", BatchShape((), ((8, 0),)), 30.0, switching=True)
+    audit.observe(1, "dp", BatchShape.decode(4, 9), 5.0)
+    audit.observe(2, "dp", BatchShape.decode(4, 10), 3.0)
+    assert entry is not None and entry["stay_basis"] == "model"
+    assert entry["realized_gain_ms"] == pytest.approx(8.0 - 4.0)  # tp: 2 ms x 4 rows, f = 1
