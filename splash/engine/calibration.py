@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from splash import envs
 from splash.backends import HardwareProfile, get_backend
 from splash.core.ownership import get_layout
@@ -147,6 +149,8 @@ def calibrate_engine(model: str, backend: str, tp: int, quick: bool = False,
                           "layout is the same)")
     t0 = time.perf_counter()
     hw = measure_hardware(backend, tp, quick)
+    if torch.cuda.is_available():  # the benchmarks' buffers would count against the KV budget
+        torch.cuda.empty_cache()
     fields = {f.name for f in dataclasses.fields(HardwareProfile)}
     roofline = HardwareProfile(**{k: v for k, v in hw.items() if k in fields})
     spec = get_backend(backend).profile

@@ -62,7 +62,11 @@ class LLMEngine:
         self.weight_version = 0  # in-place weight updates so far
         self._started = time.monotonic()
         if cfg.warmup if cfg.warmup is not None else s.backend_name != "cpu":
-            self.warm_up()
+            try:
+                self.warm_up()
+            except BaseException:  # no worker outlives an engine that failed to start
+                self.executor.shutdown()
+                raise
 
     @classmethod
     def from_args(cls, **kwargs: Any) -> LLMEngine:
