@@ -16,8 +16,8 @@ RES=/tmp/splash-auto-vs-fixed
 CKPT=/tmp/splash-v3-8l-o1
 mkdir -p "$OUT" "$RES"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
-if ! python3 -c "import splash" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-  pip install -q --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+if ls .whl/*.whl >/dev/null 2>&1; then  # wheels carried to a bare machine: this repo's + deps
+  pip install -q --no-deps --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 t0=$(date +%s)
 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import multi_gpu; \
