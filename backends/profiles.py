@@ -7,7 +7,9 @@ collective. A calibration JSON written by `splash calibrate` replaces any of the
 The last fields are what `splash calibrate --model DIR` fits to measured engine steps (1.0 / 0.0:
 the roofline alone): the matmul and attention stages' roofline times are multiplied by
 ``gemm_time_scale`` and ``attention_time_scale``, every step pays ``step_overhead_us`` (host work,
-launches, sampling), and a switch's transfer time is multiplied by ``switch_time_scale``.
+launches), plus ``request_overhead_us`` per request in the step (the host's per-request work:
+plans, sampling, bookkeeping), and a switch's transfer time is multiplied by
+``switch_time_scale``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class HardwareProfile:
     gemm_time_scale: float = 1.0  # measured / roofline time of the projections, MLP, LM head
     attention_time_scale: float = 1.0  # measured / roofline time of the attention kernels
     step_overhead_us: float = 0.0  # fixed cost of one engine step
+    request_overhead_us: float = 0.0  # cost of one request (row group) in a step, host side
     switch_time_scale: float = 1.0  # measured / predicted transfer time of a switch
     source: str = "spec"  # "spec" or the calibration file it came from
 
@@ -45,7 +48,7 @@ class HardwareProfile:
         for field in ("gemm_time_scale", "attention_time_scale", "switch_time_scale"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"profile {self.name}: {field} must be positive")
-        if self.step_overhead_us < 0 or self.collective_latency_us < 0:
+        if min(self.step_overhead_us, self.request_overhead_us, self.collective_latency_us) < 0:
             raise ValueError(f"profile {self.name}: overheads and latencies must be >= 0")
         if not 0.0 <= self.overlap_fraction <= 1.0:
             raise ValueError(f"profile {self.name}: overlap_fraction must lie in [0, 1]")

@@ -1,7 +1,8 @@
 """Per-step cost of each attention layout (paper Appendix B).
 
 A stage costs max(FLOPs / peak, bytes / HBM bandwidth) on a rank (roofline), times the profile's
-measured-to-roofline factor (1 unless calibrated), plus a fixed cost per step; every collective is
+measured-to-roofline factor (1 unless calibrated), plus a fixed cost per step and per request
+(0 unless calibrated); every collective is
 a barrier, so each stage costs its slowest rank and dependent stages add up. Collectives pay
 `collective_latency_us` each plus bytes / link bandwidth; a fraction `overlap_fraction` of the
 bandwidth time can hide behind attention. MLP/MoE (tensor-parallel over all T ranks in every
@@ -111,7 +112,8 @@ class CostModel:
             "latency": count * self._latency_ms(),
             "hidden": -hidden,
             "lm_head": self._lm_head_ms(len(batch.decode_ctx) + len(batch.prefill)) * gs,
-            "overhead": self.profile.step_overhead_us / 1e3,
+            "overhead": (self.profile.step_overhead_us
+                         + batch.num_requests * self.profile.request_overhead_us) / 1e3,
         }
         out["total"] = sum(out.values())
         out["collectives"] = float(count)

@@ -1,12 +1,13 @@
 """Fit the cost model to measured engine steps and switches (`splash calibrate --model DIR`).
 
-The cost model's step time is linear in four profile fields once the hardware rates are fixed:
+The cost model's step time is linear in five profile fields once the hardware rates are fixed:
 
     step_ms = gemm_time_scale * gemm + attention_time_scale * attention
-              + collective_latency_us * collectives + step_overhead_us + (communication - hidden)
+              + collective_latency_us * collectives + step_overhead_us
+              + request_overhead_us * requests + (communication - hidden)
 
 where ``gemm`` (projections, MLP, LM head), ``attention``, the collective count and the
-communication terms come from the roofline with the measured rates. The four are fitted by
+communication terms come from the roofline with the measured rates. The five are fitted by
 non-negative least squares on *relative* errors (every point weighs the same whatever its
 size), so the fitted profile's error over the measured points is never above the unfitted one's:
 the unfitted profile is one of the candidates. A switch's predicted transfer time is scaled by
@@ -27,8 +28,9 @@ from splash.core.shapes import BatchShape
 from splash.planning.cost_model import CostModel
 
 GEMM_STAGES = ("common_proj", "proj", "mlp", "lm_head")
-FITTED = ("gemm_time_scale", "attention_time_scale", "collective_latency_us", "step_overhead_us")
-LOWER = np.array([0.05, 0.05, 0.0, 0.0])  # scales stay positive; latencies and overheads >= 0
+FITTED = ("gemm_time_scale", "attention_time_scale", "collective_latency_us", "step_overhead_us",
+          "request_overhead_us")
+LOWER = np.array([0.05, 0.05, 0.0, 0.0, 0.0])  # scales stay positive; latencies, overheads >= 0
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,8 @@ def nnls(a: np.ndarray, b: np.ndarray, tol: float = 1e-10) -> np.ndarray:
 def neutral(profile: HardwareProfile) -> HardwareProfile:
     """``profile`` with the fitted fields at their no-op values."""
     return dataclasses.replace(profile, gemm_time_scale=1.0, attention_time_scale=1.0,
-                               step_overhead_us=0.0, switch_time_scale=1.0)
+                               step_overhead_us=0.0, request_overhead_us=0.0,
+                               switch_time_scale=1.0)
 
 
 def _model(cfg: Any, world: int, profile: HardwareProfile, **kw: Any) -> CostModel:
@@ -87,12 +90,13 @@ def _model(cfg: Any, world: int, profile: HardwareProfile, **kw: Any) -> CostMod
 
 
 def step_features(cm: CostModel, point: StepPoint) -> tuple[np.ndarray, float]:
-    """(gemm ms, attention ms, collectives, 1) of ``point`` under a neutral profile, and the
-    part that does not depend on the fitted fields (communication minus what hides)."""
+    """(gemm ms, attention ms, collectives, 1, requests) of ``point`` under a neutral profile,
+    and the part that does not depend on the fitted fields (communication minus what hides)."""
     bd = cm.breakdown(point.layout, point.batch)
     gemm = sum(bd[k] for k in GEMM_STAGES)
     fixed = bd["comm"] + bd["hidden"]
-    return np.array([gemm, bd["attention"], bd["collectives"], 1.0]), fixed
+    return np.array([gemm, bd["attention"], bd["collectives"], 1.0,
+                     point.batch.num_requests]), fixed
 
 
 def fit_profile(cfg: Any, world: int, base: HardwareProfile, steps: Sequence[StepPoint],
@@ -107,10 +111,9 @@ def fit_profile(cfg: Any, world: int, base: HardwareProfile, steps: Sequence[Ste
     y = np.array([p.measured_ms for p in steps])
     a = np.array(rows) / y[:, None]  # relative errors: divide every row by its measurement
     b = (y - np.array(fixed)) / y
-    a[:, 2] *= 1e-3  # collectives x latency in µs -> ms
-    a[:, 3] *= 1e-3  # overhead in µs -> ms
+    a[:, 2:] *= 1e-3  # latency and overheads in µs -> ms
     used = np.abs(a).max(axis=0) > 0  # a column of zeros (no collectives at T=1) keeps base
-    start = np.array([1.0, 1.0, base.collective_latency_us, 0.0])
+    start = np.array([1.0, 1.0, base.collective_latency_us, 0.0, 0.0])
     lower = np.where(used, LOWER, start)
     x = lower.copy()
     x[used] += nnls(a[:, used], b - a @ lower)

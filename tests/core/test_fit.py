@@ -70,6 +70,7 @@ def test_fit_recovers_the_profile_that_made_the_steps(cfg: ModelConfig) -> None:
     base = PROFILES["h200"]
     true = dataclasses.replace(base, gemm_time_scale=1.8, attention_time_scale=2.5,
                                collective_latency_us=35.0, step_overhead_us=900.0,
+                               request_overhead_us=40.0,
                                switch_time_scale=1.6)
     truth = CostModel(cfg, 2, true, sparse_attention=False)
     steps = _points(truth)
@@ -80,7 +81,7 @@ def test_fit_recovers_the_profile_that_made_the_steps(cfg: ModelConfig) -> None:
                 for s, d in (("tp", "dp"), ("dp", "cp"), ("cp", "dop"), ("dop", "tp"))]
     fitted = fit_profile(cfg, 2, base, steps, switches)
     for name in ("gemm_time_scale", "attention_time_scale", "collective_latency_us",
-                 "step_overhead_us", "switch_time_scale"):
+                 "step_overhead_us", "request_overhead_us", "switch_time_scale"):
         assert getattr(fitted, name) == pytest.approx(getattr(true, name), rel=1e-3), name
     assert fitted.hbm_gbps == base.hbm_gbps and fitted.link_gbps == base.link_gbps
 

@@ -45,6 +45,7 @@ def test_calibrate_quick_fits_and_auto_loads_it(tmp_path: Path, capsys,
     used = auto.policy.cost_model.profile
     assert used.source == str(out)
     for name in ("gemm_time_scale", "attention_time_scale", "step_overhead_us",
+                 "request_overhead_us",
                  "collective_latency_us", "switch_time_scale"):
         assert getattr(used, name) == pytest.approx(prof[name])
 
