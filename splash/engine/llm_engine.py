@@ -365,7 +365,7 @@ class LLMEngine:
                 "decision_step": self.switches.inflight.step},
             "policy_decisions": self.auto.decisions[-50:] if self.auto else [],
             # switches made and declined: predicted gain and cost, realized gain of switches
-            "policy_audit": self.auto.audit.entries if self.auto else [],
+            "policy_audit": list(self.auto.audit.entries) if self.auto else [],
             "cost_model_source": self.setup.profile.source,
             "kv_capacity_tokens": self.setup.kv_capacity_tokens(),
             "kv_pages_used": self.allocators.used(),
