@@ -1,4 +1,5 @@
-"""layout="auto": ask the policy every step which layout the next step should run in.
+"""layout="auto": ask the policy which layout the next step should run in (when the batch
+changed, and at least every few steps).
 
 The engine's batch is summarised as the cost model's BatchShape (decode rows with their
 contexts, prefill chunks with their prefixes); waiting prompts are passed for layout-aware
@@ -29,7 +30,7 @@ class AutoLayout:
     to switch to before ``step``, or None."""
 
     def __init__(self, setup: EngineSetup, scheduler: Scheduler, margin: float,
-                 min_dwell_steps: int = 4) -> None:
+                 min_dwell_steps: int = 4, decide_every: int = 8) -> None:
         mem = setup.memory
         # the budget that reproduces this engine's pool: static state + the physical pages
         budget = mem.static_bytes_per_rank(LAYOUTS["dop"]) + setup.num_pages * mem.page_bytes
@@ -42,6 +43,11 @@ class AutoLayout:
                                    sparse_attention=False)  # the engine runs dense MLA
         self.audit = DecisionAudit(self.policy.cost_fn)
         self._pending: str | None = None  # a switch decided and not yet in place (pre-copy)
+        # the policy is asked when the batch changes (arrivals, finishes, prefills) and at least
+        # every ``decide_every`` steps: a steady decode batch changes only by its contexts'
+        # slow growth, and a decision costs host time on every step it is made
+        self.decide_every = decide_every
+        self._asked: tuple[tuple, int] | None = None  # (batch signature, step) of the last ask
         logger.info("layout policy: cost model on profile %s (source %s), margin %.0f%%",
                     setup.profile.name, setup.profile.source, 100 * margin)
 
@@ -50,11 +56,18 @@ class AutoLayout:
         self.decisions.clear()
         self.audit = DecisionAudit(self.policy.cost_fn)
         self._pending = None
+        self._asked = None
         self.policy.reset()
 
     def __call__(self, step: int) -> str | None:
         sched = self.scheduler
         current = sched.layout.name
+        sig = (current, len(sched.running), len(sched.waiting),
+               any(r.num_pending > 1 for r in sched.running))
+        if self._asked is not None and self._asked[0] == sig and \
+                step - self._asked[1] < self.decide_every:
+            return None
+        self._asked = (sig, step)
         running = list(sched.running)
         budget = sched.cfg.max_num_batched_tokens
         decode = [r.num_computed + 1 for r in running if r.num_pending <= 1]
