@@ -36,7 +36,7 @@ from splash.dist.comm import Comm
 from splash.engine.plans import collective_shape
 from splash.layouts.base import KVStore
 from splash.sampling_params import SamplingParams
-from splash.switching.executor import PreCopy
+from splash.switching.executor import PreCopy, _Group, _Transfer
 from splash.switching.manifest import build_manifest
 
 DIRECTIONS = [("tp", "dp"), ("dp", "tp"), ("tp", "cp"), ("cp", "tp"), ("tp", "dop"),
@@ -93,6 +93,44 @@ def _time(fn, device, reps: int) -> float:
     return statistics.median(times)
 
 
+def _phases(plan, comm, store, attns, device) -> dict:
+    """One switch's transfer split into its parts (ms, device synchronised after each): row
+    indices from the plan (host), packing, the collectives alone, unpacking."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    out = {}
+    dist.barrier()
+    t0 = time.perf_counter()
+    xfer = _Transfer(plan, comm, store, attns, device)
+    sync()
+    t1 = time.perf_counter()
+    groups = xfer.groups(per_layer=False)
+    kv = [xfer.pack_kv(g) if plan.kv_moves else None for g in groups]
+    heads = [xfer.pack_heads(g) if plan.heads_move else None for g in groups]
+    sync()
+    t2 = time.perf_counter()
+    dist.barrier()
+    t3 = time.perf_counter()
+    done = []
+    m = xfer.moves
+    for layers, k, h in zip(groups, kv, heads):
+        g = _Group(layers)
+        if k is not None:
+            g.kv, _ = comm.all_to_all_rows(k, m.send_counts, m.recv_counts, group=comm.xfer_group)
+        if h is not None:
+            g.heads, _ = comm.all_to_all_rows(h, m.w_send_counts, m.w_recv_counts,
+                                              group=comm.xfer_group)
+        done.append(g)
+    sync()
+    t4 = time.perf_counter()
+    for g in done:
+        xfer.unpack(g)
+    sync()
+    t5 = time.perf_counter()
+    out.update(moves=1e3 * (t1 - t0), pack=1e3 * (t2 - t1), collectives=1e3 * (t4 - t3),
+               unpack=1e3 * (t5 - t4), groups=len(groups))
+    return out
+
+
 def worker(rank: int, args, port: int, q) -> None:
     cuda = args.backend == "cuda"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -126,6 +164,7 @@ def worker(rank: int, args, port: int, q) -> None:
             got["kv"], got["w"] = pc.xfer.kv_bytes, pc.xfer.weight_bytes
 
         t_switch = _time(switch, device, args.reps)
+        phases = _phases(plan, comm, store, attns, device)
         recv = got["kv"] + got["w"]
         if recv == 0 and not sum(len(x) for x in w.send_to):
             continue
@@ -144,6 +183,7 @@ def worker(rank: int, args, port: int, q) -> None:
         rows.append({"from": src, "to": dst, "rank": rank, "bytes_received": recv,
                      "kv_bytes_received": got["kv"], "weight_bytes_received": got["w"],
                      "switch_ms": 1e3 * t_switch, "plain_ms": 1e3 * t_plain,
+                     "phases_ms": phases,
                      "switch_GBps": recv / t_switch / 1e9 if recv else 0.0,
                      "plain_GBps": sum(recv_counts) / t_plain / 1e9 if recv else 0.0})
     q.put(rows)
@@ -181,7 +221,7 @@ def main() -> int:
         busiest = max(rs, key=lambda r: r["bytes_received"])
         summary.append({"from": src, "to": dst, "bytes_received_busiest_rank":
                         busiest["bytes_received"], "switch_GBps": busiest["switch_GBps"],
-                        "plain_GBps": busiest["plain_GBps"],
+                        "plain_GBps": busiest["plain_GBps"], "phases_ms": busiest["phases_ms"],
                         "pct_of_plain": 100 * busiest["switch_GBps"] / busiest["plain_GBps"]
                         if busiest["plain_GBps"] else None})
         print(json.dumps(summary[-1]), flush=True)
