@@ -214,8 +214,6 @@ class SwitchController:
         mode = self.setup.cfg.switch_mode
         if mode != "auto":
             return mode
-        if not self.scheduler.running:  # nothing to keep serving: a pre-copy would only run
-            return "live"  # the requests being admitted in the source layout
         mem, mcfg = self.setup.memory, self.setup.model_cfg
         head_bytes = mem.projection_bytes_per_layer // mcfg.num_attention_heads
         moved = manifest.predicted_bytes(mem.kv_bytes_per_token_per_layer, head_bytes,
@@ -228,6 +226,8 @@ class SwitchController:
         step_ms = step_ms_ema or 0.0
         if transfer_ms <= SHORT_TRANSFER_MS:  # less than a pre-copy's extra planning round
             return "blocking"
+        if not self.scheduler.running:  # nothing to keep serving: a pre-copy would only run
+            return "live"  # the requests being admitted in the source layout
         return "live" if step_ms >= 2 * transfer_ms else "background"
 
     def _cached(self) -> list[CachedHistory]:
