@@ -3,6 +3,13 @@
 Figures are per device. `link_gbps` is the per-device collective bandwidth (NVLink/xGMI bus
 bandwidth an all-gather reaches), `collective_latency_us` the small-message latency of one
 collective. A calibration JSON written by `splash calibrate` replaces any of these fields.
+
+The last fields are what `splash calibrate --model DIR` fits to measured engine steps (1.0 / 0.0:
+the roofline alone): the matmul and attention stages' roofline times are multiplied by
+``gemm_time_scale`` and ``attention_time_scale``, every step pays ``step_overhead_us`` (host work,
+launches), plus ``request_overhead_us`` per request in the step (the host's per-request work:
+plans, sampling, bookkeeping), and a switch's transfer time is multiplied by
+``switch_time_scale``.
 """
 
 from __future__ import annotations
@@ -27,12 +34,22 @@ class HardwareProfile:
     overlap_fraction: float = 0.5  # share of communication the cost model may hide behind compute
     kernel_program_us: float = 0.0  # fixed cost of one attention program (row); interpreter only
     copy_program_us: float = 0.0  # fixed cost of one exchange/copy kernel program (row); ditto
+    gemm_time_scale: float = 1.0  # measured / roofline time of the projections, MLP, LM head
+    attention_time_scale: float = 1.0  # measured / roofline time of the attention kernels
+    step_overhead_us: float = 0.0  # fixed cost of one engine step
+    request_overhead_us: float = 0.0  # cost of one request (row group) in a step, host side
+    switch_time_scale: float = 1.0  # measured / predicted transfer time of a switch
     source: str = "spec"  # "spec" or the calibration file it came from
 
     def __post_init__(self) -> None:
         for field in ("peak_bf16_tflops", "hbm_gbps", "link_gbps", "memory_gib"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"profile {self.name}: {field} must be positive")
+        for field in ("gemm_time_scale", "attention_time_scale", "switch_time_scale"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"profile {self.name}: {field} must be positive")
+        if min(self.step_overhead_us, self.request_overhead_us, self.collective_latency_us) < 0:
+            raise ValueError(f"profile {self.name}: overheads and latencies must be >= 0")
         if not 0.0 <= self.overlap_fraction <= 1.0:
             raise ValueError(f"profile {self.name}: overlap_fraction must lie in [0, 1]")
 

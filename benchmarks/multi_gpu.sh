@@ -44,12 +44,8 @@ for r in $RUNS; do
       run switch python3 benchmarks/switch_overhead.py --backend cuda --tp "$T" --batch 16 \
         --prompt-len 32768 --rounds 3 --ckpt "$CKPT" --out "$OUT/switch_overhead_tp$T.json" ;;
     e2e)
-      run e2e_rollout python3 benchmarks/end_to_end.py --backend cuda --tp "$T" --ckpt "$CKPT" \
-        --trace rollout --n 256 --max-prompt 8192 --max-output 8192 \
-        --out "$OUT/end_to_end_rollout_tp$T.json"
-      run e2e_stationary python3 benchmarks/end_to_end.py --backend cuda --tp "$T" \
-        --ckpt "$CKPT" --trace stationary --n 128 --max-prompt 8192 --max-output 1024 \
-        --out "$OUT/end_to_end_stationary_tp$T.json" ;;
+      run e2e python3 benchmarks/end_to_end.py --backend cuda --tp "$T" --ckpt "$CKPT" \
+        --trace all --out-dir "$OUT" ;;  # calibrated: benchmarks/auto_vs_fixed.sh
     *) echo "unknown run $r (correctness roofline capacity switch e2e sweep)"; exit 2 ;;
   esac
 done

@@ -136,14 +136,19 @@ def build_parser() -> argparse.ArgumentParser:
                      help="requests in the trace (default: the trace's own)")
     sim.set_defaults(handler="splash.planning.reports:simulate_main")
 
-    cal = _sub(sub, "calibrate", "measure this machine's hardware profile")
+    cal = _sub(sub, "calibrate", "measure this machine's hardware profile; with --model, fit "
+               "the cost model to the engine's measured step and switch times")
     cal.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda", "rocm"],
                      help="auto: ROCm, then CUDA, then CPU")
     cal.add_argument("--tp", type=int, default=1, dest="tp_size",
-                     help="ranks for the collective measurement")
-    cal.add_argument("--out", default=None, help="profile JSON path")
-    cal.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)
-    cal.set_defaults(handler="splash.planning.calibrate:calibrate_main")
+                     help="ranks for the collective measurement and the engine")
+    cal.add_argument("--model", default=None,
+                     help="checkpoint dir: also time the engine in every layout and fit")
+    cal.add_argument("--dtype", default=None, help="the engine's dtype (default: as served)")
+    cal.add_argument("--out", default=None, help="profile JSON path (the table goes beside it)")
+    cal.add_argument("--quick", action="store_true",
+                     help="tiny sizes and a two-point sweep (tests, CPU)")
+    cal.set_defaults(handler="splash.engine.calibration:calibrate_main")
 
     mm = _sub(sub, "make-model", "write a random HF-format checkpoint")
     mm.add_argument("out_dir", help="directory to write")

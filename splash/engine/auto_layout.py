@@ -1,8 +1,12 @@
-"""layout="auto": ask the policy every step which layout the next step should run in.
+"""layout="auto": ask the policy which layout the next step should run in (when the batch
+changed, and at least every few steps).
 
 The engine's batch is summarised as the cost model's BatchShape (decode rows with their
 contexts, prefill chunks with their prefixes); waiting prompts are passed for layout-aware
-admission. Every decision and its reason is kept for stats() and logged when it switches.
+admission. Every decision and its reason is kept for stats(); switches are logged at INFO,
+declined switches (a faster layout the policy did not take, and why) at DEBUG. The audit
+(`splash.planning.audit`) holds switches and declines with their predicted gain and cost, and
+measures each switch's realized gain from the step times around it.
 """
 
 from __future__ import annotations
@@ -10,10 +14,11 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from splash.core.ownership import LAYOUTS
-from splash.engine.scheduler import Scheduler
+from splash.core.ownership import LAYOUTS, get_layout
+from splash.engine.scheduler import ScheduledBatch, Scheduler
 from splash.engine.setup import EngineSetup
 from splash.logging_utils import get_logger
+from splash.planning.audit import DecisionAudit
 from splash.planning.cost_model import BatchShape
 from splash.planning.policy import build_policy
 
@@ -25,7 +30,7 @@ class AutoLayout:
     to switch to before ``step``, or None."""
 
     def __init__(self, setup: EngineSetup, scheduler: Scheduler, margin: float,
-                 min_dwell_steps: int = 4) -> None:
+                 min_dwell_steps: int = 4, decide_every: int = 8) -> None:
         mem = setup.memory
         # the budget that reproduces this engine's pool: static state + the physical pages
         budget = mem.static_bytes_per_rank(LAYOUTS["dop"]) + setup.num_pages * mem.page_bytes
@@ -36,10 +41,33 @@ class AutoLayout:
                                    page_size=setup.page_size, margin=margin,
                                    min_dwell_steps=min_dwell_steps,
                                    sparse_attention=False)  # the engine runs dense MLA
+        self.audit = DecisionAudit(self.policy.cost_fn)
+        self._pending: str | None = None  # a switch decided and not yet in place (pre-copy)
+        # the policy is asked when the batch changes (arrivals, finishes, prefills) and at least
+        # every ``decide_every`` steps: a steady decode batch changes only by its contexts'
+        # slow growth, and a decision costs host time on every step it is made
+        self.decide_every = decide_every
+        self._asked: tuple[tuple, int] | None = None  # (batch signature, step) of the last ask
+        logger.info("layout policy: cost model on profile %s (source %s), margin %.0f%%",
+                    setup.profile.name, setup.profile.source, 100 * margin)
+
+    def reset(self) -> None:
+        """Forget every decision, the audit and the policy's smoothing and dwell."""
+        self.decisions.clear()
+        self.audit = DecisionAudit(self.policy.cost_fn)
+        self._pending = None
+        self._asked = None
+        self.policy.reset()
 
     def __call__(self, step: int) -> str | None:
         sched = self.scheduler
         current = sched.layout.name
+        sig = (current, len(sched.running), len(sched.waiting),
+               any(r.num_pending > 1 for r in sched.running))
+        if self._asked is not None and self._asked[0] == sig and \
+                step - self._asked[1] < self.decide_every:
+            return None
+        self._asked = (sig, step)
         running = list(sched.running)
         budget = sched.cfg.max_num_batched_tokens
         decode = [r.num_computed + 1 for r in running if r.num_pending <= 1]
@@ -61,11 +89,48 @@ class AutoLayout:
             waiting_prompt_lens=[len(r.prompt_token_ids) for r in sched.waiting],
             live_tokens=[r.num_computed for r in running],
             live_owners=[r.owner for r in running])
-        self.decisions.append({"step": step, "layout": decision.layout,
-                               "switch": decision.switch, "reason": decision.reason})
+        horizon = float(statistics.median(remaining))
+        if self._pending == current:
+            self._pending = None
+        entry = None
+        if decision.switch or decision.candidate != self._pending:  # not the switch under way
+            entry = self.audit.record(step, current, decision, horizon)
+        record = entry if entry is not None and decision.switch else {
+            "step": step, "layout": decision.layout, "switch": decision.switch,
+            "reason": decision.reason}
+        record.update(layout=decision.layout, switch=decision.switch)
+        self.decisions.append(record)
         del self.decisions[:-200]
         if decision.switch:
-            logger.info("policy: %s -> %s at step %d: %s", current, decision.layout, step,
-                        decision.reason)
+            self._pending = decision.layout
+            logger.info("policy: %s -> %s at step %d: %s (predicted gain %.2f ms/step, switch "
+                        "%.2f ms)", current, decision.layout, step, decision.reason,
+                        decision.gain_ms, decision.candidate_cost_ms)
             return decision.layout
+        if entry is not None:
+            logger.debug("policy: stays in %s at step %d, declining %s (%s): %s", current, step,
+                         entry["to"], entry["kind"], decision.reason)
         return None
+
+    def observe(self, step: int, batch: ScheduledBatch, step_ms: float, layout: str,
+                switching: bool) -> None:
+        """A served step, for the audit: its work as a BatchShape (before the scheduler
+        updates the requests) and its measured time."""
+        decode, prefill, dec_own, pf_own = [], [], [], []
+        for req, n in batch.entries:
+            if n == 1 and req.num_pending <= 1:
+                decode.append(req.num_computed + 1)
+                dec_own.append(req.owner)
+            else:
+                prefill.append((n, req.num_computed))
+                pf_own.append(req.owner)
+        if not decode and not prefill:
+            return
+        owners = dec_own + pf_own if get_layout(layout).uses_owners else None
+        shape = BatchShape(tuple(decode), tuple(prefill), owners)
+        for e in self.audit.observe(step, layout, shape, step_ms, switching):
+            if e.get("realized_gain_ms") is None:
+                continue
+            logger.info("policy audit: %s -> %s at step %d realized %.2f ms/step over %d steps "
+                        "(predicted %.2f)", e["from"], e["to"], e["step"], e["realized_gain_ms"],
+                        e["realized_steps"], e["predicted_gain_ms"])

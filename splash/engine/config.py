@@ -34,6 +34,9 @@ class EngineConfig:
     policy_margin: float = 0.1  # auto: switch when the best layout leads by this fraction
     worker_addr: str | None = None  # bind here and wait for torchrun-started workers
     enforce_eager: bool = False  # no CUDA graphs for decode steps (they are on by default on CUDA)
+    # compile the kernels at start-up (a short request in every layout the engine may use);
+    # None: on GPUs (the CPU's Triton interpreter compiles nothing)
+    warmup: bool | None = None
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:

@@ -61,6 +61,12 @@ class LLMEngine:
         self._step_ms_ema: float | None = None
         self.weight_version = 0  # in-place weight updates so far
         self._started = time.monotonic()
+        if cfg.warmup if cfg.warmup is not None else s.backend_name != "cpu":
+            try:
+                self.warm_up()
+            except BaseException:  # no worker outlives an engine that failed to start
+                self.executor.shutdown()
+                raise
 
     @classmethod
     def from_args(cls, **kwargs: Any) -> LLMEngine:
@@ -140,6 +146,9 @@ class LLMEngine:
         plans = build_plans(self.scheduler, batch, switch, self.step_count, self.setup)
         results, step_ms = self._execute(plans)
         self.switches.finish(switch, results, step_ms, self.step_count, batch)
+        if self.auto is not None:
+            self.auto.observe(self.step_count, batch, step_ms, self.layout,
+                              switch is not None or precopy)
         sampled = self.scheduler.update_from_output(batch, results[0], self.outputs)
         self._count_step(results, step_ms, len(sampled))
         heads: dict[str, Request] = {}  # one output per prompt: its n samples report together
@@ -198,6 +207,59 @@ class LLMEngine:
             self.scheduler.finish(req, "error", message)
         for rid in list(self.requests):
             self._forget(rid)
+
+    # -- start-up -------------------------------------------------------------------------
+    def warm_up(self, layouts: list[str] | None = None) -> float:
+        """Compile the kernels before the first user request: in each of ``layouts`` (default:
+        every layout this engine may use — all that fit under auto, else its own) serve one
+        short request per rank (two prefill chunks, then decode steps), then return to the
+        start layout and forget it all (counters, switch history, prefix cache). Seconds."""
+        start = self.layout
+        if layouts is None:
+            layouts = list(self.setup.fitting) if self.auto is not None else [start]
+        order = [start] + [n for n in layouts if n != start] if start in layouts else layouts
+        policy, self.switches.policy = self.switches.policy, None  # no pins, no decisions
+        t0 = time.perf_counter()
+        budget = self.scheduler.cfg.max_num_batched_tokens
+        length = max(1, min(budget + 17, self.setup.max_model_len - 4,
+                            self.setup.max_request_tokens - 4))
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        vocab = max(self.vocab_size - 2, 1)
+        try:
+            for i, name in enumerate(order):
+                logger.info("compiling kernels: layout %s [%d/%d] (prefill chunk + decode)...",
+                            name, i + 1, len(order))
+                t1 = time.perf_counter()
+                if name != self.layout:
+                    self.switches.request(name)
+                for rank in range(self.world):  # one request per owner rank
+                    prompt = [2 + (rank * 7919 + j) % vocab for j in range(length)]
+                    self.add_request(prompt, params, request_id=f"warm-up-{name}-{rank}")
+                while self.has_unfinished():
+                    self.step()
+                logger.info("compiling kernels: layout %s [%d/%d] done in %.1f s", name, i + 1,
+                            len(order), time.perf_counter() - t1)
+            if self.layout != start:
+                self.switches.request(start)
+                self.step()
+        finally:
+            self.switches.policy = policy
+        self._forget_warm_up()
+        seconds = time.perf_counter() - t0
+        logger.info("kernels ready: %d layout(s) warmed in %.1f s", len(order), seconds)
+        return seconds
+
+    def _forget_warm_up(self) -> None:
+        sched = self.scheduler
+        self.switches.forget_history()
+        if self.auto is not None:
+            self.auto.reset()
+        sched.prefix.clear()
+        sched.prefix.hit_tokens = sched.prefix.queried_tokens = 0
+        sched.num_preemptions = sched.prompt_tokens_computed = 0
+        self.step_count = self._tokens_total = self._graph_steps = 0
+        self._step_ms_ema = None
+        self._started = time.monotonic()
 
     # -- weights --------------------------------------------------------------------------
     def update_weights(self, source: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
@@ -302,6 +364,9 @@ class LLMEngine:
                 "to": self.switches.inflight.manifest.dst.name,
                 "decision_step": self.switches.inflight.step},
             "policy_decisions": self.auto.decisions[-50:] if self.auto else [],
+            # switches made and declined: predicted gain and cost, realized gain of switches
+            "policy_audit": list(self.auto.audit.entries) if self.auto else [],
+            "cost_model_source": self.setup.profile.source,
             "kv_capacity_tokens": self.setup.kv_capacity_tokens(),
             "kv_pages_used": self.allocators.used(),
             "kv_pages_total": self.setup.num_pages,

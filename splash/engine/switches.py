@@ -93,6 +93,13 @@ class SwitchController:
         self._controller_ms = 0.0  # planning time of the switch under way (decision, handoff)
         self.cancelled: list[dict[str, Any]] = []
 
+    def forget_history(self) -> None:
+        """Drop the records of past switches (the engine's warm-up is not part of a run)."""
+        self.history.clear()
+        self.deferred.clear()
+        self.cancelled.clear()
+        self._last_switch = self._last_rows = None
+
     def request(self, name: str) -> None:
         """Switch at the next step; under auto this pins ``name``; "auto" releases the pin. An
         unknown layout is an InvalidRequestError."""
@@ -219,6 +226,8 @@ class SwitchController:
         step_ms = step_ms_ema or 0.0
         if transfer_ms <= SHORT_TRANSFER_MS:  # less than a pre-copy's extra planning round
             return "blocking"
+        if not self.scheduler.running:  # nothing to keep serving: a pre-copy would only run
+            return "live"  # the requests being admitted in the source layout
         return "live" if step_ms >= 2 * transfer_ms else "background"
 
     def _cached(self) -> list[CachedHistory]:

@@ -1,6 +1,8 @@
 """Per-step cost of each attention layout (paper Appendix B).
 
-A stage costs max(FLOPs / peak, bytes / HBM bandwidth) on a rank (roofline); every collective is
+A stage costs max(FLOPs / peak, bytes / HBM bandwidth) on a rank (roofline), times the profile's
+measured-to-roofline factor (1 unless calibrated), plus a fixed cost per step and per request
+(0 unless calibrated); every collective is
 a barrier, so each stage costs its slowest rank and dependent stages add up. Collectives pay
 `collective_latency_us` each plus bytes / link bandwidth; a fraction `overlap_fraction` of the
 bandwidth time can hide behind attention. MLP/MoE (tensor-parallel over all T ranks in every
@@ -100,15 +102,18 @@ class CostModel:
         comm_ms = (st["comm_ms"] + mlp_ar[0]) * layers
         count = (st["count"] + mlp_ar[2]) * layers
         hidden = self.profile.overlap_fraction * min(st["comm_ms"], st["attention"]) * layers
+        gs, at = self.profile.gemm_time_scale, self.profile.attention_time_scale
         out = {
-            "common_proj": st["common"] * layers,
-            "proj": st["proj"] * layers,
-            "attention": st["attention"] * layers,
-            "mlp": mlp,
+            "common_proj": st["common"] * layers * gs,
+            "proj": st["proj"] * layers * gs,
+            "attention": st["attention"] * layers * at,
+            "mlp": mlp * gs,
             "comm": comm_ms,
             "latency": count * self._latency_ms(),
             "hidden": -hidden,
-            "lm_head": self._lm_head_ms(len(batch.decode_ctx) + len(batch.prefill)),
+            "lm_head": self._lm_head_ms(len(batch.decode_ctx) + len(batch.prefill)) * gs,
+            "overhead": (self.profile.step_overhead_us
+                         + batch.num_requests * self.profile.request_overhead_us) / 1e3,
         }
         out["total"] = sum(out.values())
         out["collectives"] = float(count)
@@ -151,6 +156,7 @@ class CostModel:
         kv_bytes = kv_tokens * self.kv_bytes_per_token_per_layer
         per_layer = (w_bytes + kv_bytes) / (self.profile.link_gbps * 1e9) * 1e3
         per_layer += len(prims) * self._latency_ms()
+        per_layer *= self.profile.switch_time_scale
         compute = self.step_time_ms(d, batch) / layers if batch.num_rows else 0.0
         live = (layers - 1) * max(0.0, per_layer - compute) + per_layer if prims else 0.0
         return SwitchCost(src, dst, tuple(prims), w_bytes, kv_bytes, per_layer, live,

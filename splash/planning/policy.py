@@ -40,6 +40,12 @@ class Decision:
     predicted_ms: dict[str, float]  # step time per feasible layout (incl. admitted requests)
     switch_cost_ms: float = 0.0  # predicted live-switch overhead (0 when staying)
     admitted: dict[str, int] = field(default_factory=dict)  # waiting requests each could admit
+    # what was weighed: the best other layout (None when the current one was best), its
+    # predicted gain in ms per step at this step's work, and the cost of switching to it
+    candidate: str | None = None
+    gain_ms: float = 0.0
+    candidate_cost_ms: float = 0.0
+    kind: str = "stay"  # stay | switch | margin | dwell | economics | headroom | forced | hold
 
 
 class LayoutPolicy:
@@ -114,7 +120,7 @@ class LayoutPolicy:
             times[n], rows[n], admitted[n] = self.cost_fn(n, b), b.num_rows, k
         if not ok:
             return self._record(Decision(current, False, "no layout fits the memory budget: "
-                                         "hold admission", times, 0.0, admitted))
+                                         "hold admission", times, 0.0, admitted, kind="hold"))
 
         def switch_ms(dst: str) -> float:
             return self.switch_cost_fn(current, dst, batch, tokens, owners)
@@ -135,10 +141,10 @@ class LayoutPolicy:
                 if switch_fits(cand):
                     return self._switch(current, cand, f"{current} no longer fits the budget; "
                                         f"{_describe(cand, times, admitted)}", times, admitted,
-                                        switch_ms(cand))
+                                        switch_ms(cand), 0.0, "forced")
             return self._record(Decision(current, False, f"{current} no longer fits and no "
                                          "switch fits the headroom: hold admission", times, 0.0,
-                                         admitted))
+                                         admitted, kind="hold"))
         for n in set(self._ema) - set(ok):  # a layout that stopped fitting starts afresh
             del self._ema[n]
         rel = {n: self._smooth(n, raw[n] / raw[current]) for n in ok}  # speed vs current
@@ -149,26 +155,30 @@ class LayoutPolicy:
                                          admitted))
         cost = switch_ms(best)
         lead = 1.0 - 1.0 / rel[best]
+        gain = times[current] * lead  # ms per step the best layout saves at this step's work
+
+        def decline(kind: str, why: str) -> Decision:
+            return self._record(Decision(current, False, why, times, 0.0, admitted, best, gain,
+                                         cost, kind))
+
         versus = (f"{_describe(best, times, admitted)} vs {_describe(current, times, admitted)} "
                   f"(-{lead:.0%})")
         if lead <= self.margin:
-            return self._record(Decision(current, False, f"{versus} within margin "
-                                         f"{self.margin:.0%}", times, 0.0, admitted))
+            return decline("margin", f"{versus} within margin {self.margin:.0%}")
         if self._since_switch <= self.min_dwell_steps:
-            return self._record(Decision(current, False, f"{versus}; dwell {self._since_switch}"
-                                         f"/{self.min_dwell_steps} steps", times, 0.0, admitted))
+            return decline("dwell", f"{versus}; dwell {self._since_switch}"
+                                    f"/{self.min_dwell_steps} steps")
         # the current step's work at the best layout's (smoothed) rate: ms saved per step
-        horizon = times[current] * lead * max(expected_remaining_steps, 0.0)
+        horizon = gain * max(expected_remaining_steps, 0.0)
         economics = (f"gain {horizon:.1f} ms over {expected_remaining_steps:.0f} steps "
                      f"{'>' if horizon > cost else '<='} switch {cost:.1f} ms")
         if horizon <= cost:
-            return self._record(Decision(current, False, f"{versus}; {economics}: stay", times,
-                                         0.0, admitted))
+            return decline("economics", f"{versus}; {economics}: stay")
         if not switch_fits(best):
-            return self._record(Decision(current, False, f"{versus}; switch deferred: one "
-                                         "layer of headroom does not fit", times, 0.0, admitted))
+            return decline("headroom", f"{versus}; switch deferred: one layer of headroom does "
+                                       "not fit")
         return self._switch(current, best, f"{versus} > margin {self.margin:.0%}; {economics}",
-                            times, admitted, cost)
+                            times, admitted, cost, gain)
 
     # -- helpers ---------------------------------------------------------------------------
     def _smooth(self, name: str, score: float) -> float:
@@ -204,10 +214,12 @@ class LayoutPolicy:
         return BatchShape(admitted, batch.prefill, None), lo  # admissions rebalance owners
 
     def _switch(self, src: str, dst: str, reason: str, times: dict[str, float],
-                admitted: dict[str, int], cost: float) -> Decision:
+                admitted: dict[str, int], cost: float, gain: float,
+                kind: str = "switch") -> Decision:
         self._since_switch = 0
         self._ema.clear()
-        return self._record(Decision(dst, True, reason, times, cost, admitted))
+        return self._record(Decision(dst, True, reason, times, cost, admitted, dst, gain, cost,
+                                     kind))
 
     def _record(self, decision: Decision) -> Decision:
         self.history.append(decision)

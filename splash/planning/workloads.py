@@ -1,4 +1,6 @@
-"""Seeded synthetic request traces for the simulator and the benchmarks.
+"""Seeded synthetic request traces for the simulator and the benchmarks: rollout (RL rollout:
+groups of samples per prompt, long-tailed outputs), grpo, agentic (multi-turn sessions whose
+context grows), chat, stationary (one regime) and bursty (arrivals in bursts).
 
 Every generator returns a list of `TraceRequest` sorted by arrival, identical for identical
 arguments. Lengths are tokens, arrivals seconds from the start of the run.
@@ -58,14 +60,21 @@ def _sorted(reqs: list[TraceRequest]) -> list[TraceRequest]:
 
 
 def rollout(n: int = 256, seed: int = 0, prompt_median: int = 1024, output_median: int = 1024,
-            output_sigma: float = 1.4, max_prompt: int = 8192,
-            max_output: int = 32768) -> list[TraceRequest]:
-    """RL rollout: every request starts at 0; output lengths heavy-tailed (lognormal, clipped),
-    so a batch of many short generations ends as a few very long ones."""
+            output_sigma: float = 1.4, max_prompt: int = 8192, max_output: int = 32768,
+            group: int = 8) -> list[TraceRequest]:
+    """RL rollout: ``n`` requests, ``group`` samples per prompt (one prompt, ``prefix_group`` =
+    the prompt's index, as GRPO draws them), every request at 0; output lengths heavy-tailed
+    per sample (lognormal, clipped), so a batch of many short generations ends as a few very
+    long ones."""
+    if group < 1:
+        raise TraceError("group must be >= 1")
     rng = np.random.default_rng(seed)
-    prompts = _lognormal(rng, prompt_median, 0.5, n, 64, max_prompt)
+    num_prompts = -(-n // group)
+    prompts = _lognormal(rng, prompt_median, 0.5, num_prompts, 64, max_prompt)
     outputs = _lognormal(rng, output_median, output_sigma, n, 16, max_output)
-    return [TraceRequest(int(p), int(o), 0.0) for p, o in zip(prompts, outputs)]
+    return [TraceRequest(int(prompts[i // group]), int(o), 0.0,
+                         prefix_group=i // group if group > 1 else None)
+            for i, o in enumerate(outputs)]
 
 
 def grpo(prompts: int = 64, n: int = 8, seed: int = 0, template_len: int = 512,
@@ -119,6 +128,22 @@ def stationary(n: int = 256, prompt_len: int = 4096, output_len: int = 512,
     rng = np.random.default_rng(seed)
     arrivals = np.zeros(n) if rate_per_s is None else np.cumsum(rng.exponential(1 / rate_per_s, n))
     return [TraceRequest(prompt_len, output_len, float(a)) for a in arrivals]
+
+
+def bursty(n: int = 256, seed: int = 0, bursts: int = 4, gap_s: float = 20.0,
+           burst_span_s: float = 1.0, prompt_median: int = 1024, output_median: int = 256,
+           max_prompt: int = 16384, max_output: int = 4096) -> list[TraceRequest]:
+    """Arrivals in ``bursts`` bursts ``gap_s`` apart, each spread over ``burst_span_s``: the
+    engine goes from idle to a full batch and drains before the next burst."""
+    if bursts < 1 or gap_s < 0 or burst_span_s < 0:
+        raise TraceError("bursts must be >= 1, gap_s and burst_span_s >= 0")
+    rng = np.random.default_rng(seed)
+    which = np.sort(rng.integers(0, bursts, n))
+    arrivals = which * gap_s + rng.uniform(0, burst_span_s, n)
+    prompts = _lognormal(rng, prompt_median, 0.8, n, 16, max_prompt)
+    outputs = _lognormal(rng, output_median, 0.8, n, 8, max_output)
+    return _sorted([TraceRequest(int(p), int(o), float(a))
+                    for p, o, a in zip(prompts, outputs, arrivals)])
 
 
 def load_jsonl(path: str | Path) -> list[TraceRequest]:
@@ -176,19 +201,23 @@ def scaled(trace: Sequence[TraceRequest], max_prompt: int,
 
 GENERATORS: dict[str, Callable[..., list[TraceRequest]]] = {
     "rollout": rollout, "agentic": agentic, "chat": chat, "stationary": stationary,
-    "grpo": grpo}
+    "grpo": grpo, "bursty": bursty}
 
 
-def get_trace(name: str, seed: int = 0, n: int | None = None) -> list[TraceRequest]:
-    """A generator by name (``n`` overrides its request/session count) or a .jsonl path."""
+def get_trace(name: str, seed: int = 0, n: int | None = None,
+              **params: float) -> list[TraceRequest]:
+    """A generator by name (``n`` overrides its request/session count, ``params`` any of its
+    other arguments) or a .jsonl path."""
     if name.endswith(".jsonl"):
         return load_jsonl(name)
     if name not in GENERATORS:
         raise TraceError(f"unknown trace {name!r}; choose from {sorted(GENERATORS)} or a .jsonl")
-    if n is None:
-        return GENERATORS[name](seed=seed)
-    key = {"agentic": "sessions", "grpo": "prompts"}.get(name, "n")
-    return GENERATORS[name](seed=seed, **{key: n})
+    if n is not None:
+        params[{"agentic": "sessions", "grpo": "prompts"}.get(name, "n")] = n
+    try:
+        return GENERATORS[name](seed=seed, **params)
+    except TypeError as e:  # an argument the generator does not take
+        raise TraceError(f"trace {name}: {e}") from None
 
 
 def summary(trace: Sequence[TraceRequest]) -> dict:

@@ -86,3 +86,37 @@ def test_get_trace_and_main(capsys: pytest.CaptureFixture[str]) -> None:
     assert W.main(["rollout", "--n", "16"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["requests"] == 16 and summary["output"]["max"] >= summary["output"]["p50"]
+
+
+def test_rollout_groups_samples_per_prompt() -> None:
+    tr = W.rollout(n=64, group=8, seed=2, output_median=192, max_output=1024)
+    assert len(tr) == 64 and W.rollout(n=64, group=8, seed=2, output_median=192,
+                                       max_output=1024) == tr
+    groups = {g: [r for r in tr if r.prefix_group == g] for g in range(8)}
+    assert all(len(v) == 8 for v in groups.values())
+    assert all(len({r.prompt_len for r in v}) == 1 for v in groups.values())  # one prompt
+    assert len({r.output_len for r in groups[0]}) > 1  # samples end at different lengths
+    out = np.array([r.output_len for r in tr])
+    assert out.max() <= 1024 and out.max() > 3 * np.median(out)  # few long, many short
+    assert all(r.prefix_group is None for r in W.rollout(n=4, group=1))
+
+
+def test_bursty_arrives_in_bursts() -> None:
+    tr = W.bursty(n=96, bursts=4, gap_s=3.0, burst_span_s=0.5, seed=1)
+    assert tr == W.bursty(n=96, bursts=4, gap_s=3.0, burst_span_s=0.5, seed=1)
+    arrivals = np.array([r.arrival_s for r in tr])
+    assert (np.diff(arrivals) >= 0).all()
+    bursts = np.floor(arrivals / 3.0)
+    assert set(bursts) == {0, 1, 2, 3}
+    assert np.allclose(arrivals - 3.0 * bursts, np.clip(arrivals - 3.0 * bursts, 0, 0.5))
+    with pytest.raises(W.TraceError):
+        W.bursty(bursts=0)
+
+
+def test_get_trace_passes_parameters() -> None:
+    tr = W.get_trace("rollout", seed=0, n=16, group=4, max_output=64)
+    assert len(tr) == 16 and max(r.output_len for r in tr) <= 64
+    assert len({r.prefix_group for r in tr}) == 4
+    assert len(W.get_trace("bursty", n=10, bursts=2)) == 10
+    with pytest.raises(W.TraceError, match="stationary"):
+        W.get_trace("stationary", no_such_argument=1)
