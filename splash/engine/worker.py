@@ -178,7 +178,13 @@ class Worker:
                                   self.cfg.world)
         before = torch.cuda.memory_reserved(self.device)
         t0 = time.perf_counter()
-        n = self.graphs.capture_keys(keys, self.layouts)
+        try:
+            n = self.graphs.capture_keys(keys, self.layouts)
+        except torch.OutOfMemoryError as e:
+            raise RuntimeError(
+                f"capturing the start-up CUDA graphs ran out of memory beyond their reserve "
+                f"({e}): lower max_num_seqs (the largest graph batch), raise memory_fraction "
+                "or set enforce_eager") from e
         secs = time.perf_counter() - t0
         used = torch.cuda.memory_reserved(self.device) - before
         logger.info("rank %d: captured %d CUDA graphs for layouts %s in %.1f s, %.0f MiB",
