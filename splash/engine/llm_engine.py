@@ -60,6 +60,10 @@ class LLMEngine:
                         "%.0f MiB reserved)", self._graphs_at_start["cuda_graphs_captured"],
                         list(s.fitting), self._graphs_at_start["cuda_graph_capture_s"],
                         self._graphs_at_start["cuda_graph_mib"], s.budget.graphs / 2**20)
+            if self._graphs_at_start["cuda_graph_mib"] * 2**20 > s.budget.graphs:
+                logger.warning("the start-up CUDA graphs took more than their reserve: the "
+                               "slack beyond memory_fraction pays the difference (lower "
+                               "max_num_seqs or memory_fraction if memory runs short)")
         self.model_cfg, self.world = s.model_cfg, cfg.tp_size
         self.scheduler = build_scheduler(s)
         self.allocators = self.scheduler.alloc

@@ -27,13 +27,16 @@ def _plan(layout: str, rows: list[int], context: int, owners: list[int], sample:
 
 def profile_plans(layout: str, world: int, prefill_rows: int, decode_rows: int,
                   context: int) -> list[StepPlan]:
-    """The prefill chunk (one request of ``prefill_rows`` rows ending at ``context``) and the
-    decode batch (``decode_rows`` requests at ``context``, every one sampled), both owned by
-    rank 0: the busiest rank under owned-KV layouts."""
-    context = max(context, prefill_rows, 1)
+    """The prefill chunk (``prefill_rows`` rows, each request's last rows of a ``context``-long
+    history: one request, or as many as a chunk longer than a context needs) and the decode
+    batch (``decode_rows`` requests at ``context``, every one sampled), all owned by rank 0:
+    the busiest rank under owned-KV layouts."""
+    context = max(context, 1)
     plans = []
     if prefill_rows:
-        plans.append(_plan(layout, [prefill_rows], context, [0], False, -2))
+        rows = [context] * (prefill_rows // context) + [prefill_rows % context]
+        rows = [n for n in rows if n]
+        plans.append(_plan(layout, rows, context, [0] * len(rows), False, -2))
     if decode_rows:
         plans.append(_plan(layout, [1] * decode_rows, context, [0] * decode_rows, True, -1))
     return plans

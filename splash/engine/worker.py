@@ -179,7 +179,8 @@ class Worker:
         before = torch.cuda.memory_reserved(self.device)
         t0 = time.perf_counter()
         try:
-            n = self.graphs.capture_keys(keys, self.layouts)
+            with torch.inference_mode():  # as the steps that replay them
+                n = self.graphs.capture_keys(keys, self.layouts)
         except torch.OutOfMemoryError as e:
             raise RuntimeError(
                 f"capturing the start-up CUDA graphs ran out of memory beyond their reserve "

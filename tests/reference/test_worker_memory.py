@@ -32,6 +32,9 @@ def test_profiling_plans_hold_the_largest_steps(layout):
         tables = profile_tables(decode, rank, 2, page_size=4)
         want = num_local_pages(LAYOUTS[layout], 10, rank, 0, 2)
         assert all(t == [0] * want for t in tables.values())  # every entry: the one page
+    long_chunk, _ = profile_plans(layout, 2, prefill_rows=100, decode_rows=1, context=40)
+    assert long_chunk.query_lens == [40, 40, 20]  # positions stay inside the context
+    assert long_chunk.positions == [*range(40), *range(40), *range(20, 40)]
 
 
 def test_profiling_steps_run_over_one_page():
