@@ -62,7 +62,6 @@ class EngineSetup:
     num_pages: int  # physical KV pages per rank
     max_model_len: int
     max_request_tokens: int  # an owned history must fit one rank
-    max_num_batched_tokens: int  # rows of the largest step (the profiled prefill chunk)
     limits: StepLimits  # the largest steps, as profiled
     budget: MemoryBudget  # how the pool was sized
     cuda_graphs: bool
@@ -71,6 +70,11 @@ class EngineSetup:
     @property
     def world(self) -> int:
         return self.cfg.tp_size
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        """Rows of the largest step (the profiled prefill chunk)."""
+        return self.limits.prefill_rows
 
     def kv_capacity_tokens(self) -> dict[str, int]:
         return {name: kv_capacity_tokens(layout, self.num_pages, self.page_size, self.world)
@@ -134,7 +138,7 @@ def resolve_setup(cfg: EngineConfig) -> EngineSetup:
         dtype=dtype, kv_dtype=kv_dtype, index_dtype=index_dtype, page_size=page_size,
         memory=memory, fitting=tuple(fitting), initial_layout=initial, num_pages=num_pages,
         max_model_len=max_model_len, max_request_tokens=num_pages * page_size,
-        max_num_batched_tokens=batched, limits=limits, budget=budget,
+        limits=limits, budget=budget,
         cuda_graphs=cuda_graphs, graph_max_batch=graph_max_batch)
 
 
