@@ -19,6 +19,7 @@ from splash.core.request import Request, SampleGroup, Status
 from splash.engine.auto_layout import AutoLayout
 from splash.engine.config import EngineConfig
 from splash.engine.executor import start_executor
+from splash.engine.graphs import startup_layouts
 from splash.engine.output_processor import OutputProcessor
 from splash.engine.plans import build_plans
 from splash.engine.scheduler import ScheduledBatch
@@ -58,7 +59,8 @@ class LLMEngine:
         if s.cuda_graphs:
             logger.info("captured %d CUDA graphs for layouts %s in %.1f s, %.0f MiB (per rank, "
                         "%.0f MiB reserved)", self._graphs_at_start["cuda_graphs_captured"],
-                        list(s.fitting), self._graphs_at_start["cuda_graph_capture_s"],
+                        startup_layouts(s.fitting, s.initial_layout, s.world),
+                        self._graphs_at_start["cuda_graph_capture_s"],
                         self._graphs_at_start["cuda_graph_mib"], s.budget.graphs / 2**20)
             if self._graphs_at_start["cuda_graph_mib"] * 2**20 > s.budget.graphs:
                 logger.warning("the start-up CUDA graphs took more than their reserve: the "
