@@ -25,8 +25,10 @@ captured graph of the whole model forward instead:
   placement for (at T = 1 all four; at T > 1 those sharing the start layout's projection
   placement: the others' heads arrive with the first switch to them) at one block-table width,
   the one covering contexts up to ``graph_context`` tokens (`startup_graph_keys`: the same list
-  in the same order on every rank). Keys met later (another width, the other placement) are
-  captured lazily, the first time they are seen (logged with the capture time). All graphs
+  in the same order on every rank). That width is also the smallest any key takes, so every
+  decode step with contexts up to ``graph_context`` replays a start-up graph. Keys met later
+  (longer contexts, the other placement) are captured lazily, the first time they are seen
+  (logged with the capture time). All graphs
   share one memory pool (replays never overlap; each replay's output is consumed before the
   next); the least recently used are dropped past ``max_graphs``.
 - **Several ranks** (NCCL): every rank derives the same key from the same plan, so all capture
@@ -152,7 +154,7 @@ class DecodeGraphs:
 
     def __init__(self, forward: Forward, comm: Comm, page_size: int,
                  device: torch.device, max_batch: int = 256, max_graphs: int = 96,
-                 capture: bool = True) -> None:
+                 capture: bool = True, min_width: int = 1) -> None:
         self.forward, self.comm = forward, comm
         self.rank, self.world = comm.rank, comm.world
         if capture:
@@ -160,6 +162,7 @@ class DecodeGraphs:
         self.page_size, self.device = page_size, device
         self.buckets = batch_buckets(max_batch)
         self.max_graphs, self.capture = max_graphs, capture
+        self.min_width = min_width
         self.pool: Any = None
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self.disabled = False
@@ -204,6 +207,13 @@ class DecodeGraphs:
             output_index=plan.output_index + [0] * g,
         )
 
+    def key(self, plan: StepPlan, padded: StepPlan, impl: AttentionLayout) -> tuple[str, int, int]:
+        """(layout, padded rows, table width) of a step: the width from the plan's longest
+        context, never below ``min_width`` (the start-up width, so that every shorter context
+        replays a start-up graph)."""
+        width = max(graph_width(max(plan.context_lens), self.page_size), self.min_width)
+        return impl.layout.name, len(padded.request_ids), width
+
     # -- run -------------------------------------------------------------------------------
     def run(self, plan: StepPlan, tables: dict[str, list[int]],
             impl: AttentionLayout) -> torch.Tensor | None:
@@ -214,8 +224,8 @@ class DecodeGraphs:
             return None
         # from the plan, not this rank's tables, so every rank picks the same key (a rank that
         # captured while another replayed would run its collectives a different number of times)
-        width = graph_width(max(plan.context_lens), self.page_size)
-        key = (impl.layout.name, len(padded.request_ids), width)
+        key = self.key(plan, padded, impl)
+        width = key[2]
         entry = self.graphs.get(key) if self.capture else None
         # a replay builds the step's inputs on the host and copies them straight into the
         # graph's buffers; eager runs and captures build them on the device

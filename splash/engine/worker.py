@@ -168,14 +168,14 @@ class Worker:
         ready = WorkerReady(self.cfg.rank, os.getpid(), num_pages, str(self.device))
         if not (self.capture or envs.get("SPLASH_PAD_DECODE") == "1"):
             return ready
+        width = graph_width(self.cfg.graph_context, self.cfg.page_size) if self.capture else 1
         self.graphs = DecodeGraphs(self._model_forward, self.comm, self.cfg.page_size,
-                                   self.device, self.cfg.graph_max_batch, capture=self.capture)
+                                   self.device, self.cfg.graph_max_batch, capture=self.capture,
+                                   min_width=width)
         if not self.capture:
             return ready
         names = startup_layouts(self.cfg.graph_layouts, self.cfg.layout, self.cfg.world)
-        keys = startup_graph_keys(names, self.graphs.buckets,
-                                  [graph_width(self.cfg.graph_context, self.cfg.page_size)],
-                                  self.cfg.world)
+        keys = startup_graph_keys(names, self.graphs.buckets, [width], self.cfg.world)
         before = torch.cuda.memory_reserved(self.device)
         t0 = time.perf_counter()
         try:

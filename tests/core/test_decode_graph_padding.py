@@ -95,25 +95,26 @@ def test_startup_captures_every_decode_step_of_the_held_layouts(world, start, ex
     largest batch first within a layout, so no such step captures while serving."""
     layouts = startup_layouts(["tp", "dp", "cp", "dop"], start, world)
     assert layouts == expected
-    g = _graphs(world)
-    width = graph_width(64, PS)
+    width = graph_width(64, PS)  # start-up graphs cover contexts up to 64 tokens
+    g = DecodeGraphs(lambda *a: None, Comm(0, world, use_dist=False), PS, torch.device("cpu"),
+                     max_batch=16, capture=False, min_width=width)
     keys = startup_graph_keys(layouts, g.buckets, [width], world)
     assert len(keys) == len(set(keys)) == len(layouts) * len(g.buckets)
     for name in layouts:
         rows = [k[1] for k in keys if k[0] == name]
         assert rows == sorted(rows, reverse=True)
-    seen = set()
+    seen, longer = set(), set()
     for name in layouts:
         for n in range(1, 16 * world + 1):  # up to the largest bucket on every owner
-            for ctx in (1, 13, 40, 64):
+            for ctx in (1, 13, 40, 64, 65, 200):
                 plan = _plan([i % world for i in range(n)], [ctx] * n)
                 padded = g.pad(plan, _Impl(name))
                 if padded is None:  # above the largest bucket: runs eagerly
                     assert n > 16 and LAYOUTS[name].kv is not KVPlacement.OWNED
                     continue
-                seen.add((name, len(padded.request_ids),
-                          graph_width(max(plan.context_lens), PS)))
-    assert {k for k in seen if k[2] == width} == set(keys)
+                (seen if ctx <= 64 else longer).add(g.key(plan, padded, _Impl(name)))
+    assert seen == set(keys)  # every step up to the start-up context replays a start-up graph
+    assert not longer & set(keys)  # longer contexts: wider tables, captured when first met
 
 
 @pytest.mark.parametrize("layout", ["tp", "dop"])
