@@ -24,26 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _results import save_json  # noqa: E402
-from multi_gpu import _unit_scale  # noqa: E402
-
-
-def build(path: str, layers: int, experts: int) -> str:
-    import transformers
-
-    from splash.model.presets import preset_config
-
-    if not os.path.exists(os.path.join(path, "config.json")):
-        cfg = preset_config("deepseek-v3.2", scale="full")
-        cfg.update(num_hidden_layers=layers, first_k_dense_replace=1, n_routed_experts=experts,
-                   n_group=min(cfg["n_group"], experts // 8), topk_group=1)
-        with torch.device("cuda"):
-            model = transformers.AutoModelForCausalLM.from_config(
-                transformers.AutoConfig.for_model(**cfg), dtype=torch.bfloat16)
-        _unit_scale(model)
-        model.save_pretrained(path)
-        del model
-        torch.cuda.empty_cache()
-    return path
+from multi_gpu import build  # noqa: E402
 
 
 def main() -> int:
@@ -56,7 +37,7 @@ def main() -> int:
     args = ap.parse_args()
     from splash import LLM, SamplingParams
 
-    path = build(f"/tmp/splash-v32-{args.layers}l", args.layers, args.experts)
+    path = build(f"/tmp/splash-v32-{args.layers}l", args.layers, args.experts, "deepseek-v3.2")
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(10, 1000, (args.context,), generator=g).tolist()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)

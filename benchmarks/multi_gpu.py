@@ -25,13 +25,15 @@ from _results import save_json  # noqa: E402  (benchmarks/ is on sys.path)
 CIRCUIT = ["tp", "dp", "tp", "cp", "tp", "dop", "dp", "cp", "dp", "dop", "cp", "dop", "tp"]
 
 
-def build(path: str, layers: int, experts: int) -> str:
+def build(path: str, layers: int, experts: int, preset: str = "deepseek-v3") -> str:
+    """A random checkpoint of ``preset``'s full dimensions with ``layers`` layers and
+    ``experts`` routed experts (O(1) activations), written once per path."""
     import transformers
 
     from splash.model.presets import preset_config
 
     if not os.path.exists(os.path.join(path, "config.json")):
-        cfg = preset_config("deepseek-v3", scale="full")
+        cfg = preset_config(preset, scale="full")
         cfg.update(num_hidden_layers=layers, first_k_dense_replace=1, n_routed_experts=experts,
                    n_group=min(cfg["n_group"], experts // 8), topk_group=1)
         with torch.device("cuda"):

@@ -6,8 +6,9 @@ handoff, minus the same interval in a run that was already in the destination la
 
 A batch of ``--batch`` requests with ``--prompt-len``-token prompts decodes while the engine
 walks an Eulerian circuit of the 12 directions ``--rounds`` times, a new switch two steps after
-the previous one completes; once per mode (``background`` — pre-copy while serving, then hand
-off — and ``blocking``, the baseline). The target-ready runs serve the same batch fixed in
+the previous one completes; once per mode (``auto`` — the engine's default, which picks a
+mechanism per switch from the predicted transfer and step times; ``background`` — pre-copy
+while serving, then hand off; and ``blocking``, the baseline). The "live" figures are auto's. The target-ready runs serve the same batch fixed in
 each layout. Per direction: p50/p95 overhead, as % of the matched ready interval, the
 reduction against blocking, bytes received, decision-to-handoff time and the blocking
 transfer's GB/s.
@@ -110,7 +111,7 @@ def main() -> int:
     ap.add_argument("--ready-steps", type=int, default=12)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--ckpt", default=None)
-    ap.add_argument("--modes", default="background,blocking")
+    ap.add_argument("--modes", default="auto,background,blocking")
     ap.add_argument("--out", default="benchmarks/results/cpu/switch_overhead.json")
     args = ap.parse_args()
     if args.ckpt is None:
@@ -143,22 +144,29 @@ def main() -> int:
                              [e.get("decision_to_handoff_ms", e["interval_ms"]) for e in mine],
                              0.5),
                          "worker_switch_ms_p50": _pct([e["overhead_ms"] for e in mine], 0.5),
+                         "controller_ms_p50": _pct([e.get("controller_ms", 0.0)
+                                                    for e in mine], 0.5),
+                         "switch_step_ms_p50": _pct([e["step_ms"] for e in mine], 0.5),
+                         "precopy_step_ms": [e.get("precopy_step_ms") for e in mine],
+                         "chosen": sorted({e["mode"] for e in mine}),
                          "samples": len(mine)}
             if mine:
                 rec["kv_bytes_received"] = mine[0]["kv_bytes_received"]
                 rec["weight_bytes_received"] = mine[0]["weight_bytes_received"]
                 rec["kv_bytes_received_per_rank"] = mine[0]["kv_bytes_received_per_rank"]
                 rec["kv_op"], rec["weight_op"] = mine[0]["kv_op"], mine[0]["weight_op"]
-        if "background" in rec and "blocking" in rec:
-            live, block = rec["background"]["overhead_p50_ms"], rec["blocking"]["overhead_p50_ms"]
-            rec["live_p50_pct_of_ready_step"] = rec["background"]["pct_of_ready_interval_p50"]
+        live_mode = "auto" if "auto" in rec else "background"
+        if live_mode in rec and "blocking" in rec:
+            live, block = rec[live_mode]["overhead_p50_ms"], rec["blocking"]["overhead_p50_ms"]
+            rec["live_mode"] = live_mode
+            rec["live_p50_pct_of_ready_step"] = rec[live_mode]["pct_of_ready_interval_p50"]
             rec["live_vs_blocking_reduction_pct"] = 100 * (1 - live / block) if block > 0 else None
             moved = max(k + w for k, w in zip(
                 rec.get("kv_bytes_received_per_rank", [0]),
                 [rec.get("weight_bytes_received", 0) // args.tp] * args.tp))
             ms = rec["blocking"]["worker_switch_ms_p50"]
             rec["transfer_GBps"] = moved / ms / 1e6 if ms > 0 and moved else None
-            print(f"{src:>3} -> {dst:<3}  background p50 {live:8.2f} ms "
+            print(f"{src:>3} -> {dst:<3}  {live_mode} p50 {live:8.2f} ms "
                   f"({rec['live_p50_pct_of_ready_step']:.2f}% of ready)  blocking p50 "
                   f"{block:8.2f} ms", flush=True)
         directions.append(rec)

@@ -34,9 +34,10 @@ from splash.core.protocol import SwitchPlan
 from splash.core.request import Request
 from splash.dist.comm import Comm
 from splash.engine.plans import collective_shape
+from splash.kernels_triton import set_value_checks
 from splash.layouts.base import KVStore
 from splash.sampling_params import SamplingParams
-from splash.switching.executor import PreCopy
+from splash.switching.executor import PreCopy, _Group, _Transfer
 from splash.switching.manifest import build_manifest
 
 DIRECTIONS = [("tp", "dp"), ("dp", "tp"), ("tp", "cp"), ("cp", "tp"), ("tp", "dop"),
@@ -93,11 +94,80 @@ def _time(fn, device, reps: int) -> float:
     return statistics.median(times)
 
 
+def _phases(plan, comm, store, attns, device) -> dict:
+    """One switch's transfer split into its parts (ms, device synchronised after each): row
+    indices from the plan (host), packing, the collectives alone, unpacking."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    out = {}
+    dist.barrier()
+    t0 = time.perf_counter()
+    xfer = _Transfer(plan, comm, store, attns, device)
+    sync()
+    t1 = time.perf_counter()
+    groups = xfer.groups(per_layer=False)
+    kv = [xfer.pack_kv(g) if plan.kv_moves else None for g in groups]
+    heads = [xfer.pack_heads(g) if plan.heads_move else None for g in groups]
+    sync()
+    t2 = time.perf_counter()
+    dist.barrier()
+    t3 = time.perf_counter()
+    done = []
+    m = xfer.moves
+    for layers, k, h in zip(groups, kv, heads):
+        g = _Group(layers)
+        if k is not None:
+            g.kv, _ = comm.all_to_all_rows(k, m.send_counts, m.recv_counts, group=comm.xfer_group)
+        if h is not None:
+            g.heads, _ = comm.all_to_all_rows(h, m.w_send_counts, m.w_recv_counts,
+                                              group=comm.xfer_group)
+        done.append(g)
+    sync()
+    t4 = time.perf_counter()
+    for g in done:
+        xfer.unpack(g)
+    sync()
+    t5 = time.perf_counter()
+    out.update(moves=1e3 * (t1 - t0), pack=1e3 * (t2 - t1), collectives=1e3 * (t4 - t3),
+               unpack=1e3 * (t5 - t4), groups=len(groups))
+    return out
+
+
+EXCHANGE_CONFIGS = [(4, 256, 4), (8, 128, 4), (16, 64, 4), (32, 16, 4), (64, 16, 4),
+                    (16, 16, 2), (8, 256, 8)]  # (BLOCK_M, BLOCK_W, num_warps)
+
+
+def exchange_sweep(cache: torch.Tensor, rows: int, reps: int) -> list[dict]:
+    """Pack and unpack of ``rows`` latent rows (as 64-bit words) with each exchange-kernel
+    block shape: GB/s of row bytes read + written."""
+    from splash.kernels_triton import gather_rows, scatter_rows
+
+    pool = cache.reshape(-1, cache.shape[-1]).view(torch.uint8).view(torch.int64)
+    slots = torch.randperm(pool.shape[0], device=cache.device)[:rows]
+    buf = torch.empty((rows, pool.shape[1]), dtype=torch.int64, device=cache.device)
+    out = []
+    for bm, bw, warps in EXCHANGE_CONFIGS:
+        cfg = {"BLOCK_M": bm, "BLOCK_W": bw, "num_warps": warps}
+        rec = {"BLOCK_M": bm, "BLOCK_W": bw, "num_warps": warps, "row_words": pool.shape[1]}
+        for name, fn in (("gather", lambda c=cfg: gather_rows(pool, slots, c, out=buf)),
+                         ("scatter", lambda c=cfg: scatter_rows(pool, slots, buf, c))):
+            fn()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            torch.cuda.synchronize()
+            dt = (time.perf_counter() - t0) / reps
+            rec[f"{name}_GBps"] = 2 * buf.numel() * 8 / dt / 1e9
+        out.append(rec)
+    return out
+
+
 def worker(rank: int, args, port: int, q) -> None:
     cuda = args.backend == "cuda"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+        set_value_checks(False)  # as the engine's workers run: no host reads between kernels
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=args.tp)
     comm = Comm(rank, args.tp)
@@ -126,6 +196,7 @@ def worker(rank: int, args, port: int, q) -> None:
             got["kv"], got["w"] = pc.xfer.kv_bytes, pc.xfer.weight_bytes
 
         t_switch = _time(switch, device, args.reps)
+        phases = _phases(plan, comm, store, attns, device)
         recv = got["kv"] + got["w"]
         if recv == 0 and not sum(len(x) for x in w.send_to):
             continue
@@ -144,8 +215,12 @@ def worker(rank: int, args, port: int, q) -> None:
         rows.append({"from": src, "to": dst, "rank": rank, "bytes_received": recv,
                      "kv_bytes_received": got["kv"], "weight_bytes_received": got["w"],
                      "switch_ms": 1e3 * t_switch, "plain_ms": 1e3 * t_plain,
+                     "phases_ms": phases,
                      "switch_GBps": recv / t_switch / 1e9 if recv else 0.0,
                      "plain_GBps": sum(recv_counts) / t_plain / 1e9 if recv else 0.0})
+    if cuda and rank == 0:
+        rows.append({"exchange_sweep": exchange_sweep(caches[0], args.batch * args.context // 2,
+                                                      args.reps)})
     q.put(rows)
     dist.destroy_process_group()
 
@@ -174,6 +249,8 @@ def main() -> int:
     for p in procs:
         p.join()
     by_dir: dict = {}
+    sweep = [r["exchange_sweep"] for r in rows if "exchange_sweep" in r]
+    rows = [r for r in rows if "exchange_sweep" not in r]
     for r in rows:
         by_dir.setdefault((r["from"], r["to"]), []).append(r)
     summary = []
@@ -181,11 +258,14 @@ def main() -> int:
         busiest = max(rs, key=lambda r: r["bytes_received"])
         summary.append({"from": src, "to": dst, "bytes_received_busiest_rank":
                         busiest["bytes_received"], "switch_GBps": busiest["switch_GBps"],
-                        "plain_GBps": busiest["plain_GBps"],
+                        "plain_GBps": busiest["plain_GBps"], "phases_ms": busiest["phases_ms"],
                         "pct_of_plain": 100 * busiest["switch_GBps"] / busiest["plain_GBps"]
                         if busiest["plain_GBps"] else None})
         print(json.dumps(summary[-1]), flush=True)
+    for rec in sweep[0] if sweep else []:
+        print(json.dumps(rec), flush=True)
     save_json(args.out, {"rows": rows, "summary": summary, "tp": args.tp, "batch": args.batch,
+                         "exchange_sweep": sweep[0] if sweep else None,
                          "context": args.context, "layers": args.layers,
                          "date": datetime.date.today().isoformat(), "torch": torch.__version__,
                          "gpu": torch.cuda.get_device_name(0) if args.backend == "cuda"

@@ -113,7 +113,9 @@ def _check_x(name: str, x: object, min_dim: int = 1) -> torch.Tensor:
 
 def _launch_indexed(src, dst, index, gather: bool, config: dict | None) -> None:
     M = index.shape[0]
-    W = _row_width("x", src if gather else dst)
+    W = _row_width("src", src)
+    if _row_width("dst", dst) != W:
+        raise ValueError(f"rows of {W} and {_row_width('dst', dst)} elements")
     if M == 0 or W == 0:
         return
     cfg = _config(config)
@@ -127,12 +129,21 @@ def _launch_indexed(src, dst, index, gather: bool, config: dict | None) -> None:
     )
 
 
-def gather_rows(x: torch.Tensor, index: torch.Tensor, config: dict | None = None) -> torch.Tensor:
-    """``x[index]`` for ``x`` (N, ...) and ``index`` (M,) int in [0, N): out (M, ...)."""
+def gather_rows(x: torch.Tensor, index: torch.Tensor, config: dict | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x[index]`` for ``x`` (N, ...) and ``index`` (M,) int in [0, N): out (M, ...).
+
+    ``out``, when given, receives the rows: (M, ...) of x's dtype whose rows may be strided
+    (a column slice of a wider buffer, as a switch packs every pool of a row side by side)."""
     _check_x("x", x)
     V.check_tensor("index", index, 1, V.INDEX_DTYPES, x.device)
     V.check_index_range("index", index, x.shape[0], allow_neg1=False)
-    out = torch.empty((index.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    shape = (index.shape[0], *x.shape[1:])
+    if out is None:
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    elif tuple(out.shape) != shape or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(f"out is {out.dtype} {tuple(out.shape)} on {out.device}; expected "
+                         f"{x.dtype} {shape} on {x.device}")
     _launch_indexed(x, out, index, True, config)
     return out
 
@@ -141,7 +152,7 @@ def scatter_rows(
     out: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, config: dict | None = None
 ) -> torch.Tensor:
     """``out[index] = rows`` in place for ``out`` (N, ...), ``index`` (M,) distinct ints in
-    [0, N), ``rows`` (M, ...); returns ``out``."""
+    [0, N), ``rows`` (M, ...) (its rows may be strided); returns ``out``."""
     _check_x("out", out)
     V.check_tensor("index", index, 1, V.INDEX_DTYPES, out.device)
     _check_x("rows", rows)
@@ -153,7 +164,6 @@ def scatter_rows(
         raise ValueError(
             f"rows have shape {tuple(rows.shape)}; expected {(index.shape[0], *out.shape[1:])}"
         )
-    V.check_rows_contiguous("rows", rows)
     V.check_index_range("index", index, out.shape[0], allow_neg1=False)
     _launch_indexed(rows, out, index, False, config)
     return out

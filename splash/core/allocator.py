@@ -55,6 +55,11 @@ class PageAllocator:
     def num_cached(self) -> int:
         return len(self._cached)
 
+    @property
+    def num_evictable(self) -> int:
+        """Cached pages no request holds."""
+        return len(self._evictable)
+
     def refcount(self, page: int) -> int:
         return self._refs[page]
 

@@ -50,6 +50,7 @@ from splash.switching.manifest import SwitchManifest, build_manifest
 logger = get_logger("splash.switch")
 
 MAX_PRECOPY_STEPS = 256  # hand off after this many steps even if a rank still reports work
+SHORT_TRANSFER_MS = 1.0  # auto: a switch moving less than this completes within one step
 
 
 @dataclass
@@ -70,6 +71,7 @@ class _InFlight:
     t0: float  # monotonic time of the decision
     steps: int = 0  # steps served in the source since
     ready: bool = False  # every rank reported its transfer done
+    step_ms: list[float] = field(default_factory=list)  # the source's steps meanwhile
 
 
 class SwitchController:
@@ -88,6 +90,7 @@ class SwitchController:
         self._last_rows: tuple | None = None  # the switching step's decode rows, if only decode
         self.policy: Callable[[int], str | None] | None = None  # set in layout="auto"
         self.inflight: _InFlight | None = None  # a background pre-copy
+        self._controller_ms = 0.0  # planning time of the switch under way (decision, handoff)
         self.cancelled: list[dict[str, Any]] = []
 
     def request(self, name: str) -> None:
@@ -136,6 +139,13 @@ class SwitchController:
     def prepare(self, step: int, step_ms_ema: float | None = None) -> SwitchStep | None:
         """This step's part of a switch, or None (no switch, deferred, or a pre-copy that is
         still moving). ``step_ms_ema``: the engine's recent step time (picks the mode)."""
+        t0 = time.perf_counter()
+        action = self._prepare(step, step_ms_ema)
+        if action is not None or self.inflight is not None:
+            self._controller_ms += (time.perf_counter() - t0) * 1e3
+        return action
+
+    def _prepare(self, step: int, step_ms_ema: float | None) -> SwitchStep | None:
         sched, setup = self.scheduler, self.setup
         target = self._target(step)
         if self.inflight is not None:
@@ -149,9 +159,14 @@ class SwitchController:
             return None
         src, dst, alloc = sched.layout, get_layout(target), sched.alloc
         running = list(sched.running)
+        # cached chains move with a switch completed in one step; a pre-copy leaves them to
+        # the handoff's delta (an explicit mode knows which before the manifest exists)
+        eager = setup.cfg.switch_mode in ("live", "blocking")
         manifest = build_manifest(src, dst, running, alloc, setup.world, setup.page_size,
-                                  setup.model_cfg.num_attention_heads)
-        if manifest is not None and self._mode(manifest, step_ms_ema) != "background":
+                                  setup.model_cfg.num_attention_heads,
+                                  cached=self._cached() if eager else None)
+        if manifest is not None and not eager and \
+                self._mode(manifest, step_ms_ema) != "background":
             cached = self._cached()
             if cached:  # rebuilt with the cached chains (or without them if they do not fit)
                 manifest.give_back(alloc)
@@ -200,13 +215,15 @@ class SwitchController:
                                              moved["weight_bytes_received"]))
         transfer_ms = per_rank / (self.setup.profile.link_gbps * 1e9) * 1e3
         step_ms = step_ms_ema or 0.0
+        if transfer_ms <= SHORT_TRANSFER_MS:  # less than a pre-copy's extra planning round
+            return "blocking"
         return "live" if step_ms >= 2 * transfer_ms else "background"
 
     def _cached(self) -> list[CachedHistory]:
         """The cached chains no request holds, complete under the current layout."""
         sched = self.scheduler
-        if not sched.prefix.enabled:
-            return []
+        if not sched.prefix.enabled or not any(a.num_evictable for a in sched.alloc.ranks):
+            return []  # every cached page is a running request's: it moves with its request
         return cached_histories(sched.alloc, sched.layout, self.setup.world, self.setup.page_size)
 
     def _free_placed(self, placed: dict, keep: set[str]) -> None:
@@ -235,7 +252,8 @@ class SwitchController:
         sched.apply_switch(delta)
         info = {"decision_step": pc.step, "precopy_steps": pc.steps,
                 "decision_to_handoff_ms": round((time.monotonic() - pc.t0) * 1e3, 3),
-                "delta_kv_rows": sum(x.kv_rows_received for x in delta.summary)}
+                "delta_kv_rows": sum(x.kv_rows_received for x in delta.summary),
+                "precopy_step_ms": pc.step_ms}
         logger.info("switch %s -> %s: handoff at step %d after %d steps of pre-copy (delta "
                     "%d KV rows)", pre.src.name, pre.dst.name, step, pc.steps,
                     info["delta_kv_rows"])
@@ -265,12 +283,15 @@ class SwitchController:
         if self.inflight is not None:
             self.inflight.ready = all(r.precopy_done for r in results)
             self.inflight.steps += 1
+            self.inflight.step_ms.append(round(step_ms, 3))
         if self._last_switch is not None and (action is None or action.mode != "handoff"):
             entry = self._last_switch  # the destination's ready step
             entry["ready_step_ms"] = round(step_ms, 3)
             if rows is not None and rows == self._last_rows:  # a matched interval
                 entry["step_minus_ready_ms"] = round(entry["step_ms"] - step_ms, 3)
             self._last_switch = None
+        if action is not None and action.mode == "cancel":
+            self._controller_ms = 0.0
         if action is None or action.mode in ("precopy", "cancel"):
             return
         manifest = action.manifest
@@ -303,8 +324,10 @@ class SwitchController:
             "step_ms": round(step_ms, 3),
             "overhead_ms": round(max(r.switch_ms for r in results), 3),  # the switch work
             "mode": "background" if action.mode == "handoff" else action.mode,
+            "controller_ms": round(self._controller_ms, 3),  # planning: manifests, tables
             **action.info,
         }
+        self._controller_ms = 0.0
         self.history.append(entry)
         self._last_switch = entry
 

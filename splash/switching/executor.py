@@ -38,52 +38,101 @@ from splash.layouts.base import KVStore
 _PLACED = ("q_b", "w_uk", "w_uv", "w_o")
 
 
-def _byte_rows(t: torch.Tensor) -> torch.Tensor:
-    """(P, PS, D) or (P, PS) pool as (P*PS, words per row), sharing storage: raw bits in the
-    widest integer type that divides a row (a 1,152-byte latent row is 144 int64 words, so the
-    exchange kernels move 8 bytes per element instead of one)."""
-    rows = t.reshape(t.shape[0] * t.shape[1], -1).view(torch.uint8)
-    for word in (torch.int64, torch.int32, torch.int16):
-        if rows.shape[1] % word.itemsize == 0 and rows.data_ptr() % word.itemsize == 0:
-            return rows.view(word)
-    return rows
+_WORDS = (torch.int64, torch.int32, torch.int16)
+
+
+def _word(*rows: torch.Tensor) -> torch.dtype:
+    """The widest integer word dividing every byte-row view's width, row stride and address."""
+    for word in _WORDS:
+        k = word.itemsize
+        if all(r.shape[1] % k == 0 and r.stride(0) % k == 0 and r.data_ptr() % k == 0
+               for r in rows):
+            return word
+    return torch.uint8
+
+
+def _pool_rows(pool: torch.Tensor) -> torch.Tensor:
+    """(P, PS, D) or (P, PS) pool as (P*PS, bytes per row), sharing storage."""
+    return pool.reshape(pool.shape[0] * pool.shape[1], -1).view(torch.uint8)
+
+
+def _pad8(n: int) -> int:
+    return -(-n // 8) * 8
+
+
+def _row_layout(pools: list[torch.Tensor]) -> tuple[list[tuple[torch.Tensor, int, int]], int]:
+    """Where each pool's row sits in a packed row: (byte rows, column, width) and the packed
+    row's bytes. Columns start on 8-byte boundaries, so a 1,152-byte latent row moves as 144
+    int64 words even beside a 4-byte fp8 scale."""
+    out, col = [], 0
+    for pool in pools:
+        rows = _pool_rows(pool)
+        out.append((rows, col, rows.shape[1]))
+        col += _pad8(rows.shape[1])
+    return out, col
+
+
+def _pack(rows: torch.Tensor, slots: torch.Tensor, buf: torch.Tensor, col: int) -> None:
+    """buf[:, col:col+w] = rows[slots] (bytes), in the widest word both sides allow."""
+    dst = buf[:, col:col + rows.shape[1]]
+    word = _word(rows, dst)
+    gather_rows(rows.view(word), slots, out=dst.view(word))
+
+
+def _unpack(rows: torch.Tensor, slots: torch.Tensor, buf: torch.Tensor, col: int) -> None:
+    """rows[slots] = buf[:, col:col+w] (bytes), in the widest word both sides allow."""
+    src = buf[:, col:col + rows.shape[1]]
+    word = _word(rows, src)
+    scatter_rows(rows.view(word), slots, src.view(word))
 
 
 def slots_from_runs(runs: list[list[int]], device: torch.device) -> torch.Tensor:
-    """Flat ``[slot, n, ...]`` runs per peer -> the slot of every row, peers in order."""
+    """Flat ``[slot, n, ...]`` runs per peer -> the slot of every row, peers in order. Only
+    the runs cross to the device; the rows are expanded there (a 32K-token context is 512
+    runs but 32,768 rows)."""
     flat = [x for r in runs for x in r]
-    if not flat:
+    total = sum(flat[1::2])
+    if not total:
         return torch.empty(0, dtype=torch.long, device=device)
-    t = torch.tensor(flat, dtype=torch.long).view(-1, 2)
+    t = torch.tensor(flat, dtype=torch.long).view(-1, 2).to(device)
     starts, counts = t[:, 0], t[:, 1]
     first = torch.cumsum(counts, 0) - counts  # row index where each run begins
-    slots = torch.repeat_interleave(starts - first, counts) + torch.arange(int(counts.sum()))
-    return slots.to(device)
+    return torch.repeat_interleave(starts - first, counts, output_size=total) + \
+        torch.arange(total, device=device)
 
 
-def _flat_heads(attn: Any) -> torch.Tensor:
+def _head_rows(attn: Any) -> list[torch.Tensor]:
+    """The four placed tensors of a layer as (heads, elements) rows (views)."""
     placed = attn.placed_weights()
-    return torch.cat([placed[k].reshape(placed[k].shape[0], -1) for k in _PLACED], dim=1)
+    return [placed[k].reshape(placed[k].shape[0], -1) for k in _PLACED]
 
 
 def install_heads(attn: Any, plan: SwitchPlan, received: torch.Tensor,
                   received_heads: list[int]) -> None:
-    """Assemble the destination head range from kept local heads and received rows."""
+    """Assemble the destination head range from kept local heads (one slice copy) and received
+    rows (scattered into place), tensor by tensor."""
     mv = plan.weights
     old = range(attn.head_start, attn.head_start + attn.num_heads)
-    if old.start == mv.head_start and old.stop == mv.head_stop:
+    new = range(mv.head_start, mv.head_stop)
+    if old == new:
         return
+    lo, hi = max(old.start, new.start), min(old.stop, new.stop)
+    dst = torch.tensor([h - new.start for h in received_heads], dtype=torch.long,
+                       device=received.device)
+    if len(received_heads) + max(hi - lo, 0) != len(new):
+        raise RuntimeError(f"heads {list(new)} are neither kept nor received "
+                           f"(kept {lo}..{hi}, received {received_heads})")
     placed = attn.placed_weights()
-    flat = _flat_heads(attn)
-    recv_pos = {h: i for i, h in enumerate(received_heads)}
-    rows = [flat[h - old.start] if h in old else received[recv_pos[h]]
-            for h in range(mv.head_start, mv.head_stop)]
-    new_flat = torch.stack(rows)  # (h_new, E)
     tensors, col = {}, 0
     for k in _PLACED:
-        shape = placed[k].shape[1:]
-        width = int(torch.Size(shape).numel())
-        tensors[k] = new_flat[:, col: col + width].reshape(len(rows), *shape).contiguous()
+        src = placed[k]
+        t = src.new_empty((len(new), *src.shape[1:]))
+        if hi > lo:
+            t[lo - new.start: hi - new.start].copy_(src[lo - old.start: hi - old.start])
+        width = t[0].numel()
+        if received_heads:
+            scatter_rows(t.view(len(new), -1), dst, received[:, col:col + width])
+        tensors[k] = t
         col += width
     attn.set_placed(mv.head_start, tensors)
 
@@ -141,25 +190,46 @@ class _Transfer:
         size = 1 if per_layer else max(self.plan.layers_per_group, 1)
         return [layers[i: i + size] for i in range(0, len(layers), size)]
 
+    def pack_kv(self, layers: list[int]) -> torch.Tensor:
+        """The rows this rank sends for ``layers``: every slot pool of every layer side by side
+        (byte columns), one row per sent slot, peers in order."""
+        m = self.moves
+        layout, width = _row_layout([p for i in layers for p in self.store.slot_pools(i)])
+        send = torch.empty((len(m.send_slots), width), dtype=torch.uint8, device=self.device)
+        if m.send_slots.numel():
+            for rows, col, _ in layout:
+                _pack(rows, m.send_slots, send, col)
+        return send
+
+    def pack_heads(self, layers: list[int]) -> torch.Tensor:
+        """The projection heads this rank sends for ``layers``: one row per sent head, the four
+        placed tensors of every layer side by side."""
+        m = self.moves
+        parts = {i: _head_rows(self.attns[i]) for i in layers}
+        send = parts[layers[0]][0].new_empty(
+            (len(m.sent_heads), sum(t.shape[1] for ts in parts.values() for t in ts)))
+        col, index = 0, {}
+        for i in layers:
+            start = self.attns[i].head_start
+            if start not in index:  # one host-to-device copy for every layer alike
+                index[start] = torch.tensor([h - start for h in m.sent_heads], dtype=torch.long,
+                                            device=self.device)
+            idx = index[start]
+            for t in parts[i]:
+                gather_rows(t, idx, out=send[:, col:col + t.shape[1]])
+                col += t.shape[1]
+        return send
+
     def issue(self, layers: list[int]) -> _Group:
+        """Pack ``layers`` and start their collectives (every rank enters, rows or not)."""
         m, group, g = self.moves, self.comm.xfer_group, _Group(layers)
-        if self.plan.kv_moves:  # every rank enters, with or without rows of its own
-            pools = [p for layer in layers for p in self.store.slot_pools(layer)]
-            # each pool gathered in its widest word, then side by side as bytes
-            send = torch.cat([gather_rows(_byte_rows(p), m.send_slots).view(torch.uint8)
-                              for p in pools], dim=1)
-            g.kv, work = self.comm.all_to_all_rows(send, m.send_counts, m.recv_counts,
-                                                   group=group, async_op=True)
+        if self.plan.kv_moves:
+            g.kv, work = self.comm.all_to_all_rows(self.pack_kv(layers), m.send_counts,
+                                                   m.recv_counts, group=group, async_op=True)
             g.works.append(work)
         if self.move_weights and self.plan.heads_move:
-            parts = []
-            for layer in layers:
-                attn = self.attns[layer]
-                idx = torch.tensor([h - attn.head_start for h in m.sent_heads], dtype=torch.long,
-                                   device=self.device)
-                parts.append(gather_rows(_flat_heads(attn), idx))
             g.heads, work = self.comm.all_to_all_rows(
-                torch.cat(parts, dim=1), m.w_send_counts, m.w_recv_counts, group=group,
+                self.pack_heads(layers), m.w_send_counts, m.w_recv_counts, group=group,
                 async_op=True)
             g.works.append(work)
         return g
@@ -168,21 +238,17 @@ class _Transfer:
         """Scatter a completed group's KV rows into the pools; its heads per layer."""
         m = self.moves
         heads: dict[int, torch.Tensor] = {}
-        col = 0  # byte column of the group's rows: every pool of every layer, side by side
-        for j, layer in enumerate(g.layers):
-            for pool in self.store.slot_pools(layer):
-                rows = _byte_rows(pool)
-                width = rows.shape[1] * rows.element_size()
-                if g.kv is not None and m.recv_slots.numel():
-                    part = g.kv[:, col:col + width].contiguous().view(rows.dtype)
-                    scatter_rows(rows, m.recv_slots, part)
-                col += width
-            if g.heads is not None:
-                width = g.heads.shape[1] // len(g.layers)
-                heads[layer] = g.heads[:, j * width:(j + 1) * width]
         if g.kv is not None:
-            self.kv_bytes += g.kv.numel() * g.kv.element_size()
+            pools = [p for layer in g.layers for p in self.store.slot_pools(layer)]
+            layout = _row_layout(pools)[0]
+            if m.recv_slots.numel():
+                for rows, col, _ in layout:
+                    _unpack(rows, m.recv_slots, g.kv, col)
+            self.kv_bytes += g.kv.shape[0] * sum(w for _, _, w in layout)  # payload, no padding
         if g.heads is not None:
+            width = g.heads.shape[1] // len(g.layers)
+            for j, layer in enumerate(g.layers):
+                heads[layer] = g.heads[:, j * width:(j + 1) * width]
             self.weight_bytes += g.heads.numel() * g.heads.element_size()
         return heads
 

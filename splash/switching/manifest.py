@@ -190,7 +190,7 @@ def place_pages(plans: list[PagePlan], fresh: list[list[int]], world: int,
                 page_size: int) -> PagePlacement:
     """Destination tables (kept, staged and ``fresh`` pages, in logical order) and the runs of
     slots each received page's rows move between (one run per page)."""
-    fresh = [list(pages) for pages in fresh]
+    fresh_iter = [iter(pages) for pages in fresh]
     out = PagePlacement({}, [[[] for _ in range(world)] for _ in range(world)],
                         [[[] for _ in range(world)] for _ in range(world)],
                         [set() for _ in range(world)], {},
@@ -206,7 +206,7 @@ def place_pages(plans: list[PagePlan], fresh: list[list[int]], world: int,
             if p.shared:
                 page = moved[(s, src_page, p.rank)]
             elif page < 0:
-                page = fresh[p.rank].pop(0)
+                page = next(fresh_iter[p.rank])
                 moved[(s, src_page, p.rank)] = page
             if not isinstance(p.request, CachedHistory):
                 out.placed[(p.request.request_id, p.logical, p.rank)] = page

@@ -49,6 +49,22 @@ def test_gather_strided_source_rows(device):
     assert _same(gather_rows(x, index), x[index])
 
 
+def test_pack_into_and_unpack_from_a_column_slice(device):
+    """A switch packs each pool into its columns of one wider buffer and unpacks from there."""
+    x = _data((7, 12), torch.float32, device)
+    index = torch.tensor([4, 0, 6], device=device)
+    buf = torch.zeros(3, 20, device=device)
+    gather_rows(x, index, out=buf[:, 5:17])
+    want = torch.zeros(3, 20, device=device)
+    want[:, 5:17] = x[index]
+    assert _same(buf, want)
+    out = torch.zeros(7, 12, device=device)
+    scatter_rows(out, index, buf[:, 5:17])
+    assert _same(out, scatter_rows_ref(torch.zeros(7, 12, device=device), index, x[index]))
+    with pytest.raises(ValueError, match="out is"):
+        gather_rows(x, index, out=buf[:, :11])
+
+
 def test_wide_rows_use_several_column_blocks(device):
     x = _data((5, 9, 300), torch.float16, device)  # 2700 elements per row > BLOCK_W
     index = torch.tensor([3, 1], device=device)
