@@ -30,6 +30,8 @@ for p in $PARTS; do
     tests)
       part gpu_tests 200 env SPLASH_TEST_GPU=1 python3 -m pytest -q -m gpu -n 6 tests/kernels \
         tests/reference/test_cuda_graphs.py
+      part memory_tests 300 env SPLASH_TEST_GPU=1 python3 -m pytest -q -m gpu \
+        tests/reference/test_memory_gpu.py
       part dist_tests 150 env SPLASH_TEST_GPU=1 SPLASH_TEST_BACKEND=cuda SPLASH_DIST_BACKEND=gloo \
         SPLASH_TEST_DTYPE=fp32 python3 -m pytest -q -n 8 tests/dist -k "not dead" ;;
     engine) part engine 120 python3 benchmarks/gpu_engine_check.py --out "$OUT/engine_bf16.json" ;;

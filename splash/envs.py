@@ -17,6 +17,9 @@ _DEFAULTS: dict[str, str] = {
     # "1": pad decode steps with ghost rows as CUDA graphs do, but run them eagerly (tests the
     # padding on backends without graphs, e.g. the CPU suite)
     "SPLASH_PAD_DECODE": "",
+    # tests only: "N": rank 0 raises torch.OutOfMemoryError in the forward of step N (how the
+    # engine survives a worker running out of memory)
+    "SPLASH_TEST_OOM_STEP": "",
     "SPLASH_TOKEN": "",  # shared secret of `splash serve` and its clients (required off loopback)
 }
 

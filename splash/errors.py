@@ -27,6 +27,11 @@ class WorkerDiedError(SplashError, RuntimeError):
     """A worker process exited or stopped answering; in-flight requests fail with this."""
 
 
+class StepFailedError(SplashError, RuntimeError):
+    """A step failed on a worker that kept its state (an out-of-memory error of a single-rank
+    group): the engine fails that step's requests and serves on."""
+
+
 class ProtocolError(SplashError):
     """A malformed or unsupported message on the wire."""
 

@@ -44,7 +44,9 @@ def generate_main(args: Any) -> int:
     plan = parse_layout_plan(args.layout_plan)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     engine_kw = {k: getattr(args, k) for k in ("dtype", "kv_dtype", "page_size", "max_model_len",
-                                                "kv_pages_per_rank") if getattr(args, k) is not None}
+                                                "kv_pages_per_rank", "memory_fraction",
+                                                "max_num_seqs", "max_num_batched_tokens")
+                 if getattr(args, k, None) is not None}
     if args.enforce_eager:
         engine_kw["enforce_eager"] = True
     with LLM(args.model, tp_size=args.tp_size, backend=args.backend, layout=args.layout,

@@ -64,6 +64,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV pages per rank (default: from the memory budget)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps (on by default on CUDA)")
+    p.add_argument("--memory-fraction", type=float, default=0.85,
+                   help="of device memory for weights, activations, CUDA graphs and KV (GPU)")
+    p.add_argument("--max-num-seqs", type=int, default=256,
+                   help="requests running at once (sets the largest decode step and graph)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="rows of the largest step, the prefill chunk (default: 256 on CPU, 2048 "
+                        "on GPU); its activations are reserved at start-up")
 
 
 def _sub(sub: argparse._SubParsersAction, name: str, text: str) -> argparse.ArgumentParser:

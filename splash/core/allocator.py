@@ -25,9 +25,7 @@ class CachedBlock:
 
 
 class PageAllocator:
-    """One rank's physical pages. ``reserved`` pages are held back for state the current
-    layout keeps beside the KV pool (replicated projections), so capacity follows the layout:
-    a sharded-projection layout lends them to KV."""
+    """One rank's physical pages."""
 
     def __init__(self, num_pages: int) -> None:
         if num_pages <= 0:
@@ -38,7 +36,6 @@ class PageAllocator:
         self._cached: dict[bytes, CachedBlock] = {}  # hash -> page holding it
         self._hash_of: dict[int, bytes] = {}  # cached page -> its hash
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
-        self.reserved = 0
 
     @property
     def num_free(self) -> int:
@@ -51,8 +48,8 @@ class PageAllocator:
 
     @property
     def num_available(self) -> int:
-        """Pages that can still be handed out under the current reservation."""
-        return max(self.num_free - self.reserved, 0)
+        """Pages that can still be handed out."""
+        return self.num_free
 
     @property
     def num_cached(self) -> int:
@@ -145,10 +142,6 @@ class RankAllocators:
         if not self.can_allocate(need):
             raise MemoryError("not enough pages")
         return [a.allocate(n) for n, a in zip(need, self.ranks)]
-
-    def set_reserved(self, pages: int) -> None:
-        for a in self.ranks:
-            a.reserved = pages
 
     def used(self) -> list[int]:
         return [a.num_used for a in self.ranks]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-WORKER_PROTOCOL_VERSION = 2
+WORKER_PROTOCOL_VERSION = 3
 
 
 class SeqSampling(msgspec.Struct, frozen=True):
@@ -142,6 +142,29 @@ class StepResult(msgspec.Struct, tag=True):
     weight_bytes_received: int = 0
     precopy_done: bool = True  # no background transfer of this rank is still in flight
     error: str | None = None  # a worker-side failure, reported instead of tokens
+    # with an error: the worker kept its state and serves on (an out-of-memory error of a
+    # single-rank group outside a switch); only this step's requests fail
+    recoverable: bool = False
+
+
+class WorkerProfile(msgspec.Struct, tag=True):
+    """A worker's first start-up report, before its KV pool exists: what its weights take and
+    the peak activation memory of its profiling steps (0: not measured, e.g. on the CPU)."""
+
+    rank: int
+    pid: int
+    device: str
+    weight_bytes: int = 0  # device memory held after loading the weights
+    activation_bytes: int = 0  # peak above that during the profiling steps
+    decode_bytes: int = 0  # peak of the largest decode step alone (sizes the graph reserve)
+    error: str | None = None  # start-up failed (the controller refuses to start)
+    oom: bool = False  # the error is the profiling step running out of memory
+
+
+class KVPoolSize(msgspec.Struct, tag=True):
+    """The controller's answer to the profiles: the KV pages every rank allocates."""
+
+    num_pages: int
 
 
 class WorkerReady(msgspec.Struct, tag=True):
@@ -150,6 +173,9 @@ class WorkerReady(msgspec.Struct, tag=True):
     num_pages: int  # physical pages in this rank's KV pool
     device: str
     error: str | None = None
+    graphs: int = 0  # CUDA graphs captured at start-up
+    graph_s: float = 0.0  # their capture time
+    graph_bytes: int = 0  # device memory they took (graph pool and buffers)
 
 
 class WorkerHello(msgspec.Struct, tag=True):
@@ -161,7 +187,9 @@ class WorkerHello(msgspec.Struct, tag=True):
 
 _plan_encoder = msgspec.msgpack.Encoder()
 _plan_decoder = msgspec.msgpack.Decoder(StepPlan)
-_result_decoder = msgspec.msgpack.Decoder(StepResult | WorkerReady | WorkerHello)  # type: ignore[arg-type]
+_pool_decoder = msgspec.msgpack.Decoder(KVPoolSize)
+_result_decoder = msgspec.msgpack.Decoder(
+    StepResult | WorkerReady | WorkerProfile | WorkerHello)  # type: ignore[arg-type]
 
 
 def encode(msg: msgspec.Struct) -> bytes:
@@ -175,5 +203,9 @@ def decode_plan(buf: bytes) -> StepPlan:
     return plan
 
 
-def decode_result(buf: bytes) -> StepResult | WorkerReady | WorkerHello:
+def decode_pool_size(buf: bytes) -> KVPoolSize:
+    return _pool_decoder.decode(buf)
+
+
+def decode_result(buf: bytes) -> StepResult | WorkerReady | WorkerProfile | WorkerHello:
     return _result_decoder.decode(buf)

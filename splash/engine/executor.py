@@ -1,8 +1,12 @@
 """How the controller reaches its workers: in-process (T=1 on a GPU) or spawned processes over
 ZeroMQ (T>1, and always on the CPU backend).
 
-Both take one StepPlan per rank and return one StepResult per rank. A dead or silent worker
-raises WorkerDiedError within seconds; nothing waits forever.
+Both start in two phases: the workers load their weights and report their profiling steps
+(`profiles`), then allocate the KV pool the controller sized from them (`allocate`). Both take
+one StepPlan per rank and return one StepResult per rank. A dead or silent worker, or one that
+reports an error, raises WorkerDiedError within seconds (the first error ends the wait: its
+peers may be stuck in a collective); nothing waits forever. A step that failed on a worker that
+kept its state raises StepFailedError.
 
 Spawned workers start with SIGINT ignored (Ctrl-C in a terminal reaches the whole process
 group; the controller alone handles it and stops its workers) and, on the CPU backend, with
@@ -35,18 +39,20 @@ from safetensors.torch import save_file
 from splash import envs
 from splash.core.protocol import (
     WORKER_PROTOCOL_VERSION,
+    KVPoolSize,
     StepPlan,
     StepResult,
     WeightLoad,
     WorkerHello,
+    WorkerProfile,
     WorkerReady,
     decode_result,
     encode,
 )
-from splash.engine.worker import Worker
+from splash.engine.worker import Worker, recoverable
 from splash.engine.worker_config import WorkerConfig
 from splash.engine.worker_loop import worker_main
-from splash.errors import WorkerDiedError
+from splash.errors import StepFailedError, WorkerDiedError
 from splash.logging_utils import get_logger
 from splash.model.loader import CheckpointWeights
 
@@ -59,6 +65,11 @@ class InprocExecutor:
     def __init__(self, cfg: WorkerConfig) -> None:
         self.worker: Worker | None = Worker(cfg)
         self.pids: list[int] = []
+        self.profiles = [self.worker.profile_report()]
+
+    def allocate(self, num_pages: int) -> list[WorkerReady]:
+        assert self.worker is not None
+        return [self.worker.allocate(num_pages)]
 
     def load_weights(self, source: str | Mapping[str, torch.Tensor], names: list[str],
                      step: int) -> None:
@@ -72,7 +83,14 @@ class InprocExecutor:
     def execute(self, plans: list[StepPlan]) -> list[StepResult]:
         if self.worker is None:
             raise WorkerDiedError("the engine was shut down")
-        result = self.worker.execute(plans[0])
+        try:
+            result = self.worker.execute(plans[0])
+        except torch.OutOfMemoryError as e:
+            if not recoverable(e, plans[0], 1):
+                raise
+            self.worker.recover()
+            raise StepFailedError(f"worker 0 failed step {plans[0].step}: "
+                                  f"OutOfMemoryError: {e}") from e
         if result.error:
             raise WorkerDiedError(f"worker 0 failed: {result.error}")
         return [result]
@@ -122,14 +140,32 @@ class MPExecutor:
                 proc.start()
                 self.procs.append(proc)
         self.pids = [p.pid for p in self.procs]
-        ready = self._gather(start_timeout_s, "start")
-        for msg in ready:
-            if not isinstance(msg, WorkerReady):
-                raise WorkerDiedError(f"unexpected start-up message {msg!r}")
-            if msg.error:
+        self.start_timeout_s = start_timeout_s
+        self.profiles = self._start_messages(WorkerProfile, "start")
+
+    def _start_messages(self, kind: type, what: str) -> list:
+        try:
+            msgs = self._gather(self.start_timeout_s, what)
+        except WorkerDiedError:
+            self.shutdown()
+            raise
+        for msg in msgs:
+            if not isinstance(msg, kind):
                 self.shutdown()
-                raise WorkerDiedError(f"worker {msg.rank} failed to start: {msg.error}")
-        logger.info("%d workers ready (pids %s)", cfg.world, self.pids)
+                raise WorkerDiedError(f"unexpected start-up message {msg!r}")
+        return msgs
+
+    def allocate(self, num_pages: int) -> list[WorkerReady]:
+        """Every worker allocates ``num_pages`` KV pages and captures its start-up graphs."""
+        for rank in range(self.world):
+            self.sock.send_multipart([f"worker-{rank}".encode(), encode(KVPoolSize(num_pages))])
+        ready = self._start_messages(WorkerReady, "KV pool allocation and graph capture")
+        errors = [m for m in ready if m.error]
+        if errors:
+            self.shutdown()
+            raise WorkerDiedError(f"worker {errors[0].rank} failed to start: {errors[0].error}")
+        logger.info("%d workers ready (pids %s)", self.world, self.pids)
+        return ready
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
@@ -141,7 +177,9 @@ class MPExecutor:
             if self.sock.poll(200):
                 ident, payload = self.sock.recv_multipart()
                 rank = int(ident.decode().split("-")[1])
-                got[rank] = decode_result(payload)
+                msg = got[rank] = decode_result(payload)
+                if getattr(msg, "error", None) and not getattr(msg, "recoverable", False):
+                    return [msg]  # its peers may wait in a collective for it: stop here
                 continue
             dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]  # spawned only
             if dead and not all(r in got for r in dead):
@@ -196,7 +234,10 @@ class MPExecutor:
         results = self._gather(self.timeout_s, f"step {plans[0].step}")
         errors = [r for r in results if isinstance(r, StepResult) and r.error]
         if errors:
-            raise WorkerDiedError(f"worker {errors[0].rank} failed: {errors[0].error}")
+            e = errors[0]
+            if all(r.recoverable for r in errors):
+                raise StepFailedError(f"worker {e.rank} failed step {e.step}: {e.error}")
+            raise WorkerDiedError(f"worker {e.rank} failed: {e.error}")
         return results  # type: ignore[return-value]
 
     def shutdown(self) -> None:
@@ -292,11 +333,9 @@ class ExternalExecutor(MPExecutor):
         payload = msgspec.json.encode(dataclasses.asdict(cfg))
         for rank in range(cfg.world):
             self.sock.send_multipart([f"worker-{rank}".encode(), payload])
-        ready = self._gather(start_timeout_s, "start")
-        errors = [m for m in ready if isinstance(m, WorkerReady) and m.error]
-        if errors:
-            raise WorkerDiedError(f"worker {errors[0].rank} failed to start: {errors[0].error}")
-        self.pids = [m.pid for m in ready]
+        self.start_timeout_s = start_timeout_s
+        self.profiles = self._start_messages(WorkerProfile, "start")
+        self.pids = [m.pid for m in self.profiles]
 
     def alive(self) -> bool:
         return True

@@ -21,9 +21,16 @@ captured graph of the whole model forward instead:
   then replays the destination's graph.
 - ``capture=False`` pads the same way but runs the padded step eagerly: the padding's
   semantics can then be tested on any backend (``SPLASH_PAD_DECODE=1``).
-- Graphs are captured lazily, the first time a key is seen (logged with its capture time), into
-  one shared memory pool (replays never overlap; each replay's output is consumed before the
-  next), and the least recently used are dropped past ``max_graphs``.
+- **At start-up** every worker captures every batch bucket of every layout it holds the
+  placement for (at T = 1 all four; at T > 1 those sharing the start layout's projection
+  placement: the others' heads arrive with the first switch to them) at one block-table width,
+  the one covering contexts up to ``graph_context`` tokens (`startup_graph_keys`: the same list
+  in the same order on every rank). That width is also the smallest any key takes, so every
+  decode step with contexts up to ``graph_context`` replays a start-up graph. Keys met later
+  (longer contexts, the other placement) are captured lazily, the first time they are seen
+  (logged with the capture time). All graphs
+  share one memory pool (replays never overlap; each replay's output is consumed before the
+  next); the least recently used are dropped past ``max_graphs``.
 - **Several ranks** (NCCL): every rank derives the same key from the same plan, so all capture
   and replay together. Collectives inside graphs use a communicator of their own (warmed up by
   the eager warm-up forward before capture, since NCCL connects lazily); capture uses
@@ -45,8 +52,8 @@ from typing import Any
 import msgspec
 import torch
 
-from splash.core.ownership import KVPlacement
-from splash.core.protocol import StepPlan
+from splash.core.ownership import KVPlacement, Layout, get_layout
+from splash.core.protocol import WORKER_PROTOCOL_VERSION, StepPlan
 from splash.dist.comm import Comm
 from splash.layouts.base import AttentionLayout, StepMeta
 
@@ -75,6 +82,43 @@ def _bucket(n: int, buckets: list[int]) -> int | None:
 
 def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
+
+
+def graph_width(context: int, page_size: int) -> int:
+    """The block-table width of a graph whose longest context is ``context`` tokens: the
+    pages it spans, rounded up to a power of two."""
+    return _next_pow2(max(-(-context // page_size), 1))
+
+
+def startup_layouts(fitting: tuple[str, ...] | list[str], initial: str, world: int) -> list[str]:
+    """The layouts whose graphs a worker can capture at start-up: those whose projection
+    placement it holds now (all of them at T = 1)."""
+    sharded = get_layout(initial).shards_heads
+    return [n for n in fitting if world == 1 or get_layout(n).shards_heads == sharded]
+
+
+def graph_rows(layout: Layout, bucket: int, world: int) -> int:
+    """Rows of a padded step at ``bucket``: per rank under owned KV, in all otherwise."""
+    return bucket * world if layout.kv is KVPlacement.OWNED else bucket
+
+
+def startup_graph_keys(layouts: list[str], buckets: list[int], widths: list[int],
+                       world: int) -> list[tuple[str, int, int]]:
+    """Graph keys (layout, padded rows, table width) to capture at start-up, in capture order
+    (the same on every rank): layout by layout, largest batch first, so that the smaller
+    graphs reuse the shared pool's blocks."""
+    return [(name, graph_rows(get_layout(name), b, world), w) for name in layouts
+            for w in widths for b in sorted(buckets, reverse=True)]
+
+
+def ghost_plan(layout: Layout, rows: int, world: int) -> StepPlan:
+    """A decode step of ``rows`` ghost rows (spread evenly over the owners under owned KV):
+    what start-up captures run."""
+    owned = layout.kv is KVPlacement.OWNED
+    owners = [r for r in range(world) for _ in range(rows // world)] if owned else [0] * rows
+    n = len(owners)
+    return StepPlan(WORKER_PROTOCOL_VERSION, -3, layout.name, [f"{_GHOST}{i}" for i in range(n)],
+                    [1] * n, [0] * n, owners, [0] * n, [0] * n, [False] * n, [], [0] * n)
 
 
 class _Mismatch(Exception):
@@ -110,7 +154,7 @@ class DecodeGraphs:
 
     def __init__(self, forward: Forward, comm: Comm, page_size: int,
                  device: torch.device, max_batch: int = 256, max_graphs: int = 96,
-                 capture: bool = True) -> None:
+                 capture: bool = True, min_width: int = 1) -> None:
         self.forward, self.comm = forward, comm
         self.rank, self.world = comm.rank, comm.world
         if capture:
@@ -118,6 +162,7 @@ class DecodeGraphs:
         self.page_size, self.device = page_size, device
         self.buckets = batch_buckets(max_batch)
         self.max_graphs, self.capture = max_graphs, capture
+        self.min_width = min_width
         self.pool: Any = None
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self.disabled = False
@@ -162,6 +207,13 @@ class DecodeGraphs:
             output_index=plan.output_index + [0] * g,
         )
 
+    def key(self, plan: StepPlan, padded: StepPlan, impl: AttentionLayout) -> tuple[str, int, int]:
+        """(layout, padded rows, table width) of a step: the width from the plan's longest
+        context, never below ``min_width`` (the start-up width, so that every shorter context
+        replays a start-up graph)."""
+        width = max(graph_width(max(plan.context_lens), self.page_size), self.min_width)
+        return impl.layout.name, len(padded.request_ids), width
+
     # -- run -------------------------------------------------------------------------------
     def run(self, plan: StepPlan, tables: dict[str, list[int]],
             impl: AttentionLayout) -> torch.Tensor | None:
@@ -172,8 +224,8 @@ class DecodeGraphs:
             return None
         # from the plan, not this rank's tables, so every rank picks the same key (a rank that
         # captured while another replayed would run its collectives a different number of times)
-        width = _next_pow2(max(-(-max(plan.context_lens) // self.page_size), 1))
-        key = (impl.layout.name, len(padded.request_ids), width)
+        key = self.key(plan, padded, impl)
+        width = key[2]
         entry = self.graphs.get(key) if self.capture else None
         # a replay builds the step's inputs on the host and copies them straight into the
         # graph's buffers; eager runs and captures build them on the device
@@ -201,8 +253,24 @@ class DecodeGraphs:
         logger.debug("rank %d: step %d replayed graph %s", self.rank, plan.step, key)
         return entry.hidden[: len(plan.request_ids)]
 
+    def capture_keys(self, keys: list[tuple[str, int, int]],
+                     impls: dict[str, AttentionLayout]) -> int:
+        """Capture ``keys`` (`startup_graph_keys`) from ghost steps; the number held after."""
+        self.max_graphs = max(self.max_graphs, len(keys) + len(self.graphs))
+        for key in keys:
+            if self.disabled:
+                break
+            if key in self.graphs:
+                continue
+            name, rows, width = key
+            plan = ghost_plan(impls[name].layout, rows, self.world)
+            meta = StepMeta(plan, {}, self.rank, self.world, self.page_size, self.device,
+                            table_width=width)
+            self._capture(key, plan, meta, impls[name], log=False)
+        return len(self.graphs)
+
     def _capture(self, key: tuple, padded: StepPlan, meta: StepMeta,
-                 impl: AttentionLayout) -> _Graph | None:
+                 impl: AttentionLayout, log: bool = True) -> _Graph | None:
         t0 = time.perf_counter()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
@@ -233,7 +301,8 @@ class DecodeGraphs:
         self.graphs[key] = entry
         while len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)
-        logger.info("captured CUDA graph: layout %s, batch %d, block-table width %d (%.0f ms, "
-                    "%d graphs held)", key[0], key[1], key[2], (time.perf_counter() - t0) * 1e3,
-                    len(self.graphs))
+        logger.log(logging.INFO if log else logging.DEBUG,
+                   "captured CUDA graph: layout %s, batch %d, block-table width %d (%.0f ms, "
+                   "%d graphs held)", key[0], key[1], key[2], (time.perf_counter() - t0) * 1e3,
+                   len(self.graphs))
         return entry

@@ -19,11 +19,18 @@ from splash.core.request import Request, SampleGroup, Status
 from splash.engine.auto_layout import AutoLayout
 from splash.engine.config import EngineConfig
 from splash.engine.executor import start_executor
+from splash.engine.graphs import startup_layouts
 from splash.engine.output_processor import OutputProcessor
 from splash.engine.plans import build_plans
-from splash.engine.setup import build_scheduler, load_tokenizer, resolve_setup
+from splash.engine.scheduler import ScheduledBatch
+from splash.engine.setup import (
+    build_scheduler,
+    load_tokenizer,
+    resolve_setup,
+    size_from_profiles,
+)
 from splash.engine.switches import SwitchController
-from splash.errors import ConfigError, InvalidRequestError, WorkerDiedError
+from splash.errors import ConfigError, InvalidRequestError, StepFailedError, WorkerDiedError
 from splash.logging_utils import get_logger
 from splash.model.config import ModelConfig
 from splash.model.loader import checkpoint_shapes, with_expert_aliases
@@ -38,7 +45,27 @@ class LLMEngine:
 
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
-        self.setup = s = resolve_setup(cfg)
+        s = resolve_setup(cfg)  # refuses what cannot fit by the estimates, before any worker
+        self.executor = start_executor(s.worker_config(), cfg.worker_addr)
+        try:  # the pool from what the workers measured; then they allocate it
+            self.setup = s = size_from_profiles(s, self.executor.profiles)
+            ready = self.executor.allocate(s.num_pages)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self._graphs_at_start = {"cuda_graphs_captured": max(r.graphs for r in ready),
+                                 "cuda_graph_capture_s": max(r.graph_s for r in ready),
+                                 "cuda_graph_mib": max(r.graph_bytes for r in ready) / 2**20}
+        if s.cuda_graphs:
+            logger.info("captured %d CUDA graphs for layouts %s in %.1f s, %.0f MiB (per rank, "
+                        "%.0f MiB reserved)", self._graphs_at_start["cuda_graphs_captured"],
+                        startup_layouts(s.fitting, s.initial_layout, s.world),
+                        self._graphs_at_start["cuda_graph_capture_s"],
+                        self._graphs_at_start["cuda_graph_mib"], s.budget.graphs / 2**20)
+            if self._graphs_at_start["cuda_graph_mib"] * 2**20 > s.budget.graphs:
+                logger.warning("the start-up CUDA graphs took more than their reserve: the "
+                               "slack beyond memory_fraction pays the difference (lower "
+                               "max_num_seqs or memory_fraction if memory runs short)")
         self.model_cfg, self.world = s.model_cfg, cfg.tp_size
         self.scheduler = build_scheduler(s)
         self.allocators = self.scheduler.alloc
@@ -46,7 +73,6 @@ class LLMEngine:
         self.auto: AutoLayout | None = None
         if cfg.layout == "auto" and cfg.tp_size > 1:
             self.auto = self.switches.policy = AutoLayout(s, self.scheduler, cfg.policy_margin)
-        self.executor = start_executor(s.worker_config(), cfg.worker_addr)
         self.tokenizer = load_tokenizer(cfg.model)
         self.vocab_size = self.model_cfg.vocab_size
         self.outputs = OutputProcessor(self.tokenizer, set(self.model_cfg.eos_token_ids),
@@ -110,6 +136,12 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt + max_tokens = {len(prompt) + params.max_tokens} tokens does not fit "
                 f"the KV pool ({self.setup.max_request_tokens} tokens per request)")
+        if not self.cfg.enable_chunked_prefill and \
+                len(prompt) > self.setup.max_num_batched_tokens:
+            raise InvalidRequestError(  # one step computes the whole prompt
+                f"prompt ({len(prompt)} tokens) exceeds max_num_batched_tokens "
+                f"{self.setup.max_num_batched_tokens} with chunked prefill off: raise "
+                "max_num_batched_tokens or enable chunked prefill")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer and this checkpoint has none; "
                                       "use stop_token_ids")
@@ -144,7 +176,10 @@ class LLMEngine:
         if not batch.entries and switch is None and not precopy:
             return outputs
         plans = build_plans(self.scheduler, batch, switch, self.step_count, self.setup)
-        results, step_ms = self._execute(plans)
+        try:
+            results, step_ms = self._execute(plans)
+        except StepFailedError as e:
+            return outputs + self._fail_step(batch, str(e))
         self.switches.finish(switch, results, step_ms, self.step_count, batch)
         if self.auto is not None:
             self.auto.observe(self.step_count, batch, step_ms, self.layout,
@@ -182,6 +217,27 @@ class LLMEngine:
             self._fail_all(str(e))
             raise
         return results, (time.perf_counter() - t0) * 1e3
+
+    def _fail_step(self, batch: ScheduledBatch, message: str) -> list[RequestOutput]:
+        """The workers failed this step but kept their state: its requests finish with the
+        error, the others serve on. The prefix cache is flushed (pages this step was writing
+        may be registered already)."""
+        reqs = [req for req, _ in batch.entries]
+        logger.error("step %d failed (%s): its %d requests finish with the error; the engine "
+                     "serves on", self.step_count, message, len(reqs))
+        self.step_count += 1  # step numbers stay unique
+        self.scheduler.prefix.clear()
+        heads: dict[str, Request] = {}
+        for req in reqs:
+            if req.status is not Status.FINISHED:
+                self.scheduler.finish(req, "error", message)
+            head = req.group.members[0] if req.group is not None else req
+            heads.setdefault(head.request_id, head)
+        outputs = [self._output(head) for head in heads.values()]
+        for out in outputs:
+            if out.finished:
+                self._forget(out.request_id)
+        return outputs
 
     def _count_step(self, results: list[StepResult], step_ms: float, tokens: int) -> None:
         self._step_ms_ema = step_ms if self._step_ms_ema is None else (
@@ -382,6 +438,8 @@ class LLMEngine:
             "prompt_tokens_computed": self.scheduler.prompt_tokens_computed,
             "weight_version": self.weight_version,
             "cuda_graphs": self.setup.cuda_graphs,
+            **self._graphs_at_start,  # captured at start-up: count, seconds, MiB per rank
+            "memory": self.setup.budget.as_dict(),  # how the KV pool was sized (GiB per rank)
             "graph_steps": self._graph_steps,  # steps replayed from CUDA graphs
             "step_time_ms_ema": self._step_ms_ema,
             "tokens_generated": self._tokens_total,

@@ -246,7 +246,11 @@ class Scheduler:
     def _chunk(self, req: Request, budget: int) -> int:
         if req.num_pending <= 1:
             return min(req.num_pending, budget)
-        if not self.cfg.enable_chunked_prefill:
+        # a step never exceeds max_num_batched_tokens rows (the profiled size): without
+        # chunked prefill a prompt runs whole in an otherwise empty step, but a preempted
+        # request longer than that (prompt and outputs) recomputes in chunks
+        whole = req.num_pending <= self.cfg.max_num_batched_tokens
+        if not self.cfg.enable_chunked_prefill and whole:
             return req.num_pending if budget == self.cfg.max_num_batched_tokens else 0
         return min(req.num_pending, budget)
 

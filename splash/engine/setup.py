@@ -1,14 +1,16 @@
 """Engine start-up, resolved once: backend, model, dtypes, the KV pool per layout, limits.
 
 `resolve_setup(cfg)` reads the checkpoint's config and the device's memory and returns a frozen
-`EngineSetup`; it changes nothing (CPU workers get the Triton interpreter in their own processes:
-`splash.engine.executor`). The KV pool is sized for the layouts with sharded projections; under
-a layout with replicated projections the replicas' bytes are held back as reserved pages.
+`EngineSetup` with the KV pool sized from the memory model's estimates (and refuses a
+configuration that cannot fit before any worker starts); it changes nothing (CPU workers get
+the Triton interpreter in their own processes: `splash.engine.executor`). Once the workers have
+loaded their weights and run their profiling steps, `size_from_profiles` sizes the pool again
+from what they measured (`splash.engine.memory_plan`).
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -18,17 +20,28 @@ from splash import envs
 from splash.backends import BaseBackend, HardwareProfile, get_backend
 from splash.core.allocator import RankAllocators
 from splash.core.memory import MemoryModel
-from splash.core.ownership import LAYOUTS, Layout, fitting_layouts, get_layout, kv_capacity_tokens
+from splash.core.ownership import LAYOUTS, fitting_layouts, get_layout, kv_capacity_tokens
+from splash.core.protocol import WorkerProfile
 from splash.engine.config import EngineConfig
+from splash.engine.graphs import batch_buckets
+from splash.engine.memory_plan import (
+    MemoryBudget,
+    StepLimits,
+    activation_estimate,
+    graph_reserve,
+    held_projection_bytes,
+)
 from splash.engine.scheduler import Scheduler, SchedulerConfig
 from splash.engine.worker_config import WorkerConfig
-from splash.errors import ConfigError, LayoutInfeasibleError
+from splash.errors import ConfigError, LayoutInfeasibleError, WorkerDiedError
 from splash.logging_utils import get_logger
 from splash.model.config import ModelConfig
 
 logger = get_logger("splash.engine")
 
 _CPU_MAX_PAGES = 4096  # the CPU pool serves tests and demos; keep it small
+_GRAPH_MAX_BATCH = 512  # the largest decode batch (per rank under owned-KV layouts) graphed
+_GRAPH_CONTEXT = 1024  # start-up graphs cover decode steps whose contexts reach this far
 
 
 @dataclass(frozen=True)
@@ -47,29 +60,37 @@ class EngineSetup:
     fitting: tuple[str, ...]  # layouts this model and group can run
     initial_layout: str
     num_pages: int  # physical KV pages per rank
-    replica_pages: int  # pages held back while projections are replicated
     max_model_len: int
     max_request_tokens: int  # an owned history must fit one rank
+    limits: StepLimits  # the largest steps, as profiled
+    budget: MemoryBudget  # how the pool was sized
     cuda_graphs: bool
+    graph_max_batch: int  # the largest graphed decode batch (per rank under owned KV)
 
     @property
     def world(self) -> int:
         return self.cfg.tp_size
 
-    def reserved_pages(self, layout: Layout) -> int:
-        return 0 if layout.shards_heads else self.replica_pages
+    @property
+    def max_num_batched_tokens(self) -> int:
+        """Rows of the largest step (the profiled prefill chunk)."""
+        return self.limits.prefill_rows
 
     def kv_capacity_tokens(self) -> dict[str, int]:
-        return {name: kv_capacity_tokens(layout, self.num_pages - self.reserved_pages(layout),
-                                         self.page_size, self.world)
+        return {name: kv_capacity_tokens(layout, self.num_pages, self.page_size, self.world)
                 if name in self.fitting else 0 for name, layout in LAYOUTS.items()}
 
     def worker_config(self) -> WorkerConfig:
+        lim = self.limits
         return WorkerConfig(model=self.cfg.model, rank=0, world=self.world,
                             backend=self.backend_name, dtype=self.dtype, kv_dtype=self.kv_dtype,
-                            index_dtype=self.index_dtype, page_size=self.page_size, num_pages=self.num_pages,
+                            index_dtype=self.index_dtype, page_size=self.page_size,
                             layout=self.initial_layout, cuda_graphs=self.cuda_graphs,
-                            graph_max_batch=min(self.cfg.max_num_seqs, 512))
+                            graph_max_batch=self.graph_max_batch,
+                            graph_layouts=self.fitting,
+                            graph_context=min(self.max_model_len, _GRAPH_CONTEXT),
+                            profile_prefill_rows=lim.prefill_rows,
+                            profile_decode_rows=lim.decode_rows, profile_context=lim.context)
 
 
 def resolve_setup(cfg: EngineConfig) -> EngineSetup:
@@ -94,43 +115,87 @@ def resolve_setup(cfg: EngineConfig) -> EngineSetup:
                     "token per layer, beside the latent row)", model_cfg.index_topk,
                     model_cfg.num_indexer_layers, model_cfg.num_hidden_layers, index_dtype,
                     memory.index_bytes_per_token_per_layer)
-    num_pages = cfg.kv_pages_per_rank or _pages_from_memory(cfg, model_cfg, memory, backend)
-    # an explicit pool size is the KV pool alone; a derived one lends replica bytes to KV
-    extra = memory.projection_bytes_per_rank(LAYOUTS["dp"]) - \
-        memory.projection_bytes_per_rank(LAYOUTS["tp"])
-    derived = cfg.kv_pages_per_rank is None
-    replica_pages = math.ceil(extra / memory.page_bytes) if world > 1 and derived else 0
-    if replica_pages >= num_pages:
-        fitting = [n for n in fitting if LAYOUTS[n].shards_heads]
-        if not get_layout(initial).shards_heads:
-            raise LayoutInfeasibleError(
-                f"layout {initial} replicates projections, which leaves no KV pages; layouts "
-                f"that fit: {fitting}")
     max_model_len = cfg.max_model_len or model_cfg.max_position_embeddings
-    logger.info("engine: %s on %s x%d, layout %s, %d KV pages/rank of %d tokens "
-                "(%d reserved under replicated projections)", model_cfg.model_type,
-                backend.name, world, initial, num_pages, page_size, replica_pages)
+    batched = cfg.max_num_batched_tokens or (256 if on_cpu else 2048)
+    limits = StepLimits(prefill_rows=batched, decode_rows=min(cfg.max_num_seqs, batched),
+                        sample_rows=min(cfg.max_num_seqs, batched), context=max_model_len)
+    cuda_graphs = _cuda_graphs(cfg, backend.name)
+    graph_max_batch = min(cfg.max_num_seqs, _GRAPH_MAX_BATCH)
+    budget = MemoryBudget(
+        budget=_budget_bytes(cfg, backend),
+        weights=memory.common_bytes_per_rank + held_projection_bytes(
+            memory, tuple(fitting), keep_all=cuda_graphs),
+        activations=activation_estimate(model_cfg, world, dtype, limits),
+        graphs=_graph_reserve(model_cfg, world, dtype, limits, fitting, graph_max_batch, 0)
+        if cuda_graphs else 0,
+        page_bytes=memory.page_bytes)
+    num_pages = _num_pages(cfg, budget, page_size, max_model_len, on_cpu)
+    logger.info("engine: %s on %s x%d, layout %s, %d KV pages/rank of %d tokens (%s)",
+                model_cfg.model_type, backend.name, world, initial, num_pages, page_size,
+                budget.describe())
     return EngineSetup(
         cfg=cfg, model_cfg=model_cfg, backend_name=backend.name, profile=backend.profile,
         dtype=dtype, kv_dtype=kv_dtype, index_dtype=index_dtype, page_size=page_size,
-        memory=memory,
-        fitting=tuple(fitting), initial_layout=initial, num_pages=num_pages,
-        replica_pages=replica_pages, max_model_len=max_model_len,
-        max_request_tokens=(num_pages - replica_pages) * page_size,
-        cuda_graphs=_cuda_graphs(cfg, backend.name))
+        memory=memory, fitting=tuple(fitting), initial_layout=initial, num_pages=num_pages,
+        max_model_len=max_model_len, max_request_tokens=num_pages * page_size,
+        limits=limits, budget=budget,
+        cuda_graphs=cuda_graphs, graph_max_batch=graph_max_batch)
+
+
+def size_from_profiles(setup: EngineSetup, profiles: list[WorkerProfile]) -> EngineSetup:
+    """The setup with the pool sized from the workers' start-up reports: the largest rank's
+    measured weights (plus the projection heads it may hold later), activation peak (never
+    below the estimate) and graph reserve. Refuses a configuration that does not fit."""
+    failed = [p for p in profiles if p.error]
+    if failed:
+        p, lim = failed[0], setup.limits
+        if p.oom:
+            raise ConfigError(
+                f"rank {p.rank} ran out of memory in its profiling steps (a prefill of "
+                f"{lim.prefill_rows} tokens at context {lim.context}, a decode of "
+                f"{lim.decode_rows} rows): lower max_num_batched_tokens (or max_model_len, "
+                f"max_num_seqs), or raise tp_size ({p.error})")
+        raise WorkerDiedError(f"worker {p.rank} failed to start: {p.error}")
+    cfg, memory, old = setup.cfg, setup.memory, setup.budget
+    held = held_projection_bytes(memory, setup.fitting, keep_all=setup.cuda_graphs)
+    now = memory.projection_bytes_per_rank(get_layout(setup.initial_layout))
+    measured = max(p.weight_bytes for p in profiles)
+    peak = max(p.activation_bytes for p in profiles)
+    decode = max(p.decode_bytes for p in profiles)
+    graphs = _graph_reserve(setup.model_cfg, setup.world, setup.dtype, setup.limits,
+                            list(setup.fitting), setup.graph_max_batch, decode) \
+        if setup.cuda_graphs else 0
+    budget = dataclasses.replace(
+        old, weights=measured + held - now if measured else old.weights,
+        activations=max(peak, old.activations), graphs=graphs, measured=peak > 0)
+    num_pages = _num_pages(cfg, budget, setup.page_size, setup.max_model_len,
+                           setup.backend_name == "cpu")
+    if num_pages != setup.num_pages or peak:
+        logger.info("KV pool from the workers' profiles: %d pages/rank (%s)", num_pages,
+                    budget.describe())
+    return dataclasses.replace(setup, budget=budget, num_pages=num_pages,
+                               max_request_tokens=num_pages * setup.page_size)
+
+
+def _graph_reserve(cfg: ModelConfig, world: int, dtype: str, limits: StepLimits,
+                   fitting: list[str], max_batch: int, decode_bytes: int) -> int:
+    """The CUDA graph reserve: one decode step of the largest bucket (``decode_bytes``
+    measured, else estimated) plus the static buffers of every start-up graph."""
+    step = decode_bytes or activation_estimate(
+        cfg, world, dtype, dataclasses.replace(limits, prefill_rows=0, decode_rows=max_batch))
+    return graph_reserve(step, len(fitting), batch_buckets(max_batch), world, cfg.hidden_size,
+                         dtype)
 
 
 def build_scheduler(setup: EngineSetup) -> Scheduler:
-    """The page allocators (reserving the initial layout's replica pages) and the scheduler."""
+    """The page allocators and the scheduler."""
     cfg, world = setup.cfg, setup.world
     allocators = RankAllocators(world, setup.num_pages)
     layout = get_layout(setup.initial_layout)
-    allocators.set_reserved(setup.reserved_pages(layout))
     sched_cfg = SchedulerConfig(
         world=world, page_size=setup.page_size, max_model_len=setup.max_model_len,
         max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens or (
-            256 if setup.backend_name == "cpu" else 2048),
+        max_num_batched_tokens=setup.max_num_batched_tokens,
         enable_chunked_prefill=cfg.enable_chunked_prefill,
         enable_prefix_caching=cfg.enable_prefix_caching,
         eos_token_ids=tuple(setup.model_cfg.eos_token_ids))
@@ -159,20 +224,18 @@ def _initial_layout(cfg: EngineConfig, model_cfg: ModelConfig, fits: list[str]) 
     return cfg.layout
 
 
-def _pages_from_memory(cfg: EngineConfig, model_cfg: ModelConfig, memory: MemoryModel,
-                       backend: BaseBackend) -> int:
-    on_cpu = backend.name == "cpu"
-    pages = memory.kv_pages_per_rank(LAYOUTS["dop"], _budget_bytes(cfg, backend))
-    # never more than the scheduler could ever fill: every sequence at max_model_len
-    max_len = cfg.max_model_len or model_cfg.max_position_embeddings
-    pages = min(pages, -(-max_len // memory.page_size) * cfg.max_num_seqs)
-    if on_cpu:
-        pages = min(pages, _CPU_MAX_PAGES)
-    if pages < 1:
-        raise LayoutInfeasibleError(
-            f"the model's weights leave no KV memory at memory_fraction "
-            f"{cfg.memory_fraction} on {backend.profile_name}")
-    return pages
+def _num_pages(cfg: EngineConfig, budget: MemoryBudget, page_size: int, max_model_len: int,
+               on_cpu: bool) -> int:
+    """kv_pages_per_rank if given (refused if it does not fit), else what the budget leaves,
+    never more than the scheduler could fill (every sequence at max_model_len)."""
+    if cfg.kv_pages_per_rank:
+        if not on_cpu:  # the CPU "device" is the host: its budget is nominal
+            budget.check(cfg.kv_pages_per_rank, explicit=True)
+        return cfg.kv_pages_per_rank
+    pages = budget.pages()
+    budget.check(pages, explicit=False)
+    pages = min(pages, -(-max_model_len // page_size) * cfg.max_num_seqs)
+    return min(pages, _CPU_MAX_PAGES) if on_cpu else pages
 
 
 def _budget_bytes(cfg: EngineConfig, backend: BaseBackend) -> int:

@@ -76,7 +76,7 @@ class _InFlight:
 
 class SwitchController:
     """Decides and plans the switches of one engine: ``scheduler`` holds the layout, the
-    requests and the page allocators; ``setup`` the pool's reserved pages and model sizes.
+    requests and the page allocators; ``setup`` the layouts that fit and the model sizes.
     ``policy`` (layout="auto") answers, for an engine step, the layout to switch to or None."""
 
     def __init__(self, scheduler: Scheduler, setup: EngineSetup) -> None:
@@ -165,7 +165,6 @@ class SwitchController:
             self.requested = None
             return None
         src, dst, alloc = sched.layout, get_layout(target), sched.alloc
-        alloc.set_reserved(max(setup.reserved_pages(src), setup.reserved_pages(dst)))
         running = list(sched.running)
         # cached chains move with a switch completed in one step; a pre-copy leaves them to
         # the handoff's delta (an explicit mode knows which before the manifest exists)
@@ -182,7 +181,6 @@ class SwitchController:
                                           setup.page_size, setup.model_cfg.num_attention_heads,
                                           cached=cached)
         if manifest is None:
-            alloc.set_reserved(setup.reserved_pages(src))
             reason = (f"switch {src.name}->{dst.name} deferred at step {step}: the destination "
                       f"needs more free KV pages than the ranks have (free {[a.num_available for a in alloc.ranks]}); "
                       "admission held until requests finish")
@@ -280,7 +278,6 @@ class SwitchController:
 
     def _cancelled(self, pc: _InFlight, step: int, why: str) -> None:
         pre = pc.manifest
-        self.scheduler.alloc.set_reserved(self.setup.reserved_pages(self.scheduler.layout))
         logger.info("switch %s -> %s: pre-copy cancelled at step %d (%s); nothing changes "
                     "for requests", pre.src.name, pre.dst.name, step, why)
         self.cancelled.append({"step": step, "from": pre.src.name, "to": pre.dst.name,
@@ -312,7 +309,6 @@ class SwitchController:
             alloc[rank].free(pages)
         for rank, pages in enumerate(manifest.release):
             alloc[rank].free(pages)
-        alloc.set_reserved(setup.reserved_pages(manifest.dst))
         mcfg = setup.model_cfg
         mem = setup.memory
         head_bytes = mem.projection_bytes_per_layer // mcfg.num_attention_heads

@@ -11,6 +11,7 @@ import os
 import time
 from collections.abc import Mapping
 
+import msgspec
 import torch
 import torch.distributed as dist
 
@@ -18,19 +19,30 @@ from splash import envs
 from splash.backends import get_backend
 from splash.backends.dtypes import torch_dtype
 from splash.core.ownership import get_layout, heads_held
-from splash.core.protocol import WORKER_PROTOCOL_VERSION, StepPlan, StepResult, TokenLogprobs
+from splash.core.protocol import (
+    WORKER_PROTOCOL_VERSION,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+    WorkerProfile,
+    WorkerReady,
+)
 from splash.dist.comm import Comm
-from splash.engine.graphs import DecodeGraphs
+from splash.engine.graphs import DecodeGraphs, graph_width, startup_graph_keys, startup_layouts
+from splash.engine.profiling import PROFILE_PAGES, profile_plans, profile_tables
 from splash.engine.sampling import sample_step
 from splash.engine.worker_config import WorkerConfig
 from splash.kernels_triton import set_value_checks
 from splash.layouts.base import AttentionLayout, KVStore, StepMeta
 from splash.layouts.registry import make_layouts
+from splash.logging_utils import get_logger
 from splash.model.config import ModelConfig
 from splash.model.loader import CheckpointWeights
 from splash.model.mlp import MoE
 from splash.model.model import MLAModel
 from splash.switching.executor import PreCopy, SwitchExecutor
+
+logger = get_logger("splash.worker")
 
 
 class Worker:
@@ -59,38 +71,135 @@ class Worker:
         for layer in self.model.layers:
             if isinstance(layer.mlp, MoE):
                 layer.mlp.kernel_config = moe_config
+        self.weight_bytes = self._held_bytes()  # weights and whatever else loading left
+        self.tables: dict[str, list[int]] = {}
+        self.precopy: PreCopy | None = None  # a background switch's transfer in flight
+        self.graphs: DecodeGraphs | None = None
+        self.capture = cfg.cuda_graphs and self.device.type == "cuda"
+        for attn in self.model.attn_layers:  # graphs read the placed weights' addresses
+            attn.keep_placements = self.capture
+        self.num_pages = 0
+        self.store: KVStore
+        self.layouts: dict[str, AttentionLayout] = {}
+        oom = envs.get("SPLASH_TEST_OOM_STEP")
+        self.oom_step = int(oom) if oom and cfg.rank == 0 else None
+
+    def _held_bytes(self) -> int:
+        """Device memory this process holds (0 on the CPU, where nothing reports it: the
+        controller then counts the memory model's weights)."""
+        if self.device.type != "cuda":
+            return 0
+        self.backend.synchronize()
+        return torch.cuda.memory_allocated(self.device)
+
+    def _build_store(self, num_pages: int) -> None:
+        """KV pools of ``num_pages`` pages per layer and the layouts that read them."""
         mcfg = self.model.cfg
-        kv_dtype = torch_dtype(cfg.kv_dtype, self.backend.fp8_dtype)
-        shape = (cfg.num_pages, cfg.page_size, mcfg.kv_dim)
+        kv_dtype = torch_dtype(self.cfg.kv_dtype, self.backend.fp8_dtype)
+        shape = (num_pages, self.cfg.page_size, mcfg.kv_dim)
         caches = [torch.zeros(shape, dtype=kv_dtype, device=self.device)
                   for _ in range(mcfg.num_hidden_layers)]
         scales = None
         if kv_dtype.itemsize == 1:
             scales = [torch.ones(shape[:2], dtype=torch.float32, device=self.device)
                       for _ in range(mcfg.num_hidden_layers)]
-        index_caches, index_scales = self._index_pools(mcfg)
+        index_caches, index_scales = self._index_pools(mcfg, num_pages)
         configs = {k: self.backend.kernel_config(k)
                    for k in ("mla_decode", "mla_extend", "index_scores", "topk")}
         self.store = KVStore(caches, scales, configs, index_caches, index_scales)
         self.layouts = make_layouts(self.comm, self.store, mcfg.kv_lora_rank)
-        self.tables: dict[str, list[int]] = {}
-        self.precopy: PreCopy | None = None  # a background switch's transfer in flight
-        self.graphs: DecodeGraphs | None = None
-        capture = cfg.cuda_graphs and self.device.type == "cuda"
-        if capture or envs.get("SPLASH_PAD_DECODE") == "1":
-            self.graphs = DecodeGraphs(self._model_forward, self.comm, cfg.page_size,
-                                       self.device, cfg.graph_max_batch, capture=capture)
-        for attn in self.model.attn_layers:  # graphs read the placed weights' addresses
-            attn.keep_placements = capture
+        self.num_pages = num_pages
 
-    def _index_pools(self, mcfg: ModelConfig) -> tuple[list, list]:
+    @torch.inference_mode()
+    def profile(self) -> tuple[int, int]:
+        """Run the profiling steps (`splash.engine.profiling`) over a one-page pool and return
+        (peak activation bytes of all of them, of the decode step alone) above the weights;
+        (0, 0) where the device does not report its peak (the CPU). Raises
+        torch.OutOfMemoryError when a step does not fit."""
+        cfg, cuda = self.cfg, self.device.type == "cuda"
+        self._build_store(PROFILE_PAGES)
+        peaks = []
+        try:
+            for plan in profile_plans(cfg.layout, cfg.world, cfg.profile_prefill_rows,
+                                      cfg.profile_decode_rows, cfg.profile_context):
+                if cuda:
+                    self.backend.synchronize()
+                    torch.cuda.reset_peak_memory_stats(self.device)
+                base = self._held_bytes()
+                self.tables = profile_tables(plan, cfg.rank, cfg.world, cfg.page_size)
+                self._forward(plan, None, graphs=False)
+                self.backend.synchronize()
+                peaks.append(torch.cuda.max_memory_allocated(self.device) - base if cuda else 0)
+        finally:
+            self.tables = {}
+            self._build_store(0)  # free the profiling pool before the real one is sized
+            if cuda:
+                torch.cuda.empty_cache()
+        peak = max(peaks, default=0)
+        decode = peaks[-1] if cfg.profile_decode_rows and peaks else 0
+        if cuda:
+            logger.info("rank %d: profiling steps (prefill %d rows, decode %d rows, context %d) "
+                        "peak %.2f GiB above %.2f GiB of weights", cfg.rank,
+                        cfg.profile_prefill_rows, cfg.profile_decode_rows, cfg.profile_context,
+                        peak / 2**30, self.weight_bytes / 2**30)
+        return peak, decode
+
+    def profile_report(self) -> WorkerProfile:
+        """The start-up report: weights held, and the profiling steps' peaks on GPUs (the CPU
+        reports no memory: the controller counts the estimates)."""
+        peak = decode = 0
+        if self.device.type == "cuda" and self.cfg.profile_prefill_rows:
+            try:
+                peak, decode = self.profile()
+            except torch.OutOfMemoryError as e:
+                return WorkerProfile(self.cfg.rank, os.getpid(), str(self.device),
+                                     error=f"OutOfMemoryError: {e}", oom=True)
+        return WorkerProfile(self.cfg.rank, os.getpid(), str(self.device), self.weight_bytes,
+                             peak, decode)
+
+    def recover(self) -> None:
+        """After a step's out-of-memory error (`recoverable`): return the cached blocks."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def allocate(self, num_pages: int) -> WorkerReady:
+        """Allocate the KV pool the controller sized, then capture the start-up CUDA graphs."""
+        self._build_store(num_pages)
+        ready = WorkerReady(self.cfg.rank, os.getpid(), num_pages, str(self.device))
+        if not (self.capture or envs.get("SPLASH_PAD_DECODE") == "1"):
+            return ready
+        width = graph_width(self.cfg.graph_context, self.cfg.page_size) if self.capture else 1
+        self.graphs = DecodeGraphs(self._model_forward, self.comm, self.cfg.page_size,
+                                   self.device, self.cfg.graph_max_batch, capture=self.capture,
+                                   min_width=width)
+        if not self.capture:
+            return ready
+        names = startup_layouts(self.cfg.graph_layouts, self.cfg.layout, self.cfg.world)
+        keys = startup_graph_keys(names, self.graphs.buckets, [width], self.cfg.world)
+        before = torch.cuda.memory_reserved(self.device)
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():  # as the steps that replay them
+                n = self.graphs.capture_keys(keys, self.layouts)
+        except torch.OutOfMemoryError as e:
+            raise RuntimeError(
+                f"capturing the start-up CUDA graphs ran out of memory beyond their reserve "
+                f"({e}): lower max_num_seqs (the largest graph batch), raise memory_fraction "
+                "or set enforce_eager") from e
+        secs = time.perf_counter() - t0
+        used = torch.cuda.memory_reserved(self.device) - before
+        logger.info("rank %d: captured %d CUDA graphs for layouts %s in %.1f s, %.0f MiB",
+                    self.cfg.rank, n, names, secs, used / 2**20)
+        return msgspec.structs.replace(ready, graphs=n, graph_s=secs, graph_bytes=used)
+
+    def _index_pools(self, mcfg: ModelConfig, num_pages: int) -> tuple[list, list]:
         """DSA: per indexer layer, the indexer keys (P, PS, I) in the same pages as the latent
         rows (+ one fp32 scale per key when fp8); None in the other layers."""
         layers = range(mcfg.num_hidden_layers)
         if not mcfg.is_dsa:
             return [None for _ in layers], [None for _ in layers]
         dtype = torch_dtype(self.cfg.index_dtype, self.backend.fp8_dtype)
-        shape = (self.cfg.num_pages, self.cfg.page_size, int(mcfg.index_head_dim or 0))
+        shape = (num_pages, self.cfg.page_size, int(mcfg.index_head_dim or 0))
         keys = [torch.zeros(shape, dtype=dtype, device=self.device)
                 if mcfg.has_indexer(i) else None for i in layers]
         scales = [torch.ones(shape[:2], dtype=torch.float32, device=self.device)
@@ -182,11 +291,15 @@ class Worker:
 
         return self.model.forward(ids, meta.positions, attn_fn, self.comm.all_reduce)
 
-    def _forward(self, plan: StepPlan, switch: SwitchExecutor | None
+    def _forward(self, plan: StepPlan, switch: SwitchExecutor | None, graphs: bool = True
                  ) -> tuple[list[int], list[TokenLogprobs], list[list[TokenLogprobs]]]:
+        if plan.step == self.oom_step:  # fault injection for the tests (splash/envs.py)
+            raise torch.OutOfMemoryError(f"SPLASH_TEST_OOM_STEP: step {plan.step} "
+                                         "(injected)")
         impl = self.layouts[plan.layout]
         hidden = None
-        if self.graphs is not None and (switch is None or not switch.plan.hooks_forward):
+        if graphs and self.graphs is not None and (switch is None or
+                                                   not switch.plan.hooks_forward):
             hidden = self.graphs.run(plan, self.tables, impl)
             self.graph_step = hidden is not None and self.graphs.capture
         if hidden is None:
@@ -201,6 +314,14 @@ class Worker:
     def shutdown(self) -> None:
         if self.cfg.world > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def recoverable(error: BaseException, plan: StepPlan, world: int) -> bool:
+    """Whether a worker serves on after ``error`` in ``plan``: an out-of-memory error (the
+    allocator unwound it) of a single-rank group (no peer waits in a collective) in a plain
+    step (no switch or weight load half done). Only the step's requests fail."""
+    return isinstance(error, torch.OutOfMemoryError) and world == 1 and plan.switch is None \
+        and plan.load_weights is None
 
 
 def _num_heads(model_dir: str) -> int:

@@ -1,8 +1,13 @@
 """The worker process's entry and ZeroMQ loop: receive a plan, execute, send the result.
 
-The worker's DEALER socket connects to the controller's ROUTER. A worker exits when told to,
-when the controller process disappears, or after reporting an exception (a failed collective
-leaves the group unusable; the controller fails the in-flight requests).
+The worker's DEALER socket connects to the controller's ROUTER. At start-up it loads its weights,
+runs the profiling steps and reports them (`WorkerProfile`), allocates the KV pool the
+controller sizes from every rank's report (`KVPoolSize`), captures its start-up CUDA graphs and
+reports ready (`WorkerReady`). A worker exits when told to, when the controller process
+disappears, or after reporting an exception (a failed collective leaves the group unusable; the
+controller fails the in-flight requests) — except an out-of-memory error of a single-rank
+group outside a switch, after which it frees its cached memory and serves on (the controller
+fails that step's requests).
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ from splash.core.protocol import (
     WORKER_PROTOCOL_VERSION,
     StepResult,
     WorkerHello,
+    WorkerProfile,
     WorkerReady,
     decode_plan,
+    decode_pool_size,
     encode,
 )
-from splash.engine.worker import Worker
+from splash.engine.worker import Worker, recoverable
 from splash.engine.worker_config import WorkerConfig
 
 
@@ -56,19 +63,44 @@ def serve_plans(cfg, controller_addr: str) -> None:
     _serve(cfg, ctx, sock)
 
 
+def _start(cfg, sock, poller, parent: int) -> Worker | None:
+    """Load the weights, run the profiling steps, report them; allocate the KV pool the
+    controller answers with, capture the start-up graphs, report ready. None: start-up failed
+    (reported) or the controller refused to go on."""
+    try:
+        worker = Worker(cfg)
+    except Exception as e:  # report start-up failures instead of dying silently
+        sock.send(encode(WorkerProfile(cfg.rank, os.getpid(), "", error=f"{type(e).__name__}: {e}")))
+        return None
+    try:
+        sock.send(encode(worker.profile_report()))
+        while not poller.poll(1000):
+            if os.getppid() != parent:
+                return None
+        try:
+            size = decode_pool_size(sock.recv())
+        except msgspec.DecodeError:  # a shutdown plan: the controller refused the setup
+            return None
+        sock.send(encode(worker.allocate(size.num_pages)))
+    except Exception as e:
+        traceback.print_exc()
+        sock.send(encode(WorkerReady(cfg.rank, os.getpid(), 0, "", error=f"{type(e).__name__}: {e}")))
+        worker.shutdown()
+        return None
+    return worker
+
+
 def _serve(cfg, ctx, sock) -> None:
     parent = os.getppid()
     if hasattr(signal, "SIGUSR1"):  # the controller asks a silent worker for its stacks
         faulthandler.register(signal.SIGUSR1, all_threads=True)
-    try:
-        worker = Worker(cfg)
-    except Exception as e:  # report start-up failures instead of dying silently
-        sock.send(encode(WorkerReady(cfg.rank, os.getpid(), 0, "", error=f"{type(e).__name__}: {e}")))
-        sock.close()
-        return
-    sock.send(encode(WorkerReady(cfg.rank, os.getpid(), cfg.num_pages, str(worker.device))))
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
+    worker = _start(cfg, sock, poller, parent)
+    if worker is None:
+        sock.close()
+        ctx.term()
+        return
     try:
         while True:
             if not poller.poll(1000):
@@ -81,9 +113,15 @@ def _serve(cfg, ctx, sock) -> None:
             try:
                 result = worker.execute(plan)
             except Exception as e:
-                traceback.print_exc()
+                keep = recoverable(e, plan, cfg.world)
+                if keep:  # only this step's requests fail; the worker serves on
+                    worker.recover()
+                else:
+                    traceback.print_exc()
                 sock.send(encode(StepResult(WORKER_PROTOCOL_VERSION, plan.step, cfg.rank,
-                                            error=f"{type(e).__name__}: {e}")))
+                                            error=f"{type(e).__name__}: {e}", recoverable=keep)))
+                if keep:
+                    continue
                 break
             sock.send(encode(result))
     finally:

@@ -96,7 +96,8 @@ def serve_main(args: argparse.Namespace) -> int:
         model=args.model, tp_size=args.tp_size, backend=args.backend, layout=args.layout,
         dtype=args.dtype, kv_dtype=args.kv_dtype, page_size=args.page_size,
         max_model_len=args.max_model_len, kv_pages_per_rank=args.kv_pages_per_rank,
-        enforce_eager=args.enforce_eager)
+        enforce_eager=args.enforce_eager, memory_fraction=args.memory_fraction,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     try:
         server = ZmqServer(engine, zmq_endpoint(args.host, args.port), ServerConfig(token=token))
     except Exception:

@@ -7,10 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splash.core.ownership import LAYOUTS
+from splash.core.ownership import LAYOUTS, KVPlacement
 from splash.core.protocol import WORKER_PROTOCOL_VERSION, SeqSampling, StepPlan
 from splash.dist.comm import Comm
-from splash.engine.graphs import DecodeGraphs, batch_buckets
+from splash.engine.graphs import (
+    DecodeGraphs,
+    batch_buckets,
+    ghost_plan,
+    graph_width,
+    startup_graph_keys,
+    startup_layouts,
+)
 from splash.layouts.base import StepMeta
 
 PS = 4
@@ -75,3 +82,60 @@ def test_not_padded_when_not_a_pure_decode_or_too_large():
                        [0, 1, 2], [True], [SeqSampling(0.0, 1.0, 0, None)], [0])
     assert g.pad(prefill, _Impl("tp")) is None
     assert g.pad(_plan([0] * 17, [2] * 17), _Impl("tp")) is None  # above max_batch 16
+
+
+@pytest.mark.parametrize(("world", "start", "expected"), [
+    (1, "tp", ["tp", "dp", "cp", "dop"]),  # one rank holds every head in every layout
+    (2, "tp", ["tp", "dop"]),  # head-sharded placement: the replicated one comes later
+    (2, "dp", ["dp", "cp"]),
+])
+def test_startup_captures_every_decode_step_of_the_held_layouts(world, start, expected):
+    """The start-up list (the same on every rank: it depends on nothing rank-specific) holds
+    the key of every decode step those layouts can replay at the start-up width, each once,
+    largest batch first within a layout, so no such step captures while serving."""
+    layouts = startup_layouts(["tp", "dp", "cp", "dop"], start, world)
+    assert layouts == expected
+    width = graph_width(64, PS)  # start-up graphs cover contexts up to 64 tokens
+    g = DecodeGraphs(lambda *a: None, Comm(0, world, use_dist=False), PS, torch.device("cpu"),
+                     max_batch=16, capture=False, min_width=width)
+    keys = startup_graph_keys(layouts, g.buckets, [width], world)
+    assert len(keys) == len(set(keys)) == len(layouts) * len(g.buckets)
+    for name in layouts:
+        rows = [k[1] for k in keys if k[0] == name]
+        assert rows == sorted(rows, reverse=True)
+    seen, longer = set(), set()
+    for name in layouts:
+        for n in range(1, 16 * world + 1):  # up to the largest bucket on every owner
+            for ctx in (1, 13, 40, 64, 65, 200):
+                plan = _plan([i % world for i in range(n)], [ctx] * n)
+                padded = g.pad(plan, _Impl(name))
+                if padded is None:  # above the largest bucket: runs eagerly
+                    assert n > 16 and LAYOUTS[name].kv is not KVPlacement.OWNED
+                    continue
+                (seen if ctx <= 64 else longer).add(g.key(plan, padded, _Impl(name)))
+    assert seen == set(keys)  # every step up to the start-up context replays a start-up graph
+    assert not longer & set(keys)  # longer contexts: wider tables, captured when first met
+
+
+@pytest.mark.parametrize("layout", ["tp", "dop"])
+def test_ghost_steps_have_the_structure_of_real_ones(layout):
+    """A start-up graph is captured from ghost rows; the real step it later replays must build
+    inputs of the same structure (else the replay would fall back to eager)."""
+    world = 2
+    g = _graphs(world)
+    plan = _plan([0, 1, 1], [6, 9, 2])
+    padded = g.pad(plan, _Impl(layout))
+    assert padded is not None
+    ghost = ghost_plan(LAYOUTS[layout], len(padded.request_ids), world)
+    if LAYOUTS[layout].kv is KVPlacement.OWNED:  # the same rows on every owner
+        assert [ghost.owners.count(r) for r in range(world)] == \
+            [padded.owners.count(r) for r in range(world)]
+    tables = {"r0": [1, 2], "r1": [3, 4, 5], "r2": [6]}
+    for rank in range(world):
+        real = StepMeta(padded, tables, rank, world, PS, torch.device("cpu"), table_width=4)
+        fake = StepMeta(ghost, {}, rank, world, PS, torch.device("cpu"), table_width=4)
+        a = real.kernel_args(LAYOUTS[layout], list(range(len(padded.request_ids))))
+        b = fake.kernel_args(LAYOUTS[layout], list(range(len(ghost.request_ids))))
+        assert {k: getattr(v, "shape", v) for k, v in a.items()} == \
+            {k: getattr(v, "shape", v) for k, v in b.items()}
+        assert fake.write_slots(LAYOUTS[layout], list(range(len(ghost.request_ids)))).eq(-1).all()

@@ -51,8 +51,39 @@ def test_chunked_prefill_respects_budget_and_decodes_first():
 
 def test_unchunked_prefill_takes_whole_prompt():
     sched, _ = _sched(budget=16, chunked=False)
-    sched.add(_req(0, 30))
-    assert [n for _, n in sched.schedule().entries] == [30]
+    sched.add(_req(0, 12))
+    sched.add(_req(1, 10))  # does not fit whole beside the first: waits for the next step
+    assert [n for _, n in sched.schedule().entries] == [12]
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_no_step_exceeds_the_profiled_size(chunked):
+    """Whatever arrives, no step holds more rows than max_num_batched_tokens (the prefill the
+    workers profiled) nor more decodes than max_num_seqs: long prompts, and with chunked
+    prefill off, requests preempted with more pending rows than one step holds."""
+    budget, seqs = 16, 3
+    alloc = RankAllocators(1, 12)  # a small pool: preemption recomputes prompt + outputs
+    cfg = SchedulerConfig(1, PS, 1024, max_num_seqs=seqs, max_num_batched_tokens=budget,
+                          enable_chunked_prefill=chunked)
+    sched = Scheduler(cfg, alloc, LAYOUTS["tp"])
+    back = _req(9, 12, max_tokens=20)  # as a preempted request returns: outputs to recompute
+    back.output_token_ids = [7] * 10
+    sched.add(back)
+    for i, n in enumerate((12, 16, 5, 9, 14, 3)):
+        sched.add(_req(i, n, max_tokens=20))
+    steps = 0
+    while sched.has_unfinished() and steps < 500:
+        batch = sched.schedule()
+        rows = [n for _, n in batch.entries]
+        assert sum(rows) <= budget
+        assert sum(1 for n in rows if n == 1) <= seqs
+        _advance(batch)
+        for req, _ in list(batch.entries):
+            if len(req.output_token_ids) >= req.params.max_tokens and req in sched.running:
+                sched.finish(req, "length")
+        steps += 1
+    assert not sched.has_unfinished()
+    assert sched.num_preemptions > 0 or not chunked  # unchunked admits one prompt at a time
 
 
 @pytest.mark.parametrize("layout", ["tp", "dp", "cp", "dop"])

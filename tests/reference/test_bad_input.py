@@ -76,7 +76,9 @@ def test_dsa_model_serves_to_max_position_embeddings():
              page_size=4) as glm:
         setup = glm.engine.setup
         assert setup.max_model_len == 256
-        store = Worker(setup.worker_config()).store  # what each worker allocates
+        worker = Worker(setup.worker_config())
+        worker.allocate(setup.num_pages)
+        store = worker.store  # what each worker allocates
         pools = [t for i in range(2) for t in store.slot_pools(i)]
         assert sum(t.nbytes for t in pools) == setup.memory.page_bytes * setup.num_pages
         assert store.index_caches[1] is None  # layer 1 reuses layer 0's selection

@@ -9,6 +9,7 @@ import pytest
 from tiny_models import checkpoint, hf_greedy, mixed_prompts
 
 from splash import LLM, SamplingParams
+from splash.errors import InvalidRequestError
 
 MAX_NEW = 6
 
@@ -18,18 +19,25 @@ def arch(request):
     return request.param
 
 
-def _run(path, prompts, **kw):
+def _run(path, prompts, too_long=None, **kw):
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     with LLM(path, tp_size=1, backend="cpu", layout="tp", page_size=4, **kw) as llm:
+        if too_long is not None:  # a prompt no step may compute whole: refused, nothing lost
+            with pytest.raises(InvalidRequestError, match="max_num_batched_tokens"):
+                llm.generate([too_long], params)
         outs = llm.generate(prompts, params)
         return [o.token_ids for o in outs], llm.stats()
 
 
 @pytest.mark.parametrize("chunked", [True, False])
 def test_same_tokens_as_transformers(arch, chunked):
+    """Unchunked, a step holds whole prompts (up to 37 tokens here) and never more rows than
+    max_num_batched_tokens, the size the workers profiled."""
     path = checkpoint(arch)
     prompts = mixed_prompts()
-    ours, _ = _run(path, prompts, max_num_batched_tokens=16, enable_chunked_prefill=chunked)
+    budget = 16 if chunked else 40
+    ours, _ = _run(path, prompts, None if chunked else list(range(2, 43)),
+                   max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
     assert ours == hf_greedy(path, prompts, MAX_NEW)
 
 
