@@ -21,6 +21,7 @@ they move when their pages fit, and hold their pages only for the switch step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from splash.core.allocator import RankAllocators
 from splash.core.ownership import (
@@ -98,9 +99,9 @@ class SwitchManifest:
         return {"kv_bytes_received": kv, "weight_bytes_received": w}
 
 
-@dataclass(frozen=True)
-class PagePlan:
-    """One destination page of one request on one rank: kept in place or received."""
+class PagePlan(NamedTuple):
+    """One destination page of one request on one rank: kept in place or received (a tuple:
+    a switch plans one per page, and building them is the controller's hot loop)."""
 
     request: History
     logical: int  # logical page of the request
@@ -156,12 +157,15 @@ def plan_pages(src: Layout, dst: Layout, requests: list[History], owners: dict[s
     plans = []
     for req in requests:
         done = rows_from.get(req.request_id, 0)
-        for i in range(-(-req.num_computed // page_size)):
+        n = -(-req.num_computed // page_size)
+        src_holders = _holders(src, n, req.owner, world)
+        dst_holders = _holders(dst, n, owners[req.request_id], world)
+        for i in range(n):
             rows = range(max(done - i * page_size, 0),
                          min(page_size, req.num_computed - i * page_size))
-            src_h = page_holders(src, i, req.owner, world)
+            src_h = src_holders[i]
             src_local = local_page_index(src, i, world)
-            for d in page_holders(dst, i, owners[req.request_id], world):
+            for d in dst_holders[i]:
                 if d in src_h:
                     plans.append(PagePlan(req, i, d, req.tables[d][src_local], None, rows))
                     continue
@@ -176,6 +180,13 @@ def plan_pages(src: Layout, dst: Layout, requests: list[History], owners: dict[s
                     received.add((*source, d))
                 plans.append(PagePlan(req, i, d, page, source, rows))
     return plans
+
+
+def _holders(layout: Layout, num_pages: int, owner: int, world: int) -> list[tuple[int, ...]]:
+    """`page_holders` of a request's first ``num_pages`` logical pages, in one go."""
+    if layout.kv is KVPlacement.POSITION_SHARDED:
+        return [page_holders(layout, i, owner, world) for i in range(num_pages)]
+    return [page_holders(layout, 0, owner, world)] * num_pages
 
 
 def received_pages(plans: list[PagePlan], world: int) -> list[int]:
@@ -197,7 +208,9 @@ def place_pages(plans: list[PagePlan], fresh: list[list[int]], world: int,
                         [{p: 0 for p in pages} for pages in fresh])
     moved: dict[tuple[int, int, int], int] = {}  # full (source rank, page, rank) -> its page
     for p in plans:
-        table = out.new_tables.setdefault(p.request.request_id, [[] for _ in range(world)])
+        table = out.new_tables.get(p.request.request_id)
+        if table is None:
+            table = out.new_tables[p.request.request_id] = [[] for _ in range(world)]
         page = p.page
         if p.source is None:
             out.kept[p.rank].add(page)
