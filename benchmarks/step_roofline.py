@@ -82,8 +82,27 @@ def roofline_bytes(cfg: ModelConfig, layout: str, tp: int, batch: int, context: 
     return total
 
 
+def kernel_profile(eng, steps: int) -> list[dict]:
+    """The GPU time of ``steps`` more decode steps by kernel (torch profiler; kernels inside
+    CUDA graph replays included): the 15 largest, ms per step and share of the GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            totals[ev.name] = totals.get(ev.name, 0.0) + ev.device_time
+    gpu_us = sum(totals.values()) or 1.0
+    top = sorted(totals.items(), key=lambda kv: -kv[1])[:15]
+    return [{"kernel": name[:120], "ms_per_step": us / 1e3 / steps, "pct": 100 * us / gpu_us}
+            for name, us in top] + [{"kernel": "(all)", "ms_per_step": gpu_us / 1e3 / steps}]
+
+
 def measure(llm: LLM, batch: int, context: int, steps: int, warmup: int,
-            vocab: int, seed: int) -> dict:
+            vocab: int, seed: int, profile_steps: int = 0) -> dict:
     eng = llm.engine
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(10, min(vocab, 30000), (batch, context), generator=g).tolist()
@@ -118,6 +137,8 @@ def measure(llm: LLM, batch: int, context: int, steps: int, warmup: int,
             dt = time.perf_counter() - t0
             if decoding and len(pending) == batch:
                 decode.append((dt, dt - sum(worker_s)))
+        profiled = kernel_profile(eng, profile_steps) if profile_steps and not \
+            eng.scheduler.waiting and len(pending) == batch else None
     finally:
         executor.execute = inner
         for rid in pending:
@@ -128,7 +149,8 @@ def measure(llm: LLM, batch: int, context: int, steps: int, warmup: int,
     graphs = eng.stats()["graph_steps"] - graph_before
     return {"step_ms": 1e3 * statistics.median(d for d, _ in timed_steps),
             "host_ms": 1e3 * statistics.median(h for _, h in timed_steps),
-            "decode_steps_timed": len(timed_steps), "graph_steps": graphs}
+            "decode_steps_timed": len(timed_steps), "graph_steps": graphs,
+            **({"kernel_profile": profiled} if profiled else {})}
 
 
 def summary(rows: list, skipped: list, gbps: float, model: str, cfg: ModelConfig) -> dict:
@@ -166,6 +188,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="after timing, profile this many more decode steps (<= 3) by kernel")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                   "step_roofline.json"))
     args = ap.parse_args()
@@ -198,7 +222,8 @@ def main() -> int:
                        "graphs": bool(eng.setup.cuda_graphs)}
                 try:
                     rec.update(measure(llm, batch, context, args.steps, args.warmup,
-                                       cfg.vocab_size, seed=i))
+                                       cfg.vocab_size, seed=i,
+                                       profile_steps=min(args.profile_steps, 3)))
                 except Exception as e:  # a point that does not fit is a result
                     rec["error"] = f"{type(e).__name__}: {e}"[:300]
                     print(json.dumps(rec), flush=True)
