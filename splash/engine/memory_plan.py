@@ -68,12 +68,17 @@ def activation_estimate(cfg: ModelConfig, world: int, dtype: str, limits: StepLi
     return rows * per_row + scores + logits
 
 
+GRAPH_MARGIN = 1.25
+
+
 def graph_reserve(step_bytes: int, num_layouts: int, buckets: list[int], world: int,
                   hidden: int, dtype: str) -> int:
     """The CUDA graph pool: one decode step's activations (``step_bytes``; graphs share one
     pool and never replay together) plus each start-up graph's static output rows (a bucket's
-    rows on every rank, at most)."""
-    return step_bytes + num_layouts * sum(buckets) * world * hidden * dtype_bytes(dtype)
+    rows on every rank, at most), with a margin for what each graph keeps besides (measured on
+    an H200, T=1, V3-shaped 8 layers: 76 graphs took 1,434 MiB against 1,354 estimated)."""
+    rows = num_layouts * sum(buckets) * world * hidden * dtype_bytes(dtype)
+    return int(GRAPH_MARGIN * (step_bytes + rows))
 
 
 def held_projection_bytes(memory: MemoryModel, fitting: tuple[str, ...], keep_all: bool) -> int:
