@@ -4,13 +4,13 @@
 #
 #   bash benchmarks/multi_gpu.sh [T] [RUN ...]
 #
-# RUN: correctness roofline capacity switch e2e sweep (default: all, in that order; a device
+# RUN: correctness roofline capacity transfer switch e2e sweep (default: all, in that order; a device
 # call of 10 minutes fits correctness + capacity, the others need a call each). A failing run
 # does not stop the next; RUN_TIMEOUT (seconds, default 560) bounds each one.
 set -uo pipefail
 T=${1:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
 shift || true
-RUNS=${*:-correctness roofline capacity switch e2e sweep}
+RUNS=${*:-correctness roofline capacity transfer switch e2e sweep}
 OUT=${OUT:-benchmarks/results/multi-gpu}
 RUN_TIMEOUT=${RUN_TIMEOUT:-560}
 mkdir -p "$OUT"
@@ -40,12 +40,15 @@ for r in $RUNS; do
     roofline)
       run roofline python3 benchmarks/step_roofline.py --tp "$T" --model "$CKPT" \
         --out "$OUT/step_roofline.json" ;;
+    transfer)
+      run transfer python3 benchmarks/transfer_bw.py --tp "$T" --batch 16 --context 32768 \
+        --layers 8 --out "$OUT/transfer_bw_tp$T.json" ;;
     switch)
       run switch python3 benchmarks/switch_overhead.py --backend cuda --tp "$T" --batch 16 \
         --prompt-len 32768 --rounds 3 --ckpt "$CKPT" --out "$OUT/switch_overhead_tp$T.json" ;;
     e2e)
       run e2e python3 benchmarks/end_to_end.py --backend cuda --tp "$T" --ckpt "$CKPT" \
         --trace all --out-dir "$OUT" ;;  # calibrated: benchmarks/auto_vs_fixed.sh
-    *) echo "unknown run $r (correctness roofline capacity switch e2e sweep)"; exit 2 ;;
+    *) echo "unknown run $r (correctness roofline capacity transfer switch e2e sweep)"; exit 2 ;;
   esac
 done
