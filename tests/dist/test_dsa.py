@@ -1,6 +1,6 @@
 """DeepSeek Sparse Attention across ranks (gloo): tiny GLM-5 and DeepSeek-V3.2 architectures
 whose index_topk (8) is below the contexts (up to 30 tokens), so every layer attends a true
-top-k selection. Every layout gives transformers' greedy tokens (CP's position-sharded pick
+top-k selection. Every layout, at T=2 and T=4, gives transformers' greedy tokens (CP's position-sharded pick
 merges the ranks' candidates), and so do runs switching live along all 12 directions and in
 the background along four, in which the indexer keys move with their pages."""
 
@@ -25,7 +25,7 @@ def reference(arch):
 
 
 @pytest.mark.parametrize("arch,world,layouts", [("glm-dsa", 2, ("tp", "dp", "cp", "dop")),
-                                                ("v32", 4, ("cp",))])
+                                                ("v32", 4, ("cp", "tp", "dp", "dop"))])
 def test_dsa_layouts_match_transformers(arch, world, layouts):
     """One engine, one whole generate per layout (switched to while idle)."""
     with LLM(checkpoint(arch, index_topk=TOPK), tp_size=world, **DEV, layout=layouts[0],
