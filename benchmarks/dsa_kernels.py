@@ -14,6 +14,7 @@ its JSON) or on its own: ``python benchmarks/dsa_kernels.py --out dsa.json``.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 from typing import Any
@@ -113,6 +114,23 @@ def dsa_records(dev: torch.device, ceil: dict[str, float], kinds=("bf16", "fp8")
             out += _shape_records(dev, gen, ceil, kind, heads, batch, context)
             torch.cuda.empty_cache()
     return out
+
+
+def merge_dsa(path: str, dev: torch.device) -> None:
+    """Replace the DSA records of the results file ``path`` (kept otherwise) with new ones."""
+    try:
+        with open(path) as f:
+            result = json.load(f)
+    except FileNotFoundError:
+        result = {"records": []}
+    ceil = ceilings(dev)
+    result["records"] = [r for r in result["records"] if not r["kernel"].startswith("dsa_")]
+    result["records"] += dsa_records(dev, ceil)
+    result["dsa_date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    result["dsa_ceilings"] = {k: round(v, 1) for k, v in ceil.items()}
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print("merged DSA records into", path)
 
 
 def main() -> None:

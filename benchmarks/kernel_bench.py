@@ -51,7 +51,7 @@ import torch
 import triton
 from _timing import bench_both, ceilings  # noqa: E402  (benchmarks/ is on sys.path)
 from copy_kernels import copy_records  # noqa: E402
-from dsa_kernels import dsa_records  # noqa: E402
+from dsa_kernels import dsa_records, merge_dsa  # noqa: E402
 
 import splash.kernels_triton as K
 
@@ -388,23 +388,6 @@ def main() -> None:
     result["records"] += dsa_records(dev, ceil)
     save()
     print("wrote", args.out)
-
-
-def merge_dsa(path: str, dev: torch.device) -> None:
-    """Replace the DSA records of the results file ``path`` (kept otherwise) with new ones."""
-    try:
-        with open(path) as f:
-            result = json.load(f)
-    except FileNotFoundError:
-        result = {"records": []}
-    ceil = ceilings(dev)
-    result["records"] = [r for r in result["records"] if not r["kernel"].startswith("dsa_")]
-    result["records"] += dsa_records(dev, ceil)
-    result["dsa_date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    result["dsa_ceilings"] = {k: round(v, 1) for k, v in ceil.items()}
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    print("merged DSA records into", path)
 
 
 if __name__ == "__main__":

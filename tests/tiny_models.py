@@ -11,6 +11,8 @@ import tempfile
 
 import torch
 
+from splash.model.presets import unit_scale
+
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
             qk_rope_head_dim=16, qk_nope_head_dim=16, n_routed_experts=8, first_k_dense_replace=1,
@@ -61,15 +63,7 @@ def randomise(model, seed: int) -> None:
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if "inv_freq" in name or not t.is_floating_point():
                 continue
-            x = torch.randn(t.shape, generator=g)
-            if name.endswith("norm.weight"):
-                t.copy_(1 + 0.1 * x)
-            elif t.dim() == 1:
-                t.copy_(0.05 * x)
-            elif "embed_tokens" in name:
-                t.copy_(x)
-            else:
-                t.copy_(x * t.shape[-1] ** -0.5)
+            t.copy_(unit_scale(name, torch.randn(t.shape, generator=g)))
 
 
 _CACHE: dict[tuple, str] = {}

@@ -7,7 +7,6 @@ requests with the sampled tokens.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 import time
@@ -30,10 +29,10 @@ from splash.engine.setup import (
     size_from_profiles,
 )
 from splash.engine.switches import SwitchController
-from splash.errors import ConfigError, InvalidRequestError, StepFailedError, WorkerDiedError
+from splash.engine.warmup import warm_up
+from splash.errors import InvalidRequestError, StepFailedError, WorkerDiedError
 from splash.logging_utils import get_logger
-from splash.model.config import ModelConfig
-from splash.model.loader import checkpoint_shapes, with_expert_aliases
+from splash.model.loader import weights_to_update
 from splash.outputs import RequestOutput
 from splash.sampling_params import SamplingParams
 
@@ -266,46 +265,11 @@ class LLMEngine:
 
     # -- start-up -------------------------------------------------------------------------
     def warm_up(self, layouts: list[str] | None = None) -> float:
-        """Compile the kernels before the first user request: in each of ``layouts`` (default:
-        every layout this engine may use — all that fit under auto, else its own) serve one
-        short request per rank (two prefill chunks, then decode steps), then return to the
-        start layout and forget it all (counters, switch history, prefix cache). Seconds."""
-        start = self.layout
-        if layouts is None:
-            layouts = list(self.setup.fitting) if self.auto is not None else [start]
-        order = [start] + [n for n in layouts if n != start] if start in layouts else layouts
-        policy, self.switches.policy = self.switches.policy, None  # no pins, no decisions
-        t0 = time.perf_counter()
-        budget = self.scheduler.cfg.max_num_batched_tokens
-        length = max(1, min(budget + 17, self.setup.max_model_len - 4,
-                            self.setup.max_request_tokens - 4))
-        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        vocab = max(self.vocab_size - 2, 1)
-        try:
-            for i, name in enumerate(order):
-                logger.info("compiling kernels: layout %s [%d/%d] (prefill chunk + decode)...",
-                            name, i + 1, len(order))
-                t1 = time.perf_counter()
-                if name != self.layout:
-                    self.switches.request(name)
-                for rank in range(self.world):  # one request per owner rank
-                    prompt = [2 + (rank * 7919 + j) % vocab for j in range(length)]
-                    self.add_request(prompt, params, request_id=f"warm-up-{name}-{rank}")
-                while self.has_unfinished():
-                    self.step()
-                logger.info("compiling kernels: layout %s [%d/%d] done in %.1f s", name, i + 1,
-                            len(order), time.perf_counter() - t1)
-            if self.layout != start:
-                self.switches.request(start)
-                self.step()
-        finally:
-            self.switches.policy = policy
-        self._forget_warm_up()
-        seconds = time.perf_counter() - t0
-        logger.info("kernels ready: %d layout(s) warmed in %.1f s", len(order), seconds)
-        return seconds
+        """Compile the kernels before the first user request (`splash.engine.warmup`)."""
+        return warm_up(self, layouts)
 
-    def _forget_warm_up(self) -> None:
+    def reset_counters(self) -> None:
+        """Forget what ran so far (after the warm-up): counters, switch history, prefix cache."""
         sched = self.scheduler
         self.switches.forget_history()
         if self.auto is not None:
@@ -333,7 +297,7 @@ class LLMEngine:
             raise InvalidRequestError("a layout switch is moving weights in the background: "
                                       "update the weights once it has completed")
         t0 = time.perf_counter()
-        names, payload = self._weight_names(source)
+        names, payload = weights_to_update(self.cfg.model, self.model_cfg, source)
         self.executor.load_weights(payload, names, self.step_count)
         self.scheduler.prefix.clear()
         self.weight_version += 1
@@ -342,46 +306,6 @@ class LLMEngine:
         logger.info("weights updated in place from %s (%d tensors, %.0f ms); prefix cache "
                     "flushed; weight version %d", what, len(names), ms, self.weight_version)
         return {"tensors": len(names), "ms": round(ms, 3), "weight_version": self.weight_version}
-
-    def _weight_names(self, source: Any) -> tuple[list[str], Any]:
-        """The HF names to load and what the executor reads them from; a mismatch with the
-        running checkpoint (architecture, unknown names, shapes) is an error here."""
-        shapes, known = checkpoint_shapes(self.cfg.model, self.model_cfg)
-        if isinstance(source, (str, os.PathLike)):
-            path = str(source)
-            if not os.path.isfile(os.path.join(path, "config.json")):
-                raise ConfigError(f"{path!r} is not a checkpoint dir (no config.json)")
-            other = ModelConfig.from_hf(path)
-            differ = [f.name for f in dataclasses.fields(other)
-                      if getattr(other, f.name) != getattr(self.model_cfg, f.name)]
-            if differ:
-                raise ConfigError(f"{path!r} has a different architecture ({', '.join(differ)} "
-                                  "differ): only weights of the same architecture load in place")
-            new, _ = checkpoint_shapes(path, self.model_cfg)
-            for name, shape in shapes.items():
-                if new.get(name) != shape:
-                    raise ConfigError(f"{path!r}: tensor {name!r} is "
-                                      f"{new.get(name, 'missing')}, the model has {shape}")
-            return sorted(shapes), path
-        if not isinstance(source, Mapping):
-            raise InvalidRequestError("update_weights takes a checkpoint directory or a mapping "
-                                      "of tensor names to tensors")
-        shapes = with_expert_aliases(shapes)
-        known |= set(shapes)
-        names = []
-        for name, t in source.items():
-            if name not in known:
-                raise InvalidRequestError(f"the model has no tensor {name!r}")
-            if name not in shapes:
-                continue  # in the checkpoint, not served (MTP layers, DSA indexer)
-            if tuple(getattr(t, "shape", ())) != shapes[name]:
-                raise InvalidRequestError(f"tensor {name!r} has shape "
-                                          f"{tuple(getattr(t, 'shape', ()))}, the model has "
-                                          f"{shapes[name]}")
-            names.append(name)
-        if not names:
-            raise InvalidRequestError("none of the given tensors is one the model is built from")
-        return names, {n: source[n] for n in names}
 
     # -- control and introspection ----------------------------------------------------------
     @property

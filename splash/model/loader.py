@@ -11,7 +11,9 @@ DSA indexer weights (`*.self_attn.indexer.*`) are, for DSA models, with `weights
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -21,7 +23,7 @@ import torch
 from safetensors import safe_open
 
 from splash.backends.dtypes import torch_dtype
-from splash.errors import ConfigError
+from splash.errors import ConfigError, InvalidRequestError
 from splash.model.config import ModelConfig
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
@@ -212,3 +214,47 @@ def from_pretrained_dir(path: str | Path, dtype: torch.dtype | str | None = None
     """(ModelConfig, lazy weights) of an HF checkpoint directory (config.json + safetensors)."""
     cfg = ModelConfig.from_hf(path)
     return cfg, CheckpointWeights(path, cfg, dtype=dtype, device=device)
+
+
+def weights_to_update(model_path: str, model_cfg: ModelConfig, source: Any
+                      ) -> tuple[list[str], Any]:
+    """For an in-place weight update of the checkpoint at ``model_path``: the HF names to load
+    and what to read them from (a checkpoint directory or a name -> tensor mapping); a mismatch
+    with the running checkpoint (architecture, unknown names, shapes) is an error here."""
+    shapes, known = checkpoint_shapes(model_path, model_cfg)
+    if isinstance(source, (str, os.PathLike)):
+        path = str(source)
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ConfigError(f"{path!r} is not a checkpoint dir (no config.json)")
+        other = ModelConfig.from_hf(path)
+        differ = [f.name for f in dataclasses.fields(other)
+                  if getattr(other, f.name) != getattr(model_cfg, f.name)]
+        if differ:
+            raise ConfigError(f"{path!r} has a different architecture ({', '.join(differ)} "
+                              "differ): only weights of the same architecture load in place")
+        new, _ = checkpoint_shapes(path, model_cfg)
+        for name, shape in shapes.items():
+            if new.get(name) != shape:
+                raise ConfigError(f"{path!r}: tensor {name!r} is "
+                                  f"{new.get(name, 'missing')}, the model has {shape}")
+        return sorted(shapes), path
+    if not isinstance(source, Mapping):
+        raise InvalidRequestError("update_weights takes a checkpoint directory or a mapping "
+                                  "of tensor names to tensors")
+    shapes = with_expert_aliases(shapes)
+    known |= set(shapes)
+    names = []
+    for name, t in source.items():
+        if name not in known:
+            raise InvalidRequestError(f"the model has no tensor {name!r}")
+        if name not in shapes:
+            continue  # in the checkpoint, not served (MTP layers, DSA indexer)
+        if tuple(getattr(t, "shape", ())) != shapes[name]:
+            raise InvalidRequestError(f"tensor {name!r} has shape "
+                                      f"{tuple(getattr(t, 'shape', ()))}, the model has "
+                                      f"{shapes[name]}")
+        names.append(name)
+    if not names:
+        raise InvalidRequestError("none of the given tensors is one the model is built from")
+    return names, {n: source[n] for n in names}
+

@@ -189,17 +189,22 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _random(name: str, shape: tuple[int, ...], gen: Any) -> Any:
-    """O(1)-activation init: norms ~1, biases small, matrices N(0, 1/fan_in), embeddings N(0, 1)."""
     import torch
 
-    x = torch.randn(shape, generator=gen)
+    return unit_scale(name, torch.randn(shape, generator=gen))
+
+
+def unit_scale(name: str, x: Any) -> Any:
+    """O(1)-activation init of parameter ``name`` from a standard normal ``x`` of its shape:
+    norms ~1, biases small, matrices N(0, 1/fan_in), embeddings N(0, 1). HF's std-0.02 init
+    gives near-uniform logits, where rounding differences flip near-tied greedy tokens."""
     if name.endswith("norm.weight"):
         return 1.0 + 0.1 * x
-    if len(shape) == 1:
+    if x.dim() == 1:
         return 0.05 * x
-    if name == "model.embed_tokens.weight":
+    if "embed_tokens" in name:
         return x
-    return x * shape[-1] ** -0.5
+    return x * x.shape[-1] ** -0.5
 
 
 def make_model_main(args: Any) -> int:

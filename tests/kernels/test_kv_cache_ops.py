@@ -21,7 +21,7 @@ def _cache(dtype, device, P=5, PS=16, D=40):
 
 def _skip_fnuz_on_cuda(dtype, device):
     if dtype == torch.float8_e4m3fnuz and device.type == "cuda" and torch.version.hip is None:
-        pytest.skip("e4m3fnuz is the ROCm flavour")
+        pytest.skip("float8_e4m3fnuz is the ROCm fp8 format; NVIDIA GPUs have no fnuz kernels")
 
 
 def _bits(t):
