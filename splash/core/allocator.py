@@ -68,15 +68,17 @@ class PageAllocator:
         the free list runs out."""
         if n > self.num_available:
             raise MemoryError(f"need {n} pages, {self.num_available} available")
-        pages = []
-        for _ in range(n):
-            if self._free:
-                page = self._free.pop()
-            else:
-                page, _ = self._evictable.popitem(last=False)
-                del self._cached[self._hash_of.pop(page)]
-            self._refs[page] = 1
+        cut = max(len(self._free) - n, 0)  # free pages first, from the end of the list
+        pages = self._free[cut:]
+        del self._free[cut:]
+        pages.reverse()
+        for _ in range(n - len(pages)):
+            page, _ = self._evictable.popitem(last=False)
+            del self._cached[self._hash_of.pop(page)]
             pages.append(page)
+        refs = self._refs
+        for page in pages:
+            refs[page] = 1
         return pages
 
     def incref(self, pages: list[int]) -> None:

@@ -46,6 +46,7 @@ from splash.engine.setup import EngineSetup
 from splash.errors import ConfigError, LayoutInfeasibleError
 from splash.logging_utils import get_logger
 from splash.switching.manifest import SwitchManifest, build_manifest
+from splash.switching.pages import free_placed
 
 logger = get_logger("splash.switch")
 
@@ -238,11 +239,6 @@ class SwitchController:
             return []  # every cached page is a running request's: it moves with its request
         return cached_histories(sched.alloc, sched.layout, self.setup.world, self.setup.page_size)
 
-    def _free_placed(self, placed: dict, keep: set[str]) -> None:
-        for (rid, _, rank), page in placed.items():
-            if rid not in keep:
-                self.scheduler.alloc[rank].free([page])
-
     def _handoff(self, step: int) -> SwitchStep | None:
         sched, setup, pc = self.scheduler, self.setup, self.inflight
         assert pc is not None
@@ -250,15 +246,15 @@ class SwitchController:
         pre = pc.manifest
         running = list(sched.running)
         live = {r.request_id for r in running}
-        self._free_placed(pre.placed, keep=live)  # pages of requests that finished meanwhile
-        staged = {k: p for k, p in pre.placed.items() if k[0] in live}
+        free_placed(pre.placed, sched.alloc, keep=live)  # of requests finished meanwhile
+        staged = {rid: pages for rid, pages in pre.placed.items() if rid in live}
         owners = {rid: o for rid, o in pre.new_owners.items() if rid in live}
         delta = build_manifest(pre.src, pre.dst, running, sched.alloc, setup.world,
                                setup.page_size, setup.model_cfg.num_attention_heads,
                                owners=owners, rows_from=pc.copied, staged=staged,
                                cached=self._cached())
         if delta is None:
-            self._free_placed(staged, keep=set())
+            free_placed(staged, sched.alloc)
             self._cancelled(pc, step, "no free pages for the delta")
             return SwitchStep(pre, "cancel")
         sched.apply_switch(delta)
@@ -275,7 +271,7 @@ class SwitchController:
         pc = self.inflight
         assert pc is not None
         self.inflight = None
-        self._free_placed(pc.manifest.placed, keep=set())
+        free_placed(pc.manifest.placed, self.scheduler.alloc)
         self._cancelled(pc, step, why)
         return SwitchStep(pc.manifest, "cancel")
 
