@@ -10,14 +10,14 @@ allocation needs it; the tail pages of a freed history are evicted before its he
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Sequence
+from typing import NamedTuple
 
 from splash.errors import ConfigError
 
 
-@dataclass(frozen=True)
-class CachedBlock:
-    """A page registered in a rank's prefix cache."""
+class CachedBlock(NamedTuple):
+    """A page registered in a rank's prefix cache (a tuple: a switch registers thousands)."""
 
     page: int
     parent: bytes | None  # hash of the previous page of the history (None: the first page)
@@ -92,26 +92,35 @@ class PageAllocator:
     def free(self, pages: list[int]) -> None:
         """Drop one reference to each page; an unreferenced page returns to the free list, or,
         if cached, to the end of the LRU order (the last page of ``pages`` is evicted first)."""
+        refs, hash_of, free = self._refs, self._hash_of, self._free
         for page in reversed(pages):
-            if self._refs[page] <= 0:
+            n = refs[page]
+            if n <= 0:
                 raise ValueError(f"page {page} freed more often than it was held")
-            self._refs[page] -= 1
-            if self._refs[page] == 0:
-                if page in self._hash_of:
+            refs[page] = n - 1
+            if n == 1:
+                if page in hash_of:
                     self._evictable[page] = None
                 else:
-                    self._free.append(page)
+                    free.append(page)
 
     # -- prefix cache ---------------------------------------------------------------------
     def register(self, page: int, key: bytes, parent: bytes | None, index: int) -> None:
         """Cache a held, full page under ``key``; a no-op when another page already holds it
         (that page stays the cached one) or this page is cached already."""
-        if key in self._cached or page in self._hash_of:
-            return
-        self._cached[key] = CachedBlock(page, parent, index)
-        self._hash_of[page] = key
-        if self._refs[page] == 0:
-            self._evictable[page] = None
+        self.register_many((page,), (key,), (parent,), (index,))
+
+    def register_many(self, pages: Sequence[int], keys: Sequence[bytes],
+                      parents: Sequence[bytes | None], indices: Sequence[int]) -> None:
+        """`register` each page in turn."""
+        cached, hash_of, refs = self._cached, self._hash_of, self._refs
+        for page, key, parent, index in zip(pages, keys, parents, indices):
+            if key in cached or page in hash_of:
+                continue
+            cached[key] = CachedBlock(page, parent, index)
+            hash_of[page] = key
+            if refs[page] == 0:
+                self._evictable[page] = None
 
     def lookup(self, key: bytes) -> int | None:
         block = self._cached.get(key)

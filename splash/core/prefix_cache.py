@@ -29,8 +29,10 @@ import hashlib
 from array import array
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from splash.core.allocator import RankAllocators
-from splash.core.ownership import KVPlacement, Layout, local_page_index, page_holders
+from splash.core.ownership import KVPlacement, Layout, holds, local_page_index, page_holders
 
 
 def hash_page(parent: bytes | None, tokens: list[int]) -> bytes:
@@ -115,12 +117,15 @@ class PrefixCache:
         if not self.enabled or not history.num_cached_pages:
             return
         keys = history.block_hashes
-        for i in range(history.num_cached_pages):
-            local = local_page_index(layout, i, self.world)
-            for d in page_holders(layout, i, history.owner, self.world):
-                if local < len(history.tables[d]):
-                    self.alloc[d].register(history.tables[d][local], keys[i],
-                                           keys[i - 1] if i else None, i)
+        parents = [None, *keys]
+        logical = np.arange(history.num_cached_pages)
+        for d in range(self.world):
+            table = history.tables[d]
+            mine = logical[holds(layout, d, logical, history.owner, self.world)]
+            local = local_page_index(layout, mine, self.world)
+            mine, local = mine[local < len(table)].tolist(), local[local < len(table)].tolist()
+            self.alloc[d].register_many([table[j] for j in local], [keys[i] for i in mine],
+                                        [parents[i] for i in mine], mine)
 
     def clear(self) -> None:
         self.alloc.clear_cache()

@@ -41,29 +41,35 @@ class PagePlan:
     world: int
     page_size: int
     pool_pages: int  # pages in a rank's pool: (rank, page) keys are rank * pool_pages + page
+    dst: Layout
     histories: list[History]
     is_request: np.ndarray  # (H,) False for cached chains
+    num_pages: np.ndarray  # (H,) logical pages of each history
+    owners: np.ndarray  # (H,) owners under the destination
     starts: np.ndarray  # (H + 1,) flat index of each history's first page
     hist: np.ndarray  # (N,) each page's history
     held: np.ndarray  # (N, world) the destination holders of each page
     tables: np.ndarray  # source block tables: every history's on rank 0, then on rank 1, ...
     table_lens: np.ndarray  # (world, H) their lengths
-    copies: np.ndarray  # (world * pool_pages,) table entries holding each (rank, page)
-    kept: np.ndarray  # (K,) entries held under the source too: kept in place
+    canon: np.ndarray | None  # (L,) the first table entry holding each entry's (rank, page);
+    #   None when no page is in two entries (then nothing is shared, nothing counts twice)
+    kept: np.ndarray  # (K,) entries the source holds too: kept in place
+    kept_rank: np.ndarray  # (K,) their rank
+    kept_count: np.ndarray  # (world, H) kept entries per rank and history
+    in_place: np.ndarray  # (world, H) of them, those whose local index stays
     kept_index: np.ndarray  # (K,) each kept page's index in ``tables``
     repacked: np.ndarray  # (K,) bool: its local index changes
     recv: np.ndarray  # (R,) entries received
+    recv_page: np.ndarray  # (R,) their flat page
+    recv_rank: np.ndarray  # (R,) their rank
     source: np.ndarray  # (R,) the source holder each is copied from
     source_page: np.ndarray  # (R,) its page there
     rows_start: np.ndarray  # (R,) first row to move (offset in the page)
     rows: np.ndarray  # (R,) rows to move (0 for a shared page)
     page: np.ndarray  # (R,) its staged page, or -1 (a fresh one, or its receiver's if shared)
-    share_of: np.ndarray  # (R,) the received entry whose copy it shares (itself if none)
-
-    @property
-    def fresh(self) -> np.ndarray:
-        """Received entries that need a fresh page, in entry order."""
-        return np.flatnonzero((self.page < 0) & (self.share_of == np.arange(len(self.recv))))
+    shared: np.ndarray  # (R,) bool: a full page an earlier entry receives: shares its copy
+    share_of: np.ndarray  # (R,) the received entry whose copy it holds (itself if not shared)
+    fresh: np.ndarray  # received entries that need a fresh page, rank by rank, entry order
 
 
 @dataclass
@@ -90,83 +96,100 @@ def plan_pages(src: Layout, dst: Layout, histories: list[History], owners: dict[
     receives from the same source page onto the same rank shares that copy."""
     num = len(histories)
     computed = np.fromiter((h.num_computed for h in histories), np.int64, num)
-    done = np.fromiter(((rows_from or {}).get(h.request_id, 0) for h in histories), np.int64, num)
     own_src = np.fromiter((h.owner for h in histories), np.int64, num)
     own_dst = np.fromiter((owners[h.request_id] for h in histories), np.int64, num)
     n = -(-computed // page_size)
-    starts = np.concatenate(([0], np.cumsum(n)))
+    starts = np.zeros(num + 1, np.int64)
+    np.cumsum(n, out=starts[1:])
     hist = np.repeat(np.arange(num), n)  # (N,)
-    logical = np.arange(starts[-1]) - starts[hist]
-    held_src = np.stack([holds(src, r, logical, own_src[hist], world) for r in range(world)], 1)
-    held = np.stack([holds(dst, r, logical, own_dst[hist], world) for r in range(world)], 1)
+    logical = np.arange(len(hist)) - starts[hist]
+    held_src = _holders(src, logical, own_src[hist], world)
+    held = _holders(dst, logical, own_dst[hist], world)
     tables, lens = _source_tables(src, histories, n, own_src, world)
-    table_start = (np.cumsum(lens) - lens.ravel()).reshape(lens.shape)
-    table_rank = np.repeat(np.arange(world), lens.sum(1))
-    copies = np.bincount(table_rank * pool_pages + tables, minlength=world * pool_pages)
+    table_at = np.cumsum(lens) - lens.ravel()  # (world * H,) where each table starts
+    canon = _canon(tables, lens, pool_pages)
     src_local = local_page_index(src, logical, world)
 
     kept = np.flatnonzero(held & held_src)
-    kp, kr = np.divmod(kept, world)
-    kept_index = table_start[kr, hist[kp]] + src_local[kp]
+    kp, kept_rank = np.divmod(kept, world)
+    table = kept_rank * num + hist[kp]  # (rank, history) of each kept entry
+    kept_index = table_at[table] + src_local[kp]
     repacked = src_local[kp] != local_page_index(dst, logical[kp], world)
+    kept_count = np.bincount(table, minlength=world * num).reshape(world, num)
+    in_place = np.bincount(table[~repacked], minlength=world * num).reshape(world, num)
 
     recv = np.flatnonzero(held & ~held_src)
-    rp, rd = np.divmod(recv, world)
-    source = held_src.argmax(axis=1)[rp]  # the first True: the lowest source holder
-    source_page = tables[table_start[source, hist[rp]] + src_local[rp]]
-    first_row = logical[rp] * page_size
-    rows_start = np.maximum(done[hist[rp]] - first_row, 0)
-    rows = np.maximum(np.minimum(page_size, computed[hist[rp]] - first_row) - rows_start, 0)
+    rp, recv_rank = np.divmod(recv, world)
+    if len(recv):  # per page, then per entry: pages have up to world - 1 receivers
+        first = held_src.argmax(axis=1)  # the first True: the lowest source holder
+        src_index = table_at[first * num + hist] + src_local
+        src_page = tables[src_index]
+        first_row = logical * page_size
+        done = np.fromiter(((rows_from or {}).get(h.request_id, 0) for h in histories),
+                           np.int64, num)[hist]
+        start = np.maximum(done - first_row, 0)
+        rows = np.maximum(np.minimum(page_size, computed[hist] - first_row) - start, 0)
+        full = computed[hist] >= first_row + page_size
+        source, source_page, rows_start, rows = first[rp], src_page[rp], start[rp], rows[rp]
+    else:
+        source = source_page = rows_start = rows = np.zeros(0, np.int64)
     page = (_staged(staged, histories, starts, world)[recv] if staged
             else np.full(len(recv), -1, np.int64))
     share_of = np.arange(len(recv))
-    cand = np.flatnonzero((page < 0) & (computed[hist[rp]] >= first_row + page_size))
-    copy = source[cand] * pool_pages + source_page[cand]  # a physical page; shareable only
-    share_of[cand] = cand[_first(copy * world + rd[cand], copies[copy] > 1)]  # if 2+ hold it
-    rows[share_of != np.arange(len(recv))] = 0
+    if canon is not None and len(recv):  # only a page two table entries hold is shared
+        copy = canon[src_index]  # the source page, as its first table entry
+        many = np.bincount(canon, minlength=len(canon))[copy] > 1
+        cand = np.flatnonzero(full[rp] & many[rp] & (page < 0))
+        key = copy[rp[cand]] * world + recv_rank[cand]
+        share_of[cand] = cand[_first(key, len(canon) * world)]
+    shared = share_of != np.arange(len(recv))
+    rows[shared] = 0
+    fresh = np.flatnonzero((page < 0) & ~shared)
+    fresh = fresh[np.argsort(recv_rank[fresh].astype(np.int16), kind="stable")]
     is_request = np.fromiter((not isinstance(h, CachedHistory) for h in histories), bool, num)
-    return PagePlan(world, page_size, pool_pages, histories, is_request, starts, hist, held,
-                    tables, lens, copies, kept, kept_index, repacked, recv, source,
-                    source_page, rows_start, rows, page, share_of)
+    return PagePlan(world, page_size, pool_pages, dst, histories, is_request, n, own_dst,
+                    starts, hist, held, tables, lens, canon, kept, kept_rank, kept_count,
+                    in_place, kept_index, repacked, recv, rp, recv_rank, source, source_page,
+                    rows_start, rows, page, shared, share_of, fresh)
 
 
 def received_pages(plan: PagePlan) -> list[int]:
     """Fresh pages each rank needs for the pages it receives (staged ones have theirs)."""
-    return np.bincount(plan.recv[plan.fresh] % plan.world, minlength=plan.world).tolist()
+    return np.bincount(plan.recv_rank[plan.fresh], minlength=plan.world).tolist()
 
 
 def place_pages(plan: PagePlan, fresh: list[list[int]]) -> PagePlacement:
     """Destination tables (kept, staged and ``fresh`` pages, in logical order), the runs of
     slots each received page's rows move between (one run per page), the pages requests drop,
     and the references the fresh pages need beyond the one allocation gave them."""
-    world, ps = plan.world, plan.page_size
-    rd = plan.recv % world
+    world = plan.world
     fi = plan.fresh
-    fi = fi[np.argsort(rd[fi].astype(np.int16), kind="stable")]  # rank by rank, entry order
     page = plan.page.copy()
     page[fi] = np.fromiter(chain.from_iterable(fresh), np.int64, len(fi))
-    page = page[plan.share_of]
-    final = np.full(plan.held.size, -1, np.int64)
-    final[plan.kept] = plan.tables[plan.kept_index]
-    final[plan.recv] = page
+    if plan.shared.any():
+        page = page[plan.share_of]
     placed_at = np.full(plan.held.size, -1, np.int64)
-    by_request = plan.is_request[plan.hist[plan.recv // world]]
-    placed_at[plan.recv[by_request]] = page[by_request]
+    if plan.is_request.all():
+        by_request = np.ones(len(page), bool)
+        placed_at[plan.recv] = page
+    else:
+        by_request = plan.is_request[plan.hist[plan.recv_page]]
+        placed_at[plan.recv[by_request]] = page[by_request]
     placed_at = placed_at.reshape(-1, world)
     placed = {h.request_id: placed_at[a:b] for h, a, b, req in zip(
         plan.histories, plan.starts[:-1], plan.starts[1:], plan.is_request) if req}
-    send, recv = _runs(plan, page)
+    send, recv, pair_rows = _runs(plan, page)
     release, incref = _references(plan, page, fi, by_request)
     dropped, counts = _dropped(plan)
-    counts["pages_received"] = np.bincount(rd[fi], minlength=world)
-    counts["kv_rows_received"] = np.bincount(rd, plan.rows, minlength=world).astype(np.int64)
-    counts["kv_rows_sent"] = np.bincount(plan.source, plan.rows, minlength=world).astype(np.int64)
-    return PagePlacement(_new_tables(plan, final.reshape(-1, world)), send, recv, placed,
-                         dropped, release, incref, counts)
+    counts["pages_received"] = np.array([len(pages) for pages in fresh])
+    counts["kv_rows_received"] = pair_rows.sum(0)
+    counts["kv_rows_sent"] = pair_rows.sum(1)
+    return PagePlacement(_new_tables(plan, page, fresh), send, recv, placed, dropped,
+                         release, incref, counts)
 
 
-def free_placed(placed: Placed, allocators: RankAllocators, keep: set[str] | frozenset[str] = frozenset()
-                ) -> None:
+def free_placed(placed: Placed, allocators: RankAllocators,
+                keep: set[str] | frozenset[str] = frozenset()) -> None:
     """Drop the references the placed pages of histories not in ``keep`` hold."""
     arrays = [pages for rid, pages in placed.items() if rid not in keep]
     if not arrays:
@@ -175,6 +198,11 @@ def free_placed(placed: Placed, allocators: RankAllocators, keep: set[str] | fro
     for rank in range(pages.shape[1]):
         col = pages[:, rank]
         allocators[rank].free(col[col >= 0][::-1].tolist())  # back to the pool in page order
+
+
+def _holders(layout: Layout, logical: np.ndarray, owners: np.ndarray, world: int) -> np.ndarray:
+    """(pages, world): whether each rank holds each page under ``layout``."""
+    return np.stack([holds(layout, r, logical, owners, world) for r in range(world)], axis=1)
 
 
 def _source_tables(src: Layout, histories: list[History], n: np.ndarray, owners: np.ndarray,
@@ -194,15 +222,20 @@ def _source_tables(src: Layout, histories: list[History], n: np.ndarray, owners:
     return tables, lens
 
 
-def _first(keys: np.ndarray, repeats: np.ndarray) -> np.ndarray:
-    """For each entry, the index of the first entry with its key; only entries flagged in
-    ``repeats`` may share a key (the others are their own first)."""
-    first = np.arange(len(keys))
-    idx = np.flatnonzero(repeats)
-    if len(idx):
-        _, at, inverse = np.unique(keys[idx], return_index=True, return_inverse=True)
-        first[idx] = idx[at[inverse]]
-    return first
+def _canon(tables: np.ndarray, lens: np.ndarray, pool_pages: int) -> np.ndarray | None:
+    """For each table entry, the first entry holding the same (rank, page); None when every
+    page is in one entry."""
+    key = np.repeat(np.arange(len(lens)) * pool_pages, lens.sum(1)) + tables
+    seen = np.zeros(len(lens) * pool_pages, bool)
+    seen[key] = True
+    return None if np.count_nonzero(seen) == len(key) else _first(key, len(seen))
+
+
+def _first(keys: np.ndarray, size: int) -> np.ndarray:
+    """For each entry, the index of the first entry with its key (keys in [0, size))."""
+    first = np.full(size, len(keys))
+    np.minimum.at(first, keys, np.arange(len(keys)))
+    return first[keys]
 
 
 def _staged(staged: Placed, histories: list[History], starts: np.ndarray,
@@ -217,36 +250,57 @@ def _staged(staged: Placed, histories: list[History], starts: np.ndarray,
     return out.ravel()
 
 
-def _new_tables(plan: PagePlan, final: np.ndarray) -> dict[str, list[list[int]]]:
-    """Per history, per rank: the pages of the entries it holds, in logical order."""
-    tables: list[list[list[int]]] = [[] for _ in plan.histories]
-    for r in range(plan.world):
-        held = plan.held[:, r]
-        pages = final[held, r].tolist()
-        at = np.concatenate(([0], np.cumsum(held)))[plan.starts].tolist()
-        for h, table in enumerate(tables):
-            table.append(pages[at[h]:at[h + 1]])
-    return {h.request_id: t for h, t, a, b in zip(plan.histories, tables, plan.starts[:-1],
-                                                  plan.starts[1:]) if b > a}  # empty: none
+def _new_tables(plan: PagePlan, page: np.ndarray, fresh: list[list[int]]
+                ) -> dict[str, list[list[int]]]:
+    """Per history, per rank: the pages it holds, in logical order. A table the rank keeps
+    whole and in place, or one of fresh pages only, is a slice of a list already there."""
+    world, hists, num = plan.world, plan.histories, len(plan.histories)
+    fi = plan.fresh
+    n_fresh = np.bincount(plan.recv_rank[fi] * num + plan.hist[plan.recv_page[fi]],
+                          minlength=world * num).reshape(world, num).tolist()
+    in_place, final = plan.in_place.tolist(), None
+    out: list[list[list[int]]] = [[] for _ in hists]
+    for r in range(world):
+        held = num_local_pages(plan.dst, plan.num_pages, r, plan.owners, world).tolist()
+        used = 0  # fresh pages of rank r taken by earlier histories
+        column: list[int] | None = None
+        for h, hist in enumerate(hists):
+            m, f = held[h], n_fresh[r][h]
+            if in_place[r][h] == m:
+                out[h].append(hist.tables[r][:m])
+            elif f == m:
+                out[h].append(fresh[r][used:used + m])
+            else:
+                if column is None:
+                    if final is None:
+                        final = np.full(plan.held.shape, -1, np.int64)
+                        final.ravel()[plan.kept] = plan.tables[plan.kept_index]
+                        final.ravel()[plan.recv] = page
+                    column = final[plan.held[:, r], r].tolist()
+                    at = [0, *np.cumsum(held).tolist()]
+                out[h].append(column[at[h]:at[h + 1]])
+            used += f
+    return {h.request_id: t for h, t, n in zip(hists, out, plan.num_pages.tolist()) if n}
 
 
-def _runs(plan: PagePlan, page: np.ndarray) -> tuple[list, list]:
+def _runs(plan: PagePlan, page: np.ndarray) -> tuple[list, list, np.ndarray]:
     """The runs of slots received rows move between, per (source, destination) pair, in
-    entry order."""
+    entry order; the rows each pair moves, (world, world)."""
     world, ps = plan.world, plan.page_size
     moved = np.flatnonzero(plan.rows > 0)
-    pair = plan.source[moved] * world + plan.recv[moved] % world
-    order = moved[np.argsort(pair.astype(np.int32), kind="stable")]
-    bounds = (2 * np.concatenate(([0], np.cumsum(np.bincount(pair, minlength=world * world)))
-                                 )).tolist()
+    pair = plan.source[moved] * world + plan.recv_rank[moved]
+    order = moved[np.argsort(pair.astype(np.int16), kind="stable")]  # world**2 < 2**15
+    ends = np.cumsum(np.bincount(pair, minlength=world * world))
+    bounds = [0, *(2 * ends).tolist()]
     rows, start = plan.rows[order], plan.rows_start[order]
+    total = np.concatenate(([0], np.cumsum(rows)))[np.concatenate(([0], ends))]
     send_flat = np.stack([plan.source_page[order] * ps + start, rows], 1).ravel().tolist()
     recv_flat = np.stack([page[order] * ps + start, rows], 1).ravel().tolist()
     send = [[send_flat[bounds[s * world + d]:bounds[s * world + d + 1]] for d in range(world)]
             for s in range(world)]
     recv = [[recv_flat[bounds[s * world + d]:bounds[s * world + d + 1]] for s in range(world)]
             for d in range(world)]
-    return send, recv
+    return send, recv, np.diff(total).reshape(world, world)
 
 
 def _references(plan: PagePlan, page: np.ndarray, fresh: np.ndarray, by_request: np.ndarray
@@ -256,13 +310,11 @@ def _references(plan: PagePlan, page: np.ndarray, fresh: np.ndarray, by_request:
     world, pool = plan.world, plan.pool_pages
     release: list[list[int]] = [[] for _ in range(world)]
     incref: list[list[int]] = [[] for _ in range(world)]
-    shared = plan.share_of != np.arange(len(plan.recv))
-    if not shared.any() and by_request.all():
+    if not plan.shared.any() and by_request.all():
         return release, incref  # every fresh page has the one request that receives it
-    rd = plan.recv % world
     users = (plan.page < 0) & by_request  # requests' entries on fresh pages
-    count = np.bincount(rd[users] * pool + page[users], minlength=world * pool)
-    fresh_rank, fresh_page = rd[fresh], page[fresh]
+    count = np.bincount(plan.recv_rank[users] * pool + page[users], minlength=world * pool)
+    fresh_rank, fresh_page = plan.recv_rank[fresh], page[fresh]
     n = count[fresh_rank * pool + fresh_page]
     for r in range(world):
         mine = fresh_rank == r
@@ -274,20 +326,40 @@ def _references(plan: PagePlan, page: np.ndarray, fresh: np.ndarray, by_request:
 def _dropped(plan: PagePlan) -> tuple[list[list[int]], dict[str, np.ndarray]]:
     """Per rank, the requests' references to pages they do not hold under the destination (a
     page stays held when another history keeps it); the kept and discarded page counts."""
-    world, pool, lens = plan.world, plan.pool_pages, plan.table_lens
-    rank = np.repeat(np.arange(world), lens.sum(1))
-    drop = np.repeat(np.tile(plan.is_request, world), lens.ravel())  # requests' entries
-    drop[plan.kept_index] = False
-    kept_rank = rank[plan.kept_index]
-    kept_key = kept_rank * pool + plan.tables[plan.kept_index]
-    first = _first(kept_key, plan.copies[kept_key] > 1)
-    first = first == np.arange(len(first))  # a shared page kept is counted once
-    marks = np.zeros(world * pool, bool)
-    marks[rank[drop] * pool + plan.tables[drop]] = True
-    marks[kept_key] = False
-    counts = {"pages_kept": np.bincount(kept_rank[first], minlength=world),
-              "pages_repacked": np.bincount(kept_rank[first & plan.repacked], minlength=world),
-              "pages_discarded": marks.reshape(world, pool).sum(1)}
-    bounds = np.concatenate(([0], np.cumsum(lens.sum(1))))
-    dropped = [plan.tables[a:b][drop[a:b]].tolist() for a, b in zip(bounds[:-1], bounds[1:])]
-    return dropped, counts
+    world, lens = plan.world, plan.table_lens
+    kept_count, table_lens = plan.kept_count.tolist(), lens.tolist()
+    at = (np.cumsum(lens) - lens.ravel()).tolist()
+    drop = None
+    dropped: list[list[int]] = [[] for _ in range(world)]
+    for r in range(world):
+        for h, hist in enumerate(plan.histories):
+            k, n = kept_count[r][h], table_lens[r][h]
+            if k == n or not plan.is_request[h]:
+                continue
+            if k == 0:  # nothing kept: the whole table
+                dropped[r] += hist.tables[r]
+                continue
+            if drop is None:
+                drop = np.ones(len(plan.tables), bool)
+                drop[plan.kept_index] = False
+            a = at[r * len(plan.histories) + h]
+            dropped[r] += plan.tables[a:a + n][drop[a:a + n]].tolist()
+    kept_rank, repacked = plan.kept_rank, plan.repacked
+    if plan.canon is None:  # no page in two table entries: none counts twice
+        discarded = np.array([len(d) for d in dropped])
+    else:  # pages as their first table entry
+        kept = plan.canon[plan.kept_index]
+        first = _first(kept, len(plan.canon)) == np.arange(len(kept))  # kept twice: once
+        kept_rank, repacked = kept_rank[first], repacked[first]
+        if drop is None:
+            drop = np.ones(len(plan.tables), bool)
+            drop[plan.kept_index] = False
+        drop &= np.repeat(np.tile(plan.is_request, world), lens.ravel())  # requests' entries
+        marks = np.zeros(len(plan.canon), bool)
+        marks[plan.canon[drop]] = True
+        marks[kept] = False
+        discarded = np.bincount(np.repeat(np.arange(world), lens.sum(1))[marks],
+                                minlength=world)
+    return dropped, {"pages_kept": np.bincount(kept_rank, minlength=world),
+                     "pages_repacked": np.bincount(kept_rank[repacked], minlength=world),
+                     "pages_discarded": discarded}
