@@ -58,9 +58,10 @@ def _grow(sched: Scheduler, req: Request, tokens: int) -> None:
         req.tables[r] += sched.alloc[r].allocate(more)
 
 
-def _one(src: str, dst: str, world: int, batch: int, context: int, ps: int) -> dict:
-    sched = _running(src, world, batch, context, ps)
-    reqs, alloc, s, d = sched.running, sched.alloc, LAYOUTS[src], LAYOUTS[dst]
+def _one(sched: Scheduler, dst: str) -> tuple[dict, tuple]:
+    """Time the pre-copy, the delta and its adoption; returns the figures and the manifests."""
+    reqs, alloc, world, ps = sched.running, sched.alloc, sched.cfg.world, sched.cfg.page_size
+    s, d = sched.layout, LAYOUTS[dst]
     t0 = time.perf_counter()
     pre = build_manifest(s, d, reqs, alloc, world, ps, HEADS)
     t1 = time.perf_counter()
@@ -79,7 +80,7 @@ def _one(src: str, dst: str, world: int, batch: int, context: int, ps: int) -> d
     return {"precopy_ms": (t1 - t0) * 1e3, "handoff_ms": (t3 - t2) * 1e3,
             "apply_ms": (t4 - t3) * 1e3,
             "precopy_kv_rows": sum(x.kv_rows_received for x in pre.summary),
-            "delta_kv_rows": sum(x.kv_rows_received for x in delta.summary)}
+            "delta_kv_rows": sum(x.kv_rows_received for x in delta.summary)}, (pre, delta)
 
 
 def main() -> int:
@@ -94,8 +95,14 @@ def main() -> int:
     rows = []
     print(f"{'T':>2} {'direction':>9} {'pre-copy ms':>11} {'handoff ms':>10} {'apply ms':>8}")
     for world, (src, dst) in itertools.product(args.tp, itertools.permutations(LAYOUTS, 2)):
-        runs = [_one(src, dst, world, args.batch, args.context, args.page_size)
-                for _ in range(args.reps)]
+        runs: list[dict] = []
+        alive: list = []  # the last run's state, dropped once this run's exists: its memory
+        for _ in range(args.reps):  # is reused, as a running engine reuses memory
+            sched = _running(src, world, args.batch, args.context, args.page_size)
+            alive.clear()
+            row, manifests = _one(sched, dst)
+            runs.append(row)
+            alive += [sched, manifests]
         row = {"tp": world, "src": src, "dst": dst,
                **{k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]}}
         print(f"{world:>2} {src + '->' + dst:>9} {row['precopy_ms']:>11.2f} "

@@ -21,6 +21,7 @@ already moved (``rows_from``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import chain
 
 import numpy as np
@@ -36,40 +37,48 @@ Placed = dict[str, np.ndarray]  # history -> (pages, world) received pages, -1 w
 
 @dataclass
 class PagePlan:
-    """Every destination page of every history, before fresh pages are allocated."""
+    """Every destination page of every history, before fresh pages are allocated. Pages (N)
+    are numbered history by history; entries (page * world + rank) are (N, world) cells."""
 
     world: int
     page_size: int
-    pool_pages: int  # pages in a rank's pool: (rank, page) keys are rank * pool_pages + page
     dst: Layout
     histories: list[History]
     is_request: np.ndarray  # (H,) False for cached chains
     num_pages: np.ndarray  # (H,) logical pages of each history
     owners: np.ndarray  # (H,) owners under the destination
-    starts: np.ndarray  # (H + 1,) flat index of each history's first page
+    starts: np.ndarray  # (H + 1,) each history's first page
     hist: np.ndarray  # (N,) each page's history
+    src_local: np.ndarray  # (N,) each page's local index under the source
+    repacked: np.ndarray  # (N,) whether that index changes under the destination
     held: np.ndarray  # (N, world) the destination holders of each page
+    kept_mask: np.ndarray  # (N, world) those that hold it under the source too: kept
+    kept_count: np.ndarray  # (world, H) kept entries per rank and history
+    in_place: np.ndarray  # (world, H) of them, those whose local index stays
     tables: np.ndarray  # source block tables: every history's on rank 0, then on rank 1, ...
     table_lens: np.ndarray  # (world, H) their lengths
     canon: np.ndarray | None  # (L,) the first table entry holding each entry's (rank, page);
     #   None when no page is in two entries (then nothing is shared, nothing counts twice)
-    kept: np.ndarray  # (K,) entries the source holds too: kept in place
-    kept_rank: np.ndarray  # (K,) their rank
-    kept_count: np.ndarray  # (world, H) kept entries per rank and history
-    in_place: np.ndarray  # (world, H) of them, those whose local index stays
-    kept_index: np.ndarray  # (K,) each kept page's index in ``tables``
-    repacked: np.ndarray  # (K,) bool: its local index changes
-    recv: np.ndarray  # (R,) entries received
-    recv_page: np.ndarray  # (R,) their flat page
+    recv: np.ndarray  # (R,) entries received, in entry order
+    recv_page: np.ndarray  # (R,) their page
     recv_rank: np.ndarray  # (R,) their rank
     source: np.ndarray  # (R,) the source holder each is copied from
     source_page: np.ndarray  # (R,) its page there
-    rows_start: np.ndarray  # (R,) first row to move (offset in the page)
+    rows_start: np.ndarray | None  # (R,) first row to move (offset in the page); None: 0
     rows: np.ndarray  # (R,) rows to move (0 for a shared page)
     page: np.ndarray  # (R,) its staged page, or -1 (a fresh one, or its receiver's if shared)
-    shared: np.ndarray  # (R,) bool: a full page an earlier entry receives: shares its copy
-    share_of: np.ndarray  # (R,) the received entry whose copy it holds (itself if not shared)
-    fresh: np.ndarray  # received entries that need a fresh page, rank by rank, entry order
+    share_of: np.ndarray | None  # (R,) the entry whose copy it holds (itself if not shared);
+    #   None when no entry shares
+    fresh: np.ndarray  # entries that need a fresh page, rank by rank, in entry order
+
+    @cached_property
+    def kept(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The kept entries (K,), their rank and their page's index in ``tables`` (only
+        tables that are neither kept whole nor dropped whole need them)."""
+        kept = np.flatnonzero(self.kept_mask)
+        page, rank = np.divmod(kept, self.world)
+        at = np.cumsum(self.table_lens) - self.table_lens.ravel()
+        return kept, rank, at[rank * len(self.histories) + self.hist[page]] + self.src_local[page]
 
 
 @dataclass
@@ -93,7 +102,8 @@ def plan_pages(src: Layout, dst: Layout, histories: list[History], owners: dict[
     """Every destination page: kept where the source already holds it on that rank, else
     received from its lowest source holder — its rows from ``rows_from`` (rows already moved
     per history) on, into its ``staged`` page if any. A full page an earlier entry already
-    receives from the same source page onto the same rank shares that copy."""
+    receives from the same source page onto the same rank shares that copy. ``pool_pages``:
+    pages in a rank's pool."""
     num = len(histories)
     computed = np.fromiter((h.num_computed for h in histories), np.int64, num)
     own_src = np.fromiter((h.owner for h in histories), np.int64, num)
@@ -102,55 +112,54 @@ def plan_pages(src: Layout, dst: Layout, histories: list[History], owners: dict[
     starts = np.zeros(num + 1, np.int64)
     np.cumsum(n, out=starts[1:])
     hist = np.repeat(np.arange(num), n)  # (N,)
-    logical = np.arange(len(hist)) - starts[hist]
+    logical = np.arange(len(hist))
+    logical -= starts[hist]
     held_src = _holders(src, logical, own_src[hist], world)
     held = _holders(dst, logical, own_dst[hist], world)
     tables, lens = _source_tables(src, histories, n, own_src, world)
-    table_at = np.cumsum(lens) - lens.ravel()  # (world * H,) where each table starts
     canon = _canon(tables, lens, pool_pages)
     src_local = local_page_index(src, logical, world)
+    repacked = src_local != local_page_index(dst, logical, world)
+    kept_mask = held & held_src
+    kept_count = _per_history(kept_mask, starts)
+    in_place = _per_history(kept_mask & ~repacked[:, None], starts) if repacked.any() \
+        else kept_count
 
-    kept = np.flatnonzero(held & held_src)
-    kp, kept_rank = np.divmod(kept, world)
-    table = kept_rank * num + hist[kp]  # (rank, history) of each kept entry
-    kept_index = table_at[table] + src_local[kp]
-    repacked = src_local[kp] != local_page_index(dst, logical[kp], world)
-    kept_count = np.bincount(table, minlength=world * num).reshape(world, num)
-    in_place = np.bincount(table[~repacked], minlength=world * num).reshape(world, num)
-
-    recv = np.flatnonzero(held & ~held_src)
+    recv = np.flatnonzero(held > held_src)
     rp, recv_rank = np.divmod(recv, world)
-    if len(recv):  # per page, then per entry: pages have up to world - 1 receivers
-        first = held_src.argmax(axis=1)  # the first True: the lowest source holder
-        src_index = table_at[first * num + hist] + src_local
-        src_page = tables[src_index]
-        first_row = logical * page_size
-        done = np.fromiter(((rows_from or {}).get(h.request_id, 0) for h in histories),
-                           np.int64, num)[hist]
-        start = np.maximum(done - first_row, 0)
-        rows = np.maximum(np.minimum(page_size, computed[hist] - first_row) - start, 0)
-        full = computed[hist] >= first_row + page_size
-        source, source_page, rows_start, rows = first[rp], src_page[rp], start[rp], rows[rp]
-    else:
-        source = source_page = rows_start = rows = np.zeros(0, np.int64)
+    first = held_src.argmax(axis=1)  # the first True: the lowest source holder
+    at = (np.cumsum(lens) - lens.ravel())[first * num + hist] + src_local  # its table entry
+    at, source = at[rp], first[rp]
+    source_page = tables[at]
+    first_row = logical[rp] * page_size
+    rows = np.minimum(computed[hist[rp]] - first_row, page_size)  # the rows it holds
+    full = rows == page_size
+    rows_start = None
+    if rows_from:
+        done = np.fromiter((rows_from.get(h.request_id, 0) for h in histories), np.int64, num)
+        rows_start = np.maximum(done[hist[rp]] - first_row, 0)
+        rows = np.maximum(rows - rows_start, 0)
     page = (_staged(staged, histories, starts, world)[recv] if staged
             else np.full(len(recv), -1, np.int64))
-    share_of = np.arange(len(recv))
-    if canon is not None and len(recv):  # only a page two table entries hold is shared
-        copy = canon[src_index]  # the source page, as its first table entry
+    share_of = None
+    if canon is not None:  # only a full page two table entries hold is shared
+        copy = canon[at]  # the source page, as its first table entry
         many = np.bincount(canon, minlength=len(canon))[copy] > 1
-        cand = np.flatnonzero(full[rp] & many[rp] & (page < 0))
-        key = copy[rp[cand]] * world + recv_rank[cand]
-        share_of[cand] = cand[_first(key, len(canon) * world)]
-    shared = share_of != np.arange(len(recv))
-    rows[shared] = 0
-    fresh = np.flatnonzero((page < 0) & ~shared)
+        cand = np.flatnonzero(many & full & (page < 0))
+        share_of = np.arange(len(recv))
+        share_of[cand] = cand[_first(copy[cand] * world + recv_rank[cand], len(canon) * world)]
+        shared = share_of != np.arange(len(recv))
+        rows[shared] = 0
+        share_of = share_of if shared.any() else None
+    fresh = np.flatnonzero(page < 0) if staged else np.arange(len(recv))
+    if share_of is not None:
+        fresh = fresh[share_of[fresh] == fresh]
     fresh = fresh[np.argsort(recv_rank[fresh].astype(np.int16), kind="stable")]
     is_request = np.fromiter((not isinstance(h, CachedHistory) for h in histories), bool, num)
-    return PagePlan(world, page_size, pool_pages, dst, histories, is_request, n, own_dst,
-                    starts, hist, held, tables, lens, canon, kept, kept_rank, kept_count,
-                    in_place, kept_index, repacked, recv, rp, recv_rank, source, source_page,
-                    rows_start, rows, page, shared, share_of, fresh)
+    return PagePlan(world, page_size, dst, histories, is_request, n, own_dst, starts, hist,
+                    src_local, repacked, held, kept_mask, kept_count, in_place, tables, lens,
+                    canon, recv, rp, recv_rank, source, source_page, rows_start, rows, page,
+                    share_of, fresh)
 
 
 def received_pages(plan: PagePlan) -> list[int]:
@@ -163,29 +172,23 @@ def place_pages(plan: PagePlan, fresh: list[list[int]]) -> PagePlacement:
     slots each received page's rows move between (one run per page), the pages requests drop,
     and the references the fresh pages need beyond the one allocation gave them."""
     world = plan.world
-    fi = plan.fresh
     page = plan.page.copy()
-    page[fi] = np.fromiter(chain.from_iterable(fresh), np.int64, len(fi))
-    if plan.shared.any():
+    page[plan.fresh] = np.fromiter(chain.from_iterable(fresh), np.int64, len(plan.fresh))
+    if plan.share_of is not None:
         page = page[plan.share_of]
     placed_at = np.full(plan.held.size, -1, np.int64)
-    if plan.is_request.all():
-        by_request = np.ones(len(page), bool)
-        placed_at[plan.recv] = page
-    else:
-        by_request = plan.is_request[plan.hist[plan.recv_page]]
-        placed_at[plan.recv[by_request]] = page[by_request]
+    by_request = plan.is_request[plan.hist[plan.recv_page]]
+    placed_at[plan.recv[by_request]] = page[by_request]
     placed_at = placed_at.reshape(-1, world)
     placed = {h.request_id: placed_at[a:b] for h, a, b, req in zip(
         plan.histories, plan.starts[:-1], plan.starts[1:], plan.is_request) if req}
     send, recv, pair_rows = _runs(plan, page)
-    release, incref = _references(plan, page, fi, by_request)
     dropped, counts = _dropped(plan)
     counts["pages_received"] = np.array([len(pages) for pages in fresh])
     counts["kv_rows_received"] = pair_rows.sum(0)
     counts["kv_rows_sent"] = pair_rows.sum(1)
     return PagePlacement(_new_tables(plan, page, fresh), send, recv, placed, dropped,
-                         release, incref, counts)
+                         *_references(plan, page, by_request), counts)
 
 
 def free_placed(placed: Placed, allocators: RankAllocators,
@@ -205,18 +208,24 @@ def _holders(layout: Layout, logical: np.ndarray, owners: np.ndarray, world: int
     return np.stack([holds(layout, r, logical, owners, world) for r in range(world)], axis=1)
 
 
+def _per_history(mask: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """(N, world) flags -> (world, H): how many each history's pages raise per rank."""
+    total = np.zeros((len(mask) + 1, mask.shape[1]), np.int64)
+    np.cumsum(mask, axis=0, out=total[1:])
+    return (total[starts[1:]] - total[starts[:-1]]).T
+
+
 def _source_tables(src: Layout, histories: list[History], n: np.ndarray, owners: np.ndarray,
                    world: int) -> tuple[np.ndarray, np.ndarray]:
     """Every history's block tables, flattened rank by rank, and their lengths (world, H)."""
     lens = np.array([[len(h.tables[r]) for h in histories] for r in range(world)],
                     np.int64).reshape(world, len(histories))
-    for r in range(world):
-        need = np.asarray(num_local_pages(src, n, r, owners, world))
-        short = np.flatnonzero(lens[r] < need)
-        if len(short):
-            h = int(short[0])
-            raise ValueError(f"history {histories[h].request_id!r} holds {lens[r, h]} pages on "
-                             f"rank {r} under {src.name}; its {n[h]} pages need {need[h]}")
+    need = np.array([num_local_pages(src, n, r, owners, world) for r in range(world)],
+                    np.int64).reshape(lens.shape)
+    if (lens < need).any():
+        r, h = (int(x[0]) for x in np.nonzero(lens < need))
+        raise ValueError(f"history {histories[h].request_id!r} holds {lens[r, h]} pages on "
+                         f"rank {r} under {src.name}; its {n[h]} pages need {need[r, h]}")
     tables = np.fromiter(chain.from_iterable(h.tables[r] for r in range(world)
                                              for h in histories), np.int64, int(lens.sum()))
     return tables, lens
@@ -261,21 +270,23 @@ def _new_tables(plan: PagePlan, page: np.ndarray, fresh: list[list[int]]
     in_place, final = plan.in_place.tolist(), None
     out: list[list[list[int]]] = [[] for _ in hists]
     for r in range(world):
-        held = num_local_pages(plan.dst, plan.num_pages, r, plan.owners, world).tolist()
+        held = np.asarray(num_local_pages(plan.dst, plan.num_pages, r, plan.owners, world))
+        counts = held.tolist()
         used = 0  # fresh pages of rank r taken by earlier histories
         column: list[int] | None = None
         for h, hist in enumerate(hists):
-            m, f = held[h], n_fresh[r][h]
+            m, f = counts[h], n_fresh[r][h]
             if in_place[r][h] == m:
                 out[h].append(hist.tables[r][:m])
             elif f == m:
                 out[h].append(fresh[r][used:used + m])
             else:
+                if final is None:
+                    kept, _, index = plan.kept
+                    final = np.full(plan.held.shape, -1, np.int64)
+                    final.ravel()[kept] = plan.tables[index]
+                    final.ravel()[plan.recv] = page
                 if column is None:
-                    if final is None:
-                        final = np.full(plan.held.shape, -1, np.int64)
-                        final.ravel()[plan.kept] = plan.tables[plan.kept_index]
-                        final.ravel()[plan.recv] = page
                     column = final[plan.held[:, r], r].tolist()
                     at = [0, *np.cumsum(held).tolist()]
                 out[h].append(column[at[h]:at[h + 1]])
@@ -287,15 +298,23 @@ def _runs(plan: PagePlan, page: np.ndarray) -> tuple[list, list, np.ndarray]:
     """The runs of slots received rows move between, per (source, destination) pair, in
     entry order; the rows each pair moves, (world, world)."""
     world, ps = plan.world, plan.page_size
-    moved = np.flatnonzero(plan.rows > 0)
-    pair = plan.source[moved] * world + plan.recv_rank[moved]
-    order = moved[np.argsort(pair.astype(np.int16), kind="stable")]  # world**2 < 2**15
+    moved = np.flatnonzero(plan.rows) if not plan.rows.all() else None
+    pair = plan.source * world + plan.recv_rank
+    if moved is not None:
+        pair = pair[moved]
+    order = np.argsort(pair.astype(np.int16), kind="stable")  # world**2 < 2**15
+    if moved is not None:
+        order = moved[order]
     ends = np.cumsum(np.bincount(pair, minlength=world * world))
     bounds = [0, *(2 * ends).tolist()]
-    rows, start = plan.rows[order], plan.rows_start[order]
+    rows = plan.rows[order]
+    send_slot, recv_slot = plan.source_page[order] * ps, page[order] * ps
+    if plan.rows_start is not None:
+        send_slot += plan.rows_start[order]
+        recv_slot += plan.rows_start[order]
     total = np.concatenate(([0], np.cumsum(rows)))[np.concatenate(([0], ends))]
-    send_flat = np.stack([plan.source_page[order] * ps + start, rows], 1).ravel().tolist()
-    recv_flat = np.stack([page[order] * ps + start, rows], 1).ravel().tolist()
+    send_flat = np.stack([send_slot, rows], 1).ravel().tolist()
+    recv_flat = np.stack([recv_slot, rows], 1).ravel().tolist()
     send = [[send_flat[bounds[s * world + d]:bounds[s * world + d + 1]] for d in range(world)]
             for s in range(world)]
     recv = [[recv_flat[bounds[s * world + d]:bounds[s * world + d + 1]] for s in range(world)]
@@ -303,30 +322,32 @@ def _runs(plan: PagePlan, page: np.ndarray) -> tuple[list, list, np.ndarray]:
     return send, recv, np.diff(total).reshape(world, world)
 
 
-def _references(plan: PagePlan, page: np.ndarray, fresh: np.ndarray, by_request: np.ndarray
+def _references(plan: PagePlan, page: np.ndarray, by_request: np.ndarray
                 ) -> tuple[list[list[int]], list[list[int]]]:
     """A fresh page starts with one reference: one more per further request holding it, and
     none kept for pages only cached chains hold (released after the step)."""
-    world, pool = plan.world, plan.pool_pages
+    world = plan.world
     release: list[list[int]] = [[] for _ in range(world)]
     incref: list[list[int]] = [[] for _ in range(world)]
-    if not plan.shared.any() and by_request.all():
+    if plan.share_of is None and by_request.all():
         return release, incref  # every fresh page has the one request that receives it
-    users = (plan.page < 0) & by_request  # requests' entries on fresh pages
-    count = np.bincount(plan.recv_rank[users] * pool + page[users], minlength=world * pool)
-    fresh_rank, fresh_page = plan.recv_rank[fresh], page[fresh]
-    n = count[fresh_rank * pool + fresh_page]
+    # requests' entries on each fresh page: the entries sharing it, the receiver included
+    users = np.zeros(len(page), np.int64)
+    holder = plan.share_of if plan.share_of is not None else np.arange(len(page))
+    np.add.at(users, holder[(plan.page < 0) & by_request], 1)
+    fresh = plan.fresh
+    n, rank, pages = users[fresh], plan.recv_rank[fresh], page[fresh]
     for r in range(world):
-        mine = fresh_rank == r
-        release[r] = fresh_page[mine & (n == 0)].tolist()
-        incref[r] = np.repeat(fresh_page[mine], np.maximum(n[mine] - 1, 0)).tolist()
+        mine = rank == r
+        release[r] = pages[mine & (n == 0)].tolist()
+        incref[r] = np.repeat(pages[mine], np.maximum(n[mine] - 1, 0)).tolist()
     return release, incref
 
 
 def _dropped(plan: PagePlan) -> tuple[list[list[int]], dict[str, np.ndarray]]:
     """Per rank, the requests' references to pages they do not hold under the destination (a
     page stays held when another history keeps it); the kept and discarded page counts."""
-    world, lens = plan.world, plan.table_lens
+    world, lens, num = plan.world, plan.table_lens, len(plan.histories)
     kept_count, table_lens = plan.kept_count.tolist(), lens.tolist()
     at = (np.cumsum(lens) - lens.ravel()).tolist()
     drop = None
@@ -341,25 +362,24 @@ def _dropped(plan: PagePlan) -> tuple[list[list[int]], dict[str, np.ndarray]]:
                 continue
             if drop is None:
                 drop = np.ones(len(plan.tables), bool)
-                drop[plan.kept_index] = False
-            a = at[r * len(plan.histories) + h]
+                drop[plan.kept[2]] = False
+            a = at[r * num + h]
             dropped[r] += plan.tables[a:a + n][drop[a:a + n]].tolist()
-    kept_rank, repacked = plan.kept_rank, plan.repacked
     if plan.canon is None:  # no page in two table entries: none counts twice
-        discarded = np.array([len(d) for d in dropped])
-    else:  # pages as their first table entry
-        kept = plan.canon[plan.kept_index]
-        first = _first(kept, len(plan.canon)) == np.arange(len(kept))  # kept twice: once
-        kept_rank, repacked = kept_rank[first], repacked[first]
-        if drop is None:
-            drop = np.ones(len(plan.tables), bool)
-            drop[plan.kept_index] = False
-        drop &= np.repeat(np.tile(plan.is_request, world), lens.ravel())  # requests' entries
-        marks = np.zeros(len(plan.canon), bool)
-        marks[plan.canon[drop]] = True
-        marks[kept] = False
-        discarded = np.bincount(np.repeat(np.arange(world), lens.sum(1))[marks],
-                                minlength=world)
-    return dropped, {"pages_kept": np.bincount(kept_rank, minlength=world),
-                     "pages_repacked": np.bincount(kept_rank[repacked], minlength=world),
-                     "pages_discarded": discarded}
+        return dropped, {"pages_kept": plan.kept_count.sum(1),
+                         "pages_repacked": (plan.kept_count - plan.in_place).sum(1),
+                         "pages_discarded": np.array([len(d) for d in dropped])}
+    kept, kept_rank, index = plan.kept  # pages as their first table entry from here on
+    first = _first(plan.canon[index], len(plan.canon)) == np.arange(len(kept))  # counted once
+    repacked = plan.repacked[kept[first] // world]
+    if drop is None:
+        drop = np.ones(len(plan.tables), bool)
+        drop[index] = False
+    drop &= np.repeat(np.tile(plan.is_request, world), lens.ravel())  # requests' entries
+    marks = np.zeros(len(plan.canon), bool)
+    marks[plan.canon[drop]] = True
+    marks[plan.canon[index]] = False
+    rank = np.repeat(np.arange(world), lens.sum(1))
+    return dropped, {"pages_kept": np.bincount(kept_rank[first], minlength=world),
+                     "pages_repacked": np.bincount(kept_rank[first][repacked], minlength=world),
+                     "pages_discarded": np.bincount(rank[marks], minlength=world)}
