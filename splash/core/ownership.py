@@ -106,6 +106,18 @@ def holds(layout: Layout, rank: int, logical_pages: np.ndarray, owners: np.ndarr
     return logical % world == rank
 
 
+def holders(layout: Layout, logical_pages: np.ndarray, owners: np.ndarray,
+            world: int) -> np.ndarray:
+    """`holds` for every rank at once: (pages, world) bools, row i the holders of page i."""
+    logical = np.asarray(logical_pages)
+    if layout.kv is KVPlacement.REPLICATED:
+        return np.ones((*logical.shape, world), dtype=bool)
+    one_hot = np.eye(world, dtype=bool)
+    if layout.kv is KVPlacement.OWNED:
+        return one_hot.take(np.broadcast_to(owners, logical.shape), axis=0)
+    return one_hot.take(logical % world, axis=0)
+
+
 def page_holders(layout: Layout, logical_page: int, owner: int, world: int) -> tuple[int, ...]:
     """Ranks that hold logical page ``logical_page`` of a request with owner ``owner``."""
     if layout.kv is KVPlacement.REPLICATED:

@@ -27,12 +27,14 @@ from itertools import chain
 import numpy as np
 
 from splash.core.allocator import RankAllocators
-from splash.core.ownership import Layout, holds, local_page_index, num_local_pages
+from splash.core.ownership import Layout, holders, local_page_index
 from splash.core.prefix_cache import CachedHistory
 from splash.core.request import Request
 
 History = Request | CachedHistory  # a request's pages, or an unreferenced cached chain
 Placed = dict[str, np.ndarray]  # history -> (pages, world) received pages, -1 where none
+INDEX = np.int32  # pages, slots and positions (half the memory of int64: planning is
+#   bound by the arrays it allocates)
 
 
 @dataclass
@@ -42,24 +44,24 @@ class PagePlan:
 
     world: int
     page_size: int
-    dst: Layout
     histories: list[History]
     is_request: np.ndarray  # (H,) False for cached chains
     num_pages: np.ndarray  # (H,) logical pages of each history
-    owners: np.ndarray  # (H,) owners under the destination
     starts: np.ndarray  # (H + 1,) each history's first page
     hist: np.ndarray  # (N,) each page's history
     src_local: np.ndarray  # (N,) each page's local index under the source
     repacked: np.ndarray  # (N,) whether that index changes under the destination
     held: np.ndarray  # (N, world) the destination holders of each page
     kept_mask: np.ndarray  # (N, world) those that hold it under the source too: kept
-    kept_count: np.ndarray  # (world, H) kept entries per rank and history
-    in_place: np.ndarray  # (world, H) of them, those whose local index stays
+    src_count: np.ndarray  # (world, H) pages each rank holds of each history under the source
+    held_count: np.ndarray  # (world, H) ... and under the destination
+    kept_count: np.ndarray  # (world, H) of them, those kept
+    in_place: np.ndarray  # (world, H) of those, the ones whose local index stays
     tables: np.ndarray  # source block tables: every history's on rank 0, then on rank 1, ...
     table_lens: np.ndarray  # (world, H) their lengths
     canon: np.ndarray | None  # (L,) the first table entry holding each entry's (rank, page);
     #   None when no page is in two entries (then nothing is shared, nothing counts twice)
-    recv: np.ndarray  # (R,) entries received, in entry order
+    recv: np.ndarray  # (R,) entries received, rank by rank, in entry order on each rank
     recv_page: np.ndarray  # (R,) their page
     recv_rank: np.ndarray  # (R,) their rank
     source: np.ndarray  # (R,) the source holder each is copied from
@@ -69,7 +71,7 @@ class PagePlan:
     page: np.ndarray  # (R,) its staged page, or -1 (a fresh one, or its receiver's if shared)
     share_of: np.ndarray | None  # (R,) the entry whose copy it holds (itself if not shared);
     #   None when no entry shares
-    fresh: np.ndarray  # entries that need a fresh page, rank by rank, in entry order
+    fresh: np.ndarray  # received entries that need a fresh page (in ``recv``'s order)
 
     @cached_property
     def kept(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -105,28 +107,27 @@ def plan_pages(src: Layout, dst: Layout, histories: list[History], owners: dict[
     receives from the same source page onto the same rank shares that copy. ``pool_pages``:
     pages in a rank's pool."""
     num = len(histories)
-    computed = np.fromiter((h.num_computed for h in histories), np.int64, num)
-    own_src = np.fromiter((h.owner for h in histories), np.int64, num)
-    own_dst = np.fromiter((owners[h.request_id] for h in histories), np.int64, num)
+    computed = np.fromiter((h.num_computed for h in histories), INDEX, num)
+    own_src = np.fromiter((h.owner for h in histories), INDEX, num)
+    own_dst = np.fromiter((owners[h.request_id] for h in histories), INDEX, num)
     n = -(-computed // page_size)
-    starts = np.zeros(num + 1, np.int64)
+    starts = np.zeros(num + 1, INDEX)
     np.cumsum(n, out=starts[1:])
-    hist = np.repeat(np.arange(num), n)  # (N,)
-    logical = np.arange(len(hist))
+    hist = np.repeat(np.arange(num, dtype=INDEX), n)  # (N,)
+    logical = np.arange(len(hist), dtype=INDEX)
     logical -= starts[hist]
-    held_src = _holders(src, logical, own_src[hist], world)
-    held = _holders(dst, logical, own_dst[hist], world)
-    tables, lens = _source_tables(src, histories, n, own_src, world)
-    canon = _canon(tables, lens, pool_pages)
+    held_src = holders(src, logical, own_src[hist], world)  # (N, world)
+    held = holders(dst, logical, own_dst[hist], world)
     src_local = local_page_index(src, logical, world)
     repacked = src_local != local_page_index(dst, logical, world)
     kept_mask = held & held_src
-    kept_count = _per_history(kept_mask, starts)
-    in_place = _per_history(kept_mask & ~repacked[:, None], starts) if repacked.any() \
-        else kept_count
+    need, held_count, kept_count, in_place = _per_history(
+        [held_src, held, kept_mask, kept_mask & ~repacked[:, None]], starts)
+    tables, lens = _source_tables(src, histories, need, world)
+    canon = _canon(tables, lens, pool_pages)
 
-    recv = np.flatnonzero(held > held_src)
-    rp, recv_rank = np.divmod(recv, world)
+    recv_rank, rp = np.divmod(np.flatnonzero((held > held_src).T), len(hist))
+    recv = rp * world + recv_rank
     first = held_src.argmax(axis=1)  # the first True: the lowest source holder
     at = (np.cumsum(lens) - lens.ravel())[first * num + hist] + src_local  # its table entry
     at, source = at[rp], first[rp]
@@ -136,28 +137,28 @@ def plan_pages(src: Layout, dst: Layout, histories: list[History], owners: dict[
     full = rows == page_size
     rows_start = None
     if rows_from:
-        done = np.fromiter((rows_from.get(h.request_id, 0) for h in histories), np.int64, num)
+        done = np.fromiter((rows_from.get(h.request_id, 0) for h in histories), INDEX, num)
         rows_start = np.maximum(done[hist[rp]] - first_row, 0)
         rows = np.maximum(rows - rows_start, 0)
     page = (_staged(staged, histories, starts, world)[recv] if staged
-            else np.full(len(recv), -1, np.int64))
+            else np.full(len(recv), -1, INDEX))
     share_of = None
     if canon is not None:  # only a full page two table entries hold is shared
         copy = canon[at]  # the source page, as its first table entry
         many = np.bincount(canon, minlength=len(canon))[copy] > 1
         cand = np.flatnonzero(many & full & (page < 0))
-        share_of = np.arange(len(recv))
+        share_of = np.arange(len(recv), dtype=INDEX)
         share_of[cand] = cand[_first(copy[cand] * world + recv_rank[cand], len(canon) * world)]
         shared = share_of != np.arange(len(recv))
         rows[shared] = 0
         share_of = share_of if shared.any() else None
-    fresh = np.flatnonzero(page < 0) if staged else np.arange(len(recv))
+    fresh = np.flatnonzero(page < 0) if staged else np.arange(len(recv), dtype=INDEX)
     if share_of is not None:
         fresh = fresh[share_of[fresh] == fresh]
-    fresh = fresh[np.argsort(recv_rank[fresh].astype(np.int16), kind="stable")]
     is_request = np.fromiter((not isinstance(h, CachedHistory) for h in histories), bool, num)
-    return PagePlan(world, page_size, dst, histories, is_request, n, own_dst, starts, hist,
-                    src_local, repacked, held, kept_mask, kept_count, in_place, tables, lens,
+    return PagePlan(world, page_size, histories, is_request, n, starts, hist,
+                    src_local, repacked, held, kept_mask, need, held_count, kept_count, in_place,
+                    tables, lens,
                     canon, recv, rp, recv_rank, source, source_page, rows_start, rows, page,
                     share_of, fresh)
 
@@ -173,20 +174,24 @@ def place_pages(plan: PagePlan, fresh: list[list[int]]) -> PagePlacement:
     and the references the fresh pages need beyond the one allocation gave them."""
     world = plan.world
     page = plan.page.copy()
-    page[plan.fresh] = np.fromiter(chain.from_iterable(fresh), np.int64, len(plan.fresh))
+    page[plan.fresh] = np.fromiter(chain.from_iterable(fresh), INDEX, len(plan.fresh))
     if plan.share_of is not None:
         page = page[plan.share_of]
-    placed_at = np.full(plan.held.size, -1, np.int64)
-    by_request = plan.is_request[plan.hist[plan.recv_page]]
-    placed_at[plan.recv[by_request]] = page[by_request]
+    placed_at = np.full(plan.held.size, -1, INDEX)
+    if plan.is_request.all():
+        by_request = np.ones(len(page), bool)
+        placed_at[plan.recv] = page
+    else:
+        by_request = plan.is_request[plan.hist[plan.recv_page]]
+        placed_at[plan.recv[by_request]] = page[by_request]
     placed_at = placed_at.reshape(-1, world)
     placed = {h.request_id: placed_at[a:b] for h, a, b, req in zip(
         plan.histories, plan.starts[:-1], plan.starts[1:], plan.is_request) if req}
-    send, recv, pair_rows = _runs(plan, page)
+    send, recv = _runs(plan, page)
     dropped, counts = _dropped(plan)
     counts["pages_received"] = np.array([len(pages) for pages in fresh])
-    counts["kv_rows_received"] = pair_rows.sum(0)
-    counts["kv_rows_sent"] = pair_rows.sum(1)
+    counts["kv_rows_received"] = np.bincount(plan.recv_rank, plan.rows, world).astype(int)
+    counts["kv_rows_sent"] = np.bincount(plan.source, plan.rows, world).astype(int)
     return PagePlacement(_new_tables(plan, page, fresh), send, recv, placed, dropped,
                          *_references(plan, page, by_request), counts)
 
@@ -203,38 +208,38 @@ def free_placed(placed: Placed, allocators: RankAllocators,
         allocators[rank].free(col[col >= 0][::-1].tolist())  # back to the pool in page order
 
 
-def _holders(layout: Layout, logical: np.ndarray, owners: np.ndarray, world: int) -> np.ndarray:
-    """(pages, world): whether each rank holds each page under ``layout``."""
-    return np.stack([holds(layout, r, logical, owners, world) for r in range(world)], axis=1)
+def _per_history(masks: list[np.ndarray], starts: np.ndarray) -> np.ndarray:
+    """(N, world) flags each -> (world, H) each: how many of each history's pages are raised
+    per rank."""
+    out = np.zeros((len(masks), len(starts) - 1, masks[0].shape[1]), INDEX)
+    some = np.flatnonzero(np.diff(starts))  # reduceat needs non-empty segments
+    if len(some):
+        flags = np.stack(masks).view(np.uint8)  # (masks, N, world)
+        out[:, some] = np.add.reduceat(flags, starts[some], axis=1, dtype=INDEX)
+    return out.transpose(0, 2, 1)
 
 
-def _per_history(mask: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    """(N, world) flags -> (world, H): how many each history's pages raise per rank."""
-    total = np.zeros((len(mask) + 1, mask.shape[1]), np.int64)
-    np.cumsum(mask, axis=0, out=total[1:])
-    return (total[starts[1:]] - total[starts[:-1]]).T
-
-
-def _source_tables(src: Layout, histories: list[History], n: np.ndarray, owners: np.ndarray,
+def _source_tables(src: Layout, histories: list[History], need: np.ndarray,
                    world: int) -> tuple[np.ndarray, np.ndarray]:
-    """Every history's block tables, flattened rank by rank, and their lengths (world, H)."""
+    """Every history's block tables, flattened rank by rank, and their lengths (world, H);
+    ``need``: the pages each rank holds of each history under ``src`` (world, H)."""
     lens = np.array([[len(h.tables[r]) for h in histories] for r in range(world)],
-                    np.int64).reshape(world, len(histories))
-    need = np.array([num_local_pages(src, n, r, owners, world) for r in range(world)],
-                    np.int64).reshape(lens.shape)
-    if (lens < need).any():
-        r, h = (int(x[0]) for x in np.nonzero(lens < need))
+                    INDEX).reshape(need.shape)
+    short = lens < need
+    if short.any():
+        r, h = (int(x[0]) for x in np.nonzero(short))
         raise ValueError(f"history {histories[h].request_id!r} holds {lens[r, h]} pages on "
-                         f"rank {r} under {src.name}; its {n[h]} pages need {need[r, h]}")
+                         f"rank {r} under {src.name}, fewer than its length needs "
+                         f"({need[r, h]})")
     tables = np.fromiter(chain.from_iterable(h.tables[r] for r in range(world)
-                                             for h in histories), np.int64, int(lens.sum()))
+                                             for h in histories), INDEX, int(lens.sum()))
     return tables, lens
 
 
 def _canon(tables: np.ndarray, lens: np.ndarray, pool_pages: int) -> np.ndarray | None:
     """For each table entry, the first entry holding the same (rank, page); None when every
     page is in one entry."""
-    key = np.repeat(np.arange(len(lens)) * pool_pages, lens.sum(1)) + tables
+    key = np.repeat(np.arange(len(lens), dtype=INDEX) * pool_pages, lens.sum(1)) + tables
     seen = np.zeros(len(lens) * pool_pages, bool)
     seen[key] = True
     return None if np.count_nonzero(seen) == len(key) else _first(key, len(seen))
@@ -242,15 +247,15 @@ def _canon(tables: np.ndarray, lens: np.ndarray, pool_pages: int) -> np.ndarray 
 
 def _first(keys: np.ndarray, size: int) -> np.ndarray:
     """For each entry, the index of the first entry with its key (keys in [0, size))."""
-    first = np.full(size, len(keys))
-    np.minimum.at(first, keys, np.arange(len(keys)))
+    first = np.full(size, len(keys), INDEX)
+    np.minimum.at(first, keys, np.arange(len(keys), dtype=INDEX))
     return first[keys]
 
 
 def _staged(staged: Placed, histories: list[History], starts: np.ndarray,
             world: int) -> np.ndarray:
     """The pre-copy's pages laid out like the entries (-1 where it placed none)."""
-    out = np.full((starts[-1], world), -1, np.int64)
+    out = np.full((starts[-1], world), -1, INDEX)
     for h, hist in enumerate(histories):
         pages = staged.get(hist.request_id)
         if pages is not None:
@@ -264,18 +269,20 @@ def _new_tables(plan: PagePlan, page: np.ndarray, fresh: list[list[int]]
     """Per history, per rank: the pages it holds, in logical order. A table the rank keeps
     whole and in place, or one of fresh pages only, is a slice of a list already there."""
     world, hists, num = plan.world, plan.histories, len(plan.histories)
-    fi = plan.fresh
-    n_fresh = np.bincount(plan.recv_rank[fi] * num + plan.hist[plan.recv_page[fi]],
-                          minlength=world * num).reshape(world, num).tolist()
-    in_place, final = plan.in_place.tolist(), None
+    if len(plan.fresh) == len(plan.recv):  # every received page is fresh
+        n_fresh = (plan.held_count - plan.kept_count).tolist()
+    else:
+        fi = plan.fresh
+        n_fresh = np.bincount(plan.recv_rank[fi] * num + plan.hist[plan.recv_page[fi]],
+                              minlength=world * num).reshape(world, num).tolist()
+    held, in_place = plan.held_count.tolist(), plan.in_place.tolist()
+    final = None
     out: list[list[list[int]]] = [[] for _ in hists]
     for r in range(world):
-        held = np.asarray(num_local_pages(plan.dst, plan.num_pages, r, plan.owners, world))
-        counts = held.tolist()
         used = 0  # fresh pages of rank r taken by earlier histories
         column: list[int] | None = None
         for h, hist in enumerate(hists):
-            m, f = counts[h], n_fresh[r][h]
+            m, f = held[r][h], n_fresh[r][h]
             if in_place[r][h] == m:
                 out[h].append(hist.tables[r][:m])
             elif f == m:
@@ -283,20 +290,20 @@ def _new_tables(plan: PagePlan, page: np.ndarray, fresh: list[list[int]]
             else:
                 if final is None:
                     kept, _, index = plan.kept
-                    final = np.full(plan.held.shape, -1, np.int64)
+                    final = np.full(plan.held.shape, -1, INDEX)
                     final.ravel()[kept] = plan.tables[index]
                     final.ravel()[plan.recv] = page
                 if column is None:
                     column = final[plan.held[:, r], r].tolist()
-                    at = [0, *np.cumsum(held).tolist()]
+                    at = [0, *np.cumsum(held[r]).tolist()]
                 out[h].append(column[at[h]:at[h + 1]])
             used += f
     return {h.request_id: t for h, t, n in zip(hists, out, plan.num_pages.tolist()) if n}
 
 
-def _runs(plan: PagePlan, page: np.ndarray) -> tuple[list, list, np.ndarray]:
+def _runs(plan: PagePlan, page: np.ndarray) -> tuple[list, list]:
     """The runs of slots received rows move between, per (source, destination) pair, in
-    entry order; the rows each pair moves, (world, world)."""
+    entry order."""
     world, ps = plan.world, plan.page_size
     moved = np.flatnonzero(plan.rows) if not plan.rows.all() else None
     pair = plan.source * world + plan.recv_rank
@@ -305,21 +312,19 @@ def _runs(plan: PagePlan, page: np.ndarray) -> tuple[list, list, np.ndarray]:
     order = np.argsort(pair.astype(np.int16), kind="stable")  # world**2 < 2**15
     if moved is not None:
         order = moved[order]
-    ends = np.cumsum(np.bincount(pair, minlength=world * world))
-    bounds = [0, *(2 * ends).tolist()]
+    bounds = [0, *(2 * np.cumsum(np.bincount(pair, minlength=world * world))).tolist()]
     rows = plan.rows[order]
     send_slot, recv_slot = plan.source_page[order] * ps, page[order] * ps
     if plan.rows_start is not None:
         send_slot += plan.rows_start[order]
         recv_slot += plan.rows_start[order]
-    total = np.concatenate(([0], np.cumsum(rows)))[np.concatenate(([0], ends))]
     send_flat = np.stack([send_slot, rows], 1).ravel().tolist()
     recv_flat = np.stack([recv_slot, rows], 1).ravel().tolist()
     send = [[send_flat[bounds[s * world + d]:bounds[s * world + d + 1]] for d in range(world)]
             for s in range(world)]
     recv = [[recv_flat[bounds[s * world + d]:bounds[s * world + d + 1]] for s in range(world)]
             for d in range(world)]
-    return send, recv, np.diff(total).reshape(world, world)
+    return send, recv
 
 
 def _references(plan: PagePlan, page: np.ndarray, by_request: np.ndarray
@@ -348,17 +353,22 @@ def _dropped(plan: PagePlan) -> tuple[list[list[int]], dict[str, np.ndarray]]:
     """Per rank, the requests' references to pages they do not hold under the destination (a
     page stays held when another history keeps it); the kept and discarded page counts."""
     world, lens, num = plan.world, plan.table_lens, len(plan.histories)
-    kept_count, table_lens = plan.kept_count.tolist(), lens.tolist()
+    kept_count, src_count, table_lens = plan.kept_count.tolist(), plan.src_count.tolist(), \
+        lens.tolist()
+    is_request = plan.is_request.tolist()
     at = (np.cumsum(lens) - lens.ravel()).tolist()
     drop = None
     dropped: list[list[int]] = [[] for _ in range(world)]
     for r in range(world):
         for h, hist in enumerate(plan.histories):
             k, n = kept_count[r][h], table_lens[r][h]
-            if k == n or not plan.is_request[h]:
+            if k == n or not is_request[h]:
                 continue
             if k == 0:  # nothing kept: the whole table
                 dropped[r] += hist.tables[r]
+                continue
+            if k == src_count[r][h]:  # all it held kept: the pages beyond (taken ahead)
+                dropped[r] += hist.tables[r][k:]
                 continue
             if drop is None:
                 drop = np.ones(len(plan.tables), bool)

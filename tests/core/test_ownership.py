@@ -14,6 +14,7 @@ from splash.core.allocator import RankAllocators
 from splash.core.ownership import (
     LAYOUTS,
     cp_gather_map,
+    holders,
     holds,
     local_kv_len,
     local_page_index,
@@ -93,8 +94,10 @@ def test_vectorised_answers_match_the_page_rule(layout):
             assert pages[b] == len(held)
             assert tokens[b] == sum(min(PS, int(ctx[b]) - i * PS) for i in held)
             logical = np.arange(-(-int(ctx[b]) // PS))
-            assert holds(lay, rank, logical, np.full(len(logical), owners[b]), world).tolist() \
-                == [i in held for i in logical]
+            own = np.full(len(logical), owners[b])
+            assert holds(lay, rank, logical, own, world).tolist() == [i in held for i in logical]
+            assert holders(lay, logical, own, world)[:, rank].tolist() == \
+                [i in held for i in logical]
             assert sorted(local_page_index(lay, np.array(held, dtype=np.int64), world).tolist()) \
                 == list(range(len(held)))
 
