@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from functools import partial
 from typing import NamedTuple
 
 from splash.errors import ConfigError
@@ -22,6 +23,9 @@ class CachedBlock(NamedTuple):
     page: int
     parent: bytes | None  # hash of the previous page of the history (None: the first page)
     index: int  # logical page index in the history
+
+
+_block = partial(tuple.__new__, CachedBlock)  # CachedBlock(page, parent, index), built in C
 
 
 class PageAllocator:
@@ -112,15 +116,20 @@ class PageAllocator:
 
     def register_many(self, pages: Sequence[int], keys: Sequence[bytes],
                       parents: Sequence[bytes | None], indices: Sequence[int]) -> None:
-        """`register` each page in turn."""
+        """`register` each page in turn; the pages and the keys of one call are distinct (one
+        history's). Dictionary updates in bulk: a switch registers thousands."""
         cached, hash_of, refs = self._cached, self._hash_of, self._refs
-        for page, key, parent, index in zip(pages, keys, parents, indices):
-            if key in cached or page in hash_of:
-                continue
-            cached[key] = CachedBlock(page, parent, index)
-            hash_of[page] = key
-            if refs[page] == 0:
-                self._evictable[page] = None
+        known, taken = cached.keys() & keys, hash_of.keys() & pages
+        if len(known) == len(keys):
+            return  # every key cached already (the pages a rank kept)
+        if known or taken:
+            new = [i for i, (key, page) in enumerate(zip(keys, pages))
+                   if key not in known and page not in taken]
+            pages, keys, parents, indices = ([x[i] for i in new]
+                                             for x in (pages, keys, parents, indices))
+        cached.update(zip(keys, map(_block, zip(pages, parents, indices))))
+        hash_of.update(zip(pages, keys))
+        self._evictable.update((page, None) for page in pages if refs[page] == 0)
 
     def lookup(self, key: bytes) -> int | None:
         block = self._cached.get(key)

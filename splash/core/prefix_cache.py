@@ -122,13 +122,21 @@ class PrefixCache:
         for d in range(self.world):
             table = history.tables[d]
             mine = logical[holds(layout, d, logical, history.owner, self.world)]
-            local = local_page_index(layout, mine, self.world)
-            mine, local = mine[local < len(table)].tolist(), local[local < len(table)].tolist()
-            self.alloc[d].register_many([table[j] for j in local], [keys[i] for i in mine],
-                                        [parents[i] for i in mine], mine)
+            mine = mine[:len(table)]  # a holder's pages sit at local indices 0, 1, ...
+            self.alloc[d].register_many(table[:len(mine)], _pick(keys, mine),
+                                        _pick(parents, mine), mine.tolist())
 
     def clear(self) -> None:
         self.alloc.clear_cache()
+
+
+def _pick(items: list, at: np.ndarray) -> list:
+    """``items`` at indices ``at`` (a slice when they are evenly spaced)."""
+    steps = np.diff(at)
+    if len(at) and (len(at) == 1 or (steps[0] > 0 and (steps == steps[0]).all())):
+        step = int(steps[0]) if len(at) > 1 else 1
+        return items[int(at[0]):int(at[-1]) + 1:step]
+    return [items[i] for i in at.tolist()]
 
 
 def cached_histories(alloc: RankAllocators, layout: Layout, world: int,

@@ -115,25 +115,20 @@ def destination_owners(src: Layout, dst: Layout, requests: list[History], world:
 def weight_moves(src: Layout, dst: Layout, world: int, num_heads: int) -> list[WeightMove]:
     """Per rank: the heads it must hold under ``dst`` and which it receives from (the lowest)
     source holder, and which it sends."""
-    held_src = [set(heads_held(src, r, world, num_heads)) for r in range(world)]
-
-    def sender(h: int) -> int:
-        return min(r for r in range(world) if h in held_src[r])
-
-    moves = []
-    for rank in range(world):
-        need = heads_held(dst, rank, world, num_heads)
-        recv: list[list[int]] = [[] for _ in range(world)]
-        send: list[list[int]] = [[] for _ in range(world)]
-        for h in need:
-            if h not in held_src[rank]:
-                recv[sender(h)].append(h)
-        for d in range(world):
-            for h in heads_held(dst, d, world, num_heads):
-                if h not in held_src[d] and sender(h) == rank:
-                    send[d].append(h)
-        moves.append(WeightMove(need.start, need.stop, recv, send))
-    return moves
+    sender = [world] * num_heads  # each head's lowest source holder
+    for r in reversed(range(world)):
+        for h in heads_held(src, r, world, num_heads):
+            sender[h] = r
+    need = [heads_held(dst, r, world, num_heads) for r in range(world)]
+    recv = [[[] for _ in range(world)] for _ in range(world)]  # [dst][src]: heads
+    send = [[[] for _ in range(world)] for _ in range(world)]  # [src][dst]
+    for d in range(world):
+        held = heads_held(src, d, world, num_heads)
+        for h in need[d]:
+            if h not in held:
+                recv[d][sender[h]].append(h)
+                send[sender[h]][d].append(h)
+    return [WeightMove(need[r].start, need[r].stop, recv[r], send[r]) for r in range(world)]
 
 
 def build_manifest(
