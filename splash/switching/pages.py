@@ -187,11 +187,11 @@ def place_pages(plan: PagePlan, fresh: list[list[int]]) -> PagePlacement:
     placed_at = placed_at.reshape(-1, world)
     placed = {h.request_id: placed_at[a:b] for h, a, b, req in zip(
         plan.histories, plan.starts[:-1], plan.starts[1:], plan.is_request) if req}
-    send, recv = _runs(plan, page)
+    send, recv, pair_rows = _runs(plan, page)
     dropped, counts = _dropped(plan)
     counts["pages_received"] = np.array([len(pages) for pages in fresh])
-    counts["kv_rows_received"] = np.bincount(plan.recv_rank, plan.rows, world).astype(int)
-    counts["kv_rows_sent"] = np.bincount(plan.source, plan.rows, world).astype(int)
+    counts["kv_rows_received"] = pair_rows.sum(0)
+    counts["kv_rows_sent"] = pair_rows.sum(1)
     return PagePlacement(_new_tables(plan, page, fresh), send, recv, placed, dropped,
                          *_references(plan, page, by_request), counts)
 
@@ -293,17 +293,17 @@ def _new_tables(plan: PagePlan, page: np.ndarray, fresh: list[list[int]]
                     final = np.full(plan.held.shape, -1, INDEX)
                     final.ravel()[kept] = plan.tables[index]
                     final.ravel()[plan.recv] = page
-                if column is None:
-                    column = final[plan.held[:, r], r].tolist()
-                    at = [0, *np.cumsum(held[r]).tolist()]
+                if column is None:  # rank r's pages of every history, in order
+                    col = final[:, r] if sum(held[r]) == len(final) else final[plan.held[:, r], r]
+                    column, at = col.tolist(), [0, *np.cumsum(held[r]).tolist()]
                 out[h].append(column[at[h]:at[h + 1]])
             used += f
     return {h.request_id: t for h, t, n in zip(hists, out, plan.num_pages.tolist()) if n}
 
 
-def _runs(plan: PagePlan, page: np.ndarray) -> tuple[list, list]:
+def _runs(plan: PagePlan, page: np.ndarray) -> tuple[list, list, np.ndarray]:
     """The runs of slots received rows move between, per (source, destination) pair, in
-    entry order."""
+    entry order; the rows each pair moves, (world, world)."""
     world, ps = plan.world, plan.page_size
     moved = np.flatnonzero(plan.rows) if not plan.rows.all() else None
     pair = plan.source * world + plan.recv_rank
@@ -312,8 +312,11 @@ def _runs(plan: PagePlan, page: np.ndarray) -> tuple[list, list]:
     order = np.argsort(pair.astype(np.int16), kind="stable")  # world**2 < 2**15
     if moved is not None:
         order = moved[order]
-    bounds = [0, *(2 * np.cumsum(np.bincount(pair, minlength=world * world))).tolist()]
+    ends = np.zeros(world * world + 1, np.int64)
+    np.cumsum(np.bincount(pair, minlength=world * world), out=ends[1:])
+    bounds = (2 * ends).tolist()
     rows = plan.rows[order]
+    pair_rows = np.diff(np.concatenate(([0], np.cumsum(rows)))[ends]).reshape(world, world)
     send_slot, recv_slot = plan.source_page[order] * ps, page[order] * ps
     if plan.rows_start is not None:
         send_slot += plan.rows_start[order]
@@ -324,7 +327,7 @@ def _runs(plan: PagePlan, page: np.ndarray) -> tuple[list, list]:
             for s in range(world)]
     recv = [[recv_flat[bounds[s * world + d]:bounds[s * world + d + 1]] for s in range(world)]
             for d in range(world)]
-    return send, recv
+    return send, recv, pair_rows
 
 
 def _references(plan: PagePlan, page: np.ndarray, by_request: np.ndarray
