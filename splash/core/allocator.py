@@ -22,10 +22,10 @@ class CachedBlock(NamedTuple):
 
     page: int
     parent: bytes | None  # hash of the previous page of the history (None: the first page)
-    index: int  # logical page index in the history
+    logical: int  # logical page index in the history
 
 
-_block = partial(tuple.__new__, CachedBlock)  # CachedBlock(page, parent, index), built in C
+_block = partial(tuple.__new__, CachedBlock)  # CachedBlock((page, parent, logical)), built in C
 
 
 class PageAllocator:
@@ -125,8 +125,8 @@ class PageAllocator:
         if known or taken:
             new = [i for i, (key, page) in enumerate(zip(keys, pages))
                    if key not in known and page not in taken]
-            pages, keys, parents, indices = ([x[i] for i in new]
-                                             for x in (pages, keys, parents, indices))
+            pages, keys = [pages[i] for i in new], [keys[i] for i in new]
+            parents, indices = [parents[i] for i in new], [indices[i] for i in new]
         cached.update(zip(keys, map(_block, zip(pages, parents, indices))))
         hash_of.update(zip(pages, keys))
         self._evictable.update((page, None) for page in pages if refs[page] == 0)

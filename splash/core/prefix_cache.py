@@ -152,7 +152,7 @@ def cached_histories(alloc: RankAllocators, layout: Layout, world: int,
     if layout.kv is KVPlacement.REPLICATED:
         return _chains(maps, layout, world, page_size, 0, lambda key: all(key in m for m in maps))
     return _chains(maps, layout, world, page_size, 0,
-                   lambda key: any(key in m and m[key].index % world == d
+                   lambda key: any(key in m and m[key].logical % world == d
                                    for d, m in enumerate(maps)))
 
 

@@ -28,8 +28,14 @@ from splash.core.ownership import KVPlacement, Layout, assign_owners, heads_held
 from splash.core.prefix_cache import CachedHistory
 from splash.core.protocol import KVMove, WeightMove
 from splash.core.request import Request
-from splash.switching.pages import History, Placed, free_placed, place_pages, plan_pages, \
-    received_pages
+from splash.switching.pages import (
+    History,
+    Placed,
+    free_placed,
+    place_pages,
+    plan_pages,
+    received_pages,
+)
 
 
 @dataclass
@@ -120,8 +126,8 @@ def weight_moves(src: Layout, dst: Layout, world: int, num_heads: int) -> list[W
         for h in heads_held(src, r, world, num_heads):
             sender[h] = r
     need = [heads_held(dst, r, world, num_heads) for r in range(world)]
-    recv = [[[] for _ in range(world)] for _ in range(world)]  # [dst][src]: heads
-    send = [[[] for _ in range(world)] for _ in range(world)]  # [src][dst]
+    recv: list[list[list[int]]] = [[[] for _ in range(world)] for _ in range(world)]  # [d][s]
+    send: list[list[list[int]]] = [[[] for _ in range(world)] for _ in range(world)]  # [s][d]
     for d in range(world):
         held = heads_held(src, d, world, num_heads)
         for h in need[d]:

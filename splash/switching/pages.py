@@ -184,8 +184,8 @@ def place_pages(plan: PagePlan, fresh: list[list[int]]) -> PagePlacement:
     else:
         by_request = plan.is_request[plan.hist[plan.recv_page]]
         placed_at[plan.recv[by_request]] = page[by_request]
-    placed_at = placed_at.reshape(-1, world)
-    placed = {h.request_id: placed_at[a:b] for h, a, b, req in zip(
+    by_page = placed_at.reshape(-1, world)
+    placed = {h.request_id: by_page[a:b] for h, a, b, req in zip(
         plan.histories, plan.starts[:-1], plan.starts[1:], plan.is_request) if req}
     send, recv, pair_rows = _runs(plan, page)
     dropped, counts = _dropped(plan)
