@@ -2,14 +2,16 @@
 
 The KV part of a switch is one question asked of every logical page of every history (a
 running request or an unreferenced cached chain): which ranks hold it under the destination
-(`ownership.holds`), which of them hold it already under the source (kept in place), and for
+(`ownership.holders`), which of them hold it already under the source (kept in place), and for
 the others, which source holder it is copied from (the lowest), which rows move and into which
 page. The pages of all histories are laid out end to end (history by history, logical page by
 logical page) and the per-rank answers are (pages, world) matrices, so planning costs a fixed
 number of array operations whatever the context; only what is handed on (block tables, runs of
-slots, dropped pages) becomes Python lists. An *entry* is one (page, rank) cell of those
-matrices, numbered ``page * world + rank``: entries in numerical order are in (history, logical
-page, rank) order, the order the runs between two ranks are listed in.
+slots, dropped pages) becomes Python lists, and a table that exists already as a list (kept
+whole, or all fresh pages) is sliced rather than rebuilt. An *entry* is one (page, rank) cell
+of those matrices, numbered ``page * world + rank``; received entries are listed rank by rank,
+in entry order on each rank — the order their fresh pages are allocated in and, per pair of
+ranks, the order of the runs between them.
 
 Pages are shared (reference counted): a full page several histories hold is received once per
 destination rank and the later histories share that copy (a partly filled one is copied per
@@ -156,11 +158,10 @@ def plan_pages(src: Layout, dst: Layout, histories: list[History], owners: dict[
     if share_of is not None:
         fresh = fresh[share_of[fresh] == fresh]
     is_request = np.fromiter((not isinstance(h, CachedHistory) for h in histories), bool, num)
-    return PagePlan(world, page_size, histories, is_request, n, starts, hist,
-                    src_local, repacked, held, kept_mask, need, held_count, kept_count, in_place,
-                    tables, lens,
-                    canon, recv, rp, recv_rank, source, source_page, rows_start, rows, page,
-                    share_of, fresh)
+    return PagePlan(world, page_size, histories, is_request, n, starts, hist, src_local,
+                    repacked, held, kept_mask, need, held_count, kept_count, in_place, tables,
+                    lens, canon, recv, rp, recv_rank, source, source_page, rows_start, rows,
+                    page, share_of, fresh)
 
 
 def received_pages(plan: PagePlan) -> list[int]:
