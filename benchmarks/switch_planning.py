@@ -89,7 +89,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=16, help="running requests")
     ap.add_argument("--context", type=int, default=32768, help="KV rows per request")
     ap.add_argument("--page-size", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=5, help="runs per direction (median)")
+    ap.add_argument("--reps", type=int, default=9, help="runs per direction (median)")
     ap.add_argument("--out", default="benchmarks/results/cpu/switch_planning.json")
     args = ap.parse_args()
     rows = []
