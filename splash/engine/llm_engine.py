@@ -189,7 +189,8 @@ class LLMEngine:
         for req in sampled:
             head = req.group.members[0] if req.group is not None else req
             heads.setdefault(head.request_id, head)
-        outputs += [self._output(head, sampled) for head in heads.values()]
+        got = {id(m) for m in sampled}
+        outputs += [self._output(head, got) for head in heads.values()]
         for out in outputs:  # finished requests leave the table (ids may be reused)
             if out.finished:
                 self._forget(out.request_id)
@@ -245,13 +246,12 @@ class LLMEngine:
         self._graph_steps += int(all(r.graph_replay for r in results))
         self._tokens_total += tokens
 
-    def _output(self, req: Request, sampled: list[Request] | None = None) -> RequestOutput:
-        """``req``'s prompt's output (all samples of its group); the requests in ``sampled``
-        report their last token as new."""
-        got = {id(m) for m in sampled or []}
+    def _output(self, req: Request, sampled: set[int] = frozenset()) -> RequestOutput:
+        """``req``'s prompt's output (all samples of its group); the requests whose ``id`` is
+        in ``sampled`` report their last token as new."""
         members = req.group.members if req.group is not None else [req]
         return self.outputs.output(req, {m: m.output_token_ids[-1:] for m in members
-                                         if id(m) in got})
+                                         if id(m) in sampled})
 
     def _fail_all(self, message: str) -> None:
         """The worker group is gone: every in-flight request finishes with the error (the

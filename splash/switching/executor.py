@@ -320,10 +320,18 @@ class SwitchExecutor:
             return
         if self.staged is not None:
             self.heads, _ = self.staged.complete()
+        # two groups in flight: the next group packs while this one's collective runs, and
+        # this one unpacks while the next one's runs
+        last: _Group | None = None
         for layers in self.xfer.groups(per_layer=False):
             g = self.xfer.issue(layers)
-            g.wait()
-            self.heads.update(self.xfer.unpack(g))
+            if last is not None:
+                last.wait()
+                self.heads.update(self.xfer.unpack(last))
+            last = g
+        if last is not None:
+            last.wait()
+            self.heads.update(self.xfer.unpack(last))
         self._install(range(len(self.attns)))
         self.wait_ms = self.busy_ms = (time.perf_counter() - t0) * 1e3
 
