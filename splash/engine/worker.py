@@ -63,6 +63,7 @@ class Worker:
                                     init_method=cfg.dist_init,
                                     rank=cfg.rank, world_size=cfg.world)
         self.comm = Comm(cfg.rank, cfg.world)
+        self.comm.connect(self.device)
         heads = self._heads(cfg.layout)
         self.model = MLAModel.from_pretrained(
             cfg.model, cfg.rank, cfg.world, heads.start, len(heads),
