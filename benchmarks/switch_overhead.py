@@ -48,8 +48,10 @@ def _prompts(batch: int, length: int) -> list[list[int]]:
 
 
 def _engine(args, layout: str, mode: str = "auto") -> LLM:
+    # max_num_seqs: the batch, so start-up captures only the graphs the runs can replay
     return LLM(args.ckpt, tp_size=args.tp, backend=args.backend, layout=layout,
-               switch_mode=mode, dtype=args.dtype, max_num_batched_tokens=args.chunk)
+               switch_mode=mode, dtype=args.dtype, max_num_batched_tokens=args.chunk,
+               max_num_seqs=max(args.batch, 1))
 
 
 def _prefill(eng, args, max_tokens: int) -> None:
