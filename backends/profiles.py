@@ -39,6 +39,7 @@ class HardwareProfile:
     step_overhead_us: float = 0.0  # fixed cost of one engine step
     request_overhead_us: float = 0.0  # cost of one request (row group) in a step, host side
     switch_time_scale: float = 1.0  # measured / predicted transfer time of a switch
+    switch_overhead_us: float = 0.0  # fixed cost of one switch (planning, installs, launches)
     source: str = "spec"  # "spec" or the calibration file it came from
 
     def __post_init__(self) -> None:
@@ -48,7 +49,8 @@ class HardwareProfile:
         for field in ("gemm_time_scale", "attention_time_scale", "switch_time_scale"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"profile {self.name}: {field} must be positive")
-        if min(self.step_overhead_us, self.request_overhead_us, self.collective_latency_us) < 0:
+        if min(self.step_overhead_us, self.request_overhead_us, self.collective_latency_us,
+               self.switch_overhead_us) < 0:
             raise ValueError(f"profile {self.name}: overheads and latencies must be >= 0")
         if not 0.0 <= self.overlap_fraction <= 1.0:
             raise ValueError(f"profile {self.name}: overlap_fraction must lie in [0, 1]")

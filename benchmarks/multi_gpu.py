@@ -77,7 +77,10 @@ def correctness(args) -> dict:
 
     prompts = _prompts(6, 300) + _prompts(2, 2000, seed=1)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    kw = {"dtype": "fp32", "enforce_eager": args.enforce_eager}
+    # sized to the prompts: few graph buckets and short profiling steps keep six engine
+    # start-ups within one device call
+    kw = {"dtype": "fp32", "enforce_eager": args.enforce_eager, "max_num_seqs": len(prompts),
+          "max_model_len": 4096}
     with LLM(args.model, tp_size=1, **kw) as llm:
         ref = [o.token_ids for o in llm.generate(prompts, params)]
     out = {"tp": args.tp, "dtype": "fp32", "layouts": {}, "switching": None}
@@ -88,6 +91,10 @@ def correctness(args) -> dict:
         out["layouts"][layout] = {**_compare(got, ref), "graph_steps": st["graph_steps"],
                                   "steps": st["num_steps"]}
         print(layout, out["layouts"][layout], flush=True)
+    if "bf16" in args.parts:
+        out["bf16_teacher_forced"] = teacher_forced_top1(args, prompts)
+    if "circuit" not in args.parts:
+        return out
     plan = [(2 + i, d) for i, d in enumerate(CIRCUIT[1:])]
     with LLM(args.model, tp_size=args.tp, layout="tp", **kw) as llm:
         got = [o.token_ids for o in llm.generate(prompts, params, layout_plan=plan)]
@@ -99,6 +106,38 @@ def correctness(args) -> dict:
                             s["kv_bytes_received_per_rank"] == s["predicted_kv_bytes_per_rank"]
                             for s in switches)}
     print("circuit", out["switching"], flush=True)
+    return out
+
+
+def teacher_forced_top1(args, prompts: list[list[int]]) -> dict:
+    """bf16: T=1's greedy continuations fed back as prompts; per layout at T ranks, the share of
+    positions whose top-1 next token is T=1's, over the continuations and over every position
+    (free-running bf16 tokens part at the first near-tie on random weights and say little)."""
+    from splash import LLM, SamplingParams
+
+    kw = {"dtype": "bf16", "max_num_seqs": len(prompts), "max_model_len": 4096}
+    score = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+
+    def top1(llm) -> list[list[int]]:
+        return [[max(lp, key=lp.get) for lp in o.prompt_logprobs[1:]]
+                for o in llm.generate(seqs, score)]
+
+    with LLM(args.model, tp_size=1, **kw) as llm:
+        gen = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0,
+                                                   ignore_eos=True))
+        seqs = [p + o.token_ids for p, o in zip(prompts, gen)]
+        ref = top1(llm)
+    out = {}
+    for layout in ("tp", "dp", "cp", "dop"):
+        with LLM(args.model, tp_size=args.tp, layout=layout, **kw) as llm:
+            got = top1(llm)
+        cont = [(a, b) for p, g, r in zip(prompts, got, ref)
+                for a, b in zip(g[len(p) - 1:], r[len(p) - 1:])]
+        every = [(a, b) for g, r in zip(got, ref) for a, b in zip(g, r)]
+        out[layout] = {"continuation_top1_agreement": sum(a == b for a, b in cont) / len(cont),
+                       "all_positions_top1_agreement": sum(a == b for a, b in every) / len(every),
+                       "continuation_positions": len(cont), "positions": len(every)}
+        print("bf16", layout, out[layout], flush=True)
     return out
 
 
@@ -150,7 +189,9 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--model", default=None)
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--parts", default="layouts,circuit", help="correctness: what to compare")
+    ap.add_argument("--parts", default="layouts,circuit,bf16",
+                    help="correctness: fp32 layouts and circuit against T=1, bf16 teacher-forced "
+                    "top-1 agreement")
     ap.add_argument("--out-dir", default=os.environ.get("OUT", "benchmarks/results/multi-gpu"))
     args = ap.parse_args()
     args.model = args.model or build(f"/tmp/splash-v3-{args.layers}l-o1", args.layers, args.experts)

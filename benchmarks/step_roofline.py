@@ -115,9 +115,9 @@ def measure(llm: LLM, batch: int, context: int, steps: int, warmup: int,
     executor, inner = eng.executor, eng.executor.execute
     worker_s: list[float] = []
 
-    def timed(plans):
+    def timed(plans, while_waiting=None):
         t0 = time.perf_counter()
-        out = inner(plans)
+        out = inner(plans, while_waiting)
         worker_s.append(time.perf_counter() - t0)
         return out
 

@@ -33,6 +33,7 @@ import torch
 from _results import save_json  # noqa: E402  (benchmarks/ is on sys.path)
 
 from splash import LLM, SamplingParams
+from splash.planning.calibrate import measure_collectives
 
 CIRCUIT = ["tp", "dp", "tp", "cp", "tp", "dop", "dp", "cp", "dp", "dop", "cp", "dop", "tp"]
 
@@ -48,8 +49,10 @@ def _prompts(batch: int, length: int) -> list[list[int]]:
 
 
 def _engine(args, layout: str, mode: str = "auto") -> LLM:
+    # max_num_seqs: the batch, so start-up captures only the graphs the runs can replay
     return LLM(args.ckpt, tp_size=args.tp, backend=args.backend, layout=layout,
-               switch_mode=mode, dtype=args.dtype, max_num_batched_tokens=args.chunk)
+               switch_mode=mode, dtype=args.dtype, max_num_batched_tokens=args.chunk,
+               max_num_seqs=max(args.batch, 1))
 
 
 def _prefill(eng, args, max_tokens: int) -> None:
@@ -128,8 +131,18 @@ def main() -> int:
                 make_model(args.ckpt, "deepseek-v3", layers=args.layers, seed=0, scale="tiny")
     args.dtype = args.dtype or ("fp32" if args.backend == "cpu" else "bf16")
     ready = {lay: ready_step_ms(args, lay) for lay in ("tp", "dp", "cp", "dop")}
-    modes = args.modes.split(",")
-    runs = {mode: circuit(args, mode) for mode in modes}
+    link = measure_collectives(args.tp, "nccl" if args.backend == "cuda" else "gloo") \
+        if args.tp > 1 else {}
+    runs: dict[str, list[dict]] = {}
+    for mode in args.modes.split(","):  # results kept after each mode (a cut run keeps them)
+        runs[mode] = circuit(args, mode)
+        save_json(args.out, summarize(args, ready, runs, link))
+    return 0
+
+
+def summarize(args, ready: dict[str, float], runs: dict[str, list[dict]], link: dict) -> dict:
+    """Per direction and mode: overhead against the ready interval, the switch's parts."""
+    link_gbps = link.get("allgather_busbw_gbps")
     directions = []
     for src, dst in zip(CIRCUIT, CIRCUIT[1:]):
         rec: dict = {"from": src, "to": dst, "ready_step_ms": ready[dst]}
@@ -166,6 +179,7 @@ def main() -> int:
                 [rec.get("weight_bytes_received", 0) // args.tp] * args.tp))
             ms = rec["blocking"]["worker_switch_ms_p50"]
             rec["transfer_GBps"] = moved / ms / 1e6 if ms > 0 and moved else None
+            rec["link_GBps"] = link_gbps
             print(f"{src:>3} -> {dst:<3}  {live_mode} p50 {live:8.2f} ms "
                   f"({rec['live_p50_pct_of_ready_step']:.2f}% of ready)  blocking p50 "
                   f"{block:8.2f} ms", flush=True)
@@ -177,15 +191,14 @@ def main() -> int:
         "date": datetime.date.today().isoformat(), "machine": platform.node(),
         "cpu_count": os.cpu_count(), "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(0) if args.backend == "cuda" else "cpu",
-        "ready_step_ms": ready, "directions": directions,
+        "ready_step_ms": ready, "directions": directions, "link": link,
     }
     if args.backend == "cpu":
         result["note"] = "CPU figures (Triton interpreter + gloo) are recorded, not claimed"
     if all("live_p50_pct_of_ready_step" in d for d in directions):
         result["median_live_overhead_pct"] = statistics.median(
             d["live_p50_pct_of_ready_step"] for d in directions)
-    save_json(args.out, result)
-    return 0
+    return result
 
 
 if __name__ == "__main__":

@@ -31,10 +31,30 @@ class Comm:
             self.xfer_group = dist.new_group(list(range(world)))
         self._graph_group = None
 
-    def make_graph_group(self) -> None:
-        """Create the capture-only group (collective: every rank calls it at the same point)."""
+    def make_graph_group(self, device: torch.device) -> None:
+        """Create the capture-only group and connect it (collective: every rank calls it at the
+        same point)."""
         if self.group is not None and self._graph_group is None:
             self._graph_group = dist.new_group(list(range(self.world)))
+            self._connect(self._graph_group, device)
+
+    def connect(self, device: torch.device) -> None:
+        """Connect the peers of the forward and transfer groups now (collective). NCCL builds a
+        group's rings and peer-to-peer channels on its first collectives (a first large
+        all-to-all took 80-90 ms inside a switch on 2 x H200 where later ones took 2 ms),
+        which would otherwise land in a user's step or a switch."""
+        for group in (self.group, self.xfer_group):
+            if group is not None:
+                self._connect(group, device)
+
+    def _connect(self, group, device: torch.device, peer_bytes: int = 16 << 20) -> None:
+        """A small and (on GPUs) a large message of each kind the group carries."""
+        sizes = [self.world] + ([self.world * (peer_bytes // 4)] if device.type != "cpu" else [])
+        for n in sizes:
+            t = torch.zeros(n, device=device)
+            dist.all_reduce(t[: self.world], group=group)
+            dist.all_to_all_single(torch.empty_like(t), t, group=group)
+            _all_gather(torch.empty(self.world * n, device=device), t, group=group)
 
     @contextmanager
     def capturing(self) -> Iterator[None]:

@@ -1,5 +1,6 @@
 """layout="auto": ask the policy which layout the next step should run in (when the batch
-changed, and at least every few steps).
+changed, and at least every few steps). The engine asks while the workers compute the step
+before (`prepare`), so the answer costs the step no host time; it reads the batch one step old.
 
 The engine's batch is summarised as the cost model's BatchShape (decode rows with their
 contexts, prefill chunks with their prefixes); waiting prompts are passed for layout-aware
@@ -48,6 +49,7 @@ class AutoLayout:
         # slow growth, and a decision costs host time on every step it is made
         self.decide_every = decide_every
         self._asked: tuple[tuple, int] | None = None  # (batch signature, step) of the last ask
+        self._prepared: tuple[int, str | None] | None = None  # (step, answer) asked ahead
         logger.info("layout policy: cost model on profile %s (source %s), margin %.0f%%",
                     setup.profile.name, setup.profile.source, 100 * margin)
 
@@ -56,10 +58,21 @@ class AutoLayout:
         self.decisions.clear()
         self.audit = DecisionAudit(self.policy.cost_fn)
         self._pending = None
-        self._asked = None
+        self._asked = self._prepared = None
         self.policy.reset()
 
+    def prepare(self, step: int) -> None:
+        """Ask now (while the step before ``step`` computes) for ``step``'s answer."""
+        self._prepared = None
+        self._prepared = (step, self._ask(step))
+
     def __call__(self, step: int) -> str | None:
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None and prepared[0] == step:
+            return prepared[1]
+        return self._ask(step)
+
+    def _ask(self, step: int) -> str | None:
         sched = self.scheduler
         current = sched.layout.name
         sig = (current, len(sched.running), len(sched.waiting),

@@ -28,7 +28,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 
 import msgspec
@@ -80,7 +80,10 @@ class InprocExecutor:
             source, self.worker.model.cfg)
         self.worker.load_weights(weights, names)
 
-    def execute(self, plans: list[StepPlan]) -> list[StepResult]:
+    def execute(self, plans: list[StepPlan],
+                while_waiting: Callable[[], None] | None = None) -> list[StepResult]:
+        """The step's results; ``while_waiting`` runs once the step is issued (here, where the
+        worker computes in this thread, after it)."""
         if self.worker is None:
             raise WorkerDiedError("the engine was shut down")
         try:
@@ -93,6 +96,7 @@ class InprocExecutor:
                                   f"OutOfMemoryError: {e}") from e
         if result.error:
             raise WorkerDiedError(f"worker 0 failed: {result.error}")
+        _run_aside(while_waiting)
         return [result]
 
     def alive(self) -> bool:
@@ -221,9 +225,12 @@ class MPExecutor:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
 
-    def execute(self, plans: list[StepPlan]) -> list[StepResult]:
+    def execute(self, plans: list[StepPlan],
+                while_waiting: Callable[[], None] | None = None) -> list[StepResult]:
+        """The step's results; ``while_waiting`` runs on the host while the workers compute."""
         with _sigint_deferred():  # every rank gets the step or none does (Ctrl-C mid-send left
             self._send(plans)  # one rank waiting in a collective for a peer that never came)
+        _run_aside(while_waiting)
         return self._results(plans)
 
     def _send(self, plans: list[StepPlan]) -> None:
@@ -350,6 +357,16 @@ class ExternalExecutor(MPExecutor):
         time.sleep(0.2)
         self.sock.close()
         self.ctx.term()
+
+
+def _run_aside(work: Callable[[], None] | None) -> None:
+    """Host work overlapped with a step: its failure is logged and never loses the step."""
+    if work is None:
+        return
+    try:
+        work()
+    except Exception:  # noqa: BLE001 - the step's results must still be collected
+        logger.exception("host work overlapped with a step failed; the step goes on")
 
 
 def start_executor(cfg: WorkerConfig, worker_addr: str | None = None):

@@ -158,7 +158,7 @@ class DecodeGraphs:
         self.forward, self.comm = forward, comm
         self.rank, self.world = comm.rank, comm.world
         if capture:
-            comm.make_graph_group()
+            comm.make_graph_group(device)
         self.page_size, self.device = page_size, device
         self.buckets = batch_buckets(max_batch)
         self.max_graphs, self.capture = max_graphs, capture

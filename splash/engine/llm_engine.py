@@ -10,7 +10,8 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from splash.core.protocol import StepPlan, StepResult
@@ -176,7 +177,7 @@ class LLMEngine:
             return outputs
         plans = build_plans(self.scheduler, batch, switch, self.step_count, self.setup)
         try:
-            results, step_ms = self._execute(plans)
+            results, step_ms = self._execute(plans, self._think_ahead)
         except StepFailedError as e:
             return outputs + self._fail_step(batch, str(e))
         self.switches.finish(switch, results, step_ms, self.step_count, batch)
@@ -189,7 +190,8 @@ class LLMEngine:
         for req in sampled:
             head = req.group.members[0] if req.group is not None else req
             heads.setdefault(head.request_id, head)
-        outputs += [self._output(head, sampled) for head in heads.values()]
+        got = {id(m) for m in sampled}
+        outputs += [self._output(head, got) for head in heads.values()]
         for out in outputs:  # finished requests leave the table (ids may be reused)
             if out.finished:
                 self._forget(out.request_id)
@@ -208,10 +210,17 @@ class LLMEngine:
             for member in req.group.members if req.group is not None else [req]:
                 self.outputs.forget(member)
 
-    def _execute(self, plans: list[StepPlan]) -> tuple[list[StepResult], float]:
+    def _think_ahead(self) -> None:
+        """While the workers compute: the policy's answer for the next step (from the batch as
+        it stands, one step old when used), off the step's critical path."""
+        if self.auto is not None and self.switches.asks_policy(self.step_count + 1):
+            self.auto.prepare(self.step_count + 1)
+
+    def _execute(self, plans: list[StepPlan], while_waiting: Callable[[], None] | None = None
+                 ) -> tuple[list[StepResult], float]:
         t0 = time.perf_counter()
         try:
-            results = self.executor.execute(plans)
+            results = self.executor.execute(plans, while_waiting)
         except WorkerDiedError as e:
             self._fail_all(str(e))
             raise
@@ -245,13 +254,12 @@ class LLMEngine:
         self._graph_steps += int(all(r.graph_replay for r in results))
         self._tokens_total += tokens
 
-    def _output(self, req: Request, sampled: list[Request] | None = None) -> RequestOutput:
-        """``req``'s prompt's output (all samples of its group); the requests in ``sampled``
-        report their last token as new."""
-        got = {id(m) for m in sampled or []}
+    def _output(self, req: Request, sampled: AbstractSet[int] = frozenset()) -> RequestOutput:
+        """``req``'s prompt's output (all samples of its group); the requests whose ``id`` is
+        in ``sampled`` report their last token as new."""
         members = req.group.members if req.group is not None else [req]
         return self.outputs.output(req, {m: m.output_token_ids[-1:] for m in members
-                                         if id(m) in got})
+                                         if id(m) in sampled})
 
     def _fail_all(self, message: str) -> None:
         """The worker group is gone: every in-flight request finishes with the error (the

@@ -70,7 +70,8 @@ def build_plans(sched: Scheduler, batch: ScheduledBatch, action: SwitchStep | No
     return plans
 
 
-GROUP_BYTES = 1 << 30  # about this much per collective: large enough to reach the link
+GROUP_BYTES = 1 << 29  # about this much per collective: large enough to reach the link (two
+#   are in flight in a blocking switch: one packs or unpacks while the other moves)
 
 
 def collective_shape(m: SwitchManifest, kv_row_bytes: int, head_bytes: int) -> dict[str, Any]:

@@ -5,6 +5,11 @@ longest context, so that their peak activation memory can be measured and reserv
 The steps read and write real kernels over a one-page pool: every block-table entry of the
 dummy requests points at page 0 (the values computed are meaningless; the shapes, the launch
 configurations and hence the memory are those of the real steps).
+
+The context is capped at ``PROFILE_CONTEXT``: beyond it no buffer of a step grows (the decode
+kernels' split-KV partials stop growing at 64 splits of 256 tokens; DSA's indexer scores are
+bounded per call and counted in full by the analytic floor of the reserve), while the time the
+steps take does — a 2,048-row chunk attending over a 160K-token history took minutes in fp32.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from splash.core.ownership import get_layout, num_local_pages
 from splash.core.protocol import WORKER_PROTOCOL_VERSION, SeqSampling, StepPlan
 
 PROFILE_PAGES = 1  # the pool the profiling steps run over
+PROFILE_CONTEXT = 16384  # the longest context the profiling steps run at (see above)
 _SAMPLING = SeqSampling(temperature=1.0, top_p=0.9, top_k=0, seed=None)  # the costliest path
 
 
@@ -31,7 +37,7 @@ def profile_plans(layout: str, world: int, prefill_rows: int, decode_rows: int,
     history: one request, or as many as a chunk longer than a context needs) and the decode
     batch (``decode_rows`` requests at ``context``, every one sampled), all owned by rank 0:
     the busiest rank under owned-KV layouts."""
-    context = max(context, 1)
+    context = min(max(context, 1), PROFILE_CONTEXT)
     plans = []
     if prefill_rows:
         rows = [context] * (prefill_rows // context) + [prefill_rows % context]

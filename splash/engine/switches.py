@@ -135,6 +135,12 @@ class SwitchController:
     def force_at(self, step: int, name: str) -> None:
         self.forced[step] = self._checked(name)
 
+    def asks_policy(self, step: int) -> bool:
+        """Whether ``step``'s target will come from the policy (nothing forced, requested,
+        pinned or in flight)."""
+        return self.policy is not None and self.inflight is None and step not in self.forced \
+            and self.requested is None and self.pinned is None
+
     def _target(self, step: int) -> str | None:
         if step in self.forced:
             self.requested = self.forced.pop(step)

@@ -29,7 +29,7 @@ from splash.core.protocol import (
 )
 from splash.dist.comm import Comm
 from splash.engine.graphs import DecodeGraphs, graph_width, startup_graph_keys, startup_layouts
-from splash.engine.profiling import PROFILE_PAGES, profile_plans, profile_tables
+from splash.engine.profiling import PROFILE_CONTEXT, PROFILE_PAGES, profile_plans, profile_tables
 from splash.engine.sampling import sample_step
 from splash.engine.worker_config import WorkerConfig
 from splash.kernels_triton import set_value_checks
@@ -63,6 +63,7 @@ class Worker:
                                     init_method=cfg.dist_init,
                                     rank=cfg.rank, world_size=cfg.world)
         self.comm = Comm(cfg.rank, cfg.world)
+        self.comm.connect(self.device)
         heads = self._heads(cfg.layout)
         self.model = MLAModel.from_pretrained(
             cfg.model, cfg.rank, cfg.world, heads.start, len(heads),
@@ -140,7 +141,8 @@ class Worker:
         if cuda:
             logger.info("rank %d: profiling steps (prefill %d rows, decode %d rows, context %d) "
                         "peak %.2f GiB above %.2f GiB of weights", cfg.rank,
-                        cfg.profile_prefill_rows, cfg.profile_decode_rows, cfg.profile_context,
+                        cfg.profile_prefill_rows, cfg.profile_decode_rows,
+                        min(cfg.profile_context, PROFILE_CONTEXT),
                         peak / 2**30, self.weight_bytes / 2**30)
         return peak, decode
 

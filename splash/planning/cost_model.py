@@ -157,10 +157,11 @@ class CostModel:
         per_layer = (w_bytes + kv_bytes) / (self.profile.link_gbps * 1e9) * 1e3
         per_layer += len(prims) * self._latency_ms()
         per_layer *= self.profile.switch_time_scale
+        fixed = self.profile.switch_overhead_us * 1e-3 if src != dst else 0.0
         compute = self.step_time_ms(d, batch) / layers if batch.num_rows else 0.0
         live = (layers - 1) * max(0.0, per_layer - compute) + per_layer if prims else 0.0
-        return SwitchCost(src, dst, tuple(prims), w_bytes, kv_bytes, per_layer, live,
-                          per_layer * layers)
+        return SwitchCost(src, dst, tuple(prims), w_bytes, kv_bytes, per_layer, live + fixed,
+                          per_layer * layers + fixed)
 
     def switch_cost_ms(self, src: str, dst: str, batch: BatchShape,
                        live_tokens: Sequence[int] | np.ndarray | None = None,

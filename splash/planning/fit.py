@@ -10,8 +10,11 @@ where ``gemm`` (projections, MLP, LM head), ``attention``, the collective count 
 communication terms come from the roofline with the measured rates. The five are fitted by
 non-negative least squares on *relative* errors (every point weighs the same whatever its
 size), so the fitted profile's error over the measured points is never above the unfitted one's:
-the unfitted profile is one of the candidates. A switch's predicted transfer time is scaled by
-one factor, ``switch_time_scale``, fitted the same way.
+the unfitted profile is one of the candidates. A switch's time is its predicted transfer
+scaled by ``switch_time_scale`` plus a fixed ``switch_overhead_us`` (planning, installing heads,
+launches: a switch that moves nothing still costs about a millisecond), both fitted the same
+way after dropping the points a first fit misses by more than ``OUTLIER`` times (a first switch
+into a layout that still connected its NCCL peers measured 80 ms where its twins took 2 ms).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ GEMM_STAGES = ("common_proj", "proj", "mlp", "lm_head")
 FITTED = ("gemm_time_scale", "attention_time_scale", "collective_latency_us", "step_overhead_us",
           "request_overhead_us")
 LOWER = np.array([0.05, 0.05, 0.0, 0.0, 0.0])  # scales stay positive; latencies, overheads >= 0
+OUTLIER = 4.0  # switch points measured above this many times the first fit are left out
 
 
 @dataclass(frozen=True)
@@ -82,7 +86,7 @@ def neutral(profile: HardwareProfile) -> HardwareProfile:
     """``profile`` with the fitted fields at their no-op values."""
     return dataclasses.replace(profile, gemm_time_scale=1.0, attention_time_scale=1.0,
                                step_overhead_us=0.0, request_overhead_us=0.0,
-                               switch_time_scale=1.0)
+                               switch_time_scale=1.0, switch_overhead_us=0.0)
 
 
 def _model(cfg: Any, world: int, profile: HardwareProfile, **kw: Any) -> CostModel:
@@ -120,7 +124,7 @@ def fit_profile(cfg: Any, world: int, base: HardwareProfile, steps: Sequence[Ste
     fitted = dict(zip(FITTED, (float(v) for v in x)))
     if switches:
         with_steps = dataclasses.replace(start_from, **fitted)
-        fitted["switch_time_scale"] = _switch_scale(cfg, world, with_steps, switches, model_kw)
+        fitted.update(_switch_fit(cfg, world, with_steps, switches, model_kw))
     return dataclasses.replace(start_from, **fitted)
 
 
@@ -129,15 +133,25 @@ def predict_switch(cm: CostModel, p: SwitchPoint) -> float:
     return cm.switch_cost(p.src, p.dst, p.batch, p.live_tokens, p.live_owners).blocking_ms
 
 
-def _switch_scale(cfg: Any, world: int, profile: HardwareProfile,
-                  switches: Sequence[SwitchPoint], model_kw: dict[str, Any]) -> float:
+def _switch_fit(cfg: Any, world: int, profile: HardwareProfile,
+                switches: Sequence[SwitchPoint], model_kw: dict[str, Any]) -> dict[str, float]:
+    """(switch_time_scale, switch_overhead_us) by non-negative least squares on relative
+    errors, fitted twice: the second time without the first fit's outliers."""
     cm = _model(cfg, world, profile, **model_kw)
-    ratio = np.array([predict_switch(cm, p) / p.measured_ms for p in switches
-                      if p.measured_ms > 0])
-    ratio = ratio[ratio > 0]
-    if not len(ratio):
-        return 1.0
-    return float(max(ratio.sum() / (ratio**2).sum(), 0.05))  # argmin sum (s * ratio - 1)^2
+    pts = [(predict_switch(cm, p), p.measured_ms) for p in switches if p.measured_ms > 0]
+    if not pts:
+        return {}
+    pred, y = (np.array(v) for v in zip(*pts))
+    keep = np.ones(len(y), dtype=bool)
+    x = np.array([1.0, 0.0])
+    for _ in range(2):
+        a = np.stack([pred / y, 1.0 / y], axis=1)[keep]
+        x = nnls(a, np.ones(int(keep.sum())))
+        if x[0] <= 0:  # nothing scales: keep the unfitted transfer time
+            x[0] = 1.0
+            x[1] = nnls(a[:, 1:], 1.0 - a[:, 0])[0]
+        keep = y <= OUTLIER * (x[0] * pred + x[1])
+    return {"switch_time_scale": float(max(x[0], 0.05)), "switch_overhead_us": float(x[1] * 1e3)}
 
 
 def error_table(cfg: Any, world: int, profiles: dict[str, HardwareProfile],

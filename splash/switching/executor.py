@@ -28,6 +28,7 @@ import time
 from contextlib import nullcontext
 from typing import Any
 
+import numpy as np
 import torch
 
 from splash.core.protocol import SwitchPlan
@@ -86,15 +87,25 @@ def _unpack(rows: torch.Tensor, slots: torch.Tensor, buf: torch.Tensor, col: int
     scatter_rows(rows.view(word), slots, src.view(word))
 
 
+def _runs(runs: list[list[int]]) -> np.ndarray:
+    """Every peer's flat ``[slot, n, ...]`` runs as one (runs, 2) array, peers in order."""
+    parts = [np.asarray(r, dtype=np.int64) for r in runs]
+    return np.concatenate(parts).reshape(-1, 2) if parts else np.zeros((0, 2), np.int64)
+
+
+def _rows_per_peer(runs: list[list[int]]) -> list[int]:
+    return [int(np.asarray(r, dtype=np.int64)[1::2].sum()) for r in runs]
+
+
 def slots_from_runs(runs: list[list[int]], device: torch.device) -> torch.Tensor:
     """Flat ``[slot, n, ...]`` runs per peer -> the slot of every row, peers in order. Only
     the runs cross to the device; the rows are expanded there (a 32K-token context is 512
     runs but 32,768 rows)."""
-    flat = [x for r in runs for x in r]
-    total = sum(flat[1::2])
+    pairs = _runs(runs)
+    total = int(pairs[:, 1].sum())
     if not total:
         return torch.empty(0, dtype=torch.long, device=device)
-    t = torch.tensor(flat, dtype=torch.long).view(-1, 2).to(device)
+    t = torch.from_numpy(pairs).to(device, non_blocking=True)
     starts, counts = t[:, 0], t[:, 1]
     first = torch.cumsum(counts, 0) - counts  # row index where each run begins
     return torch.repeat_interleave(starts - first, counts, output_size=total) + \
@@ -142,8 +153,8 @@ class _Moves:
 
     def __init__(self, plan: SwitchPlan, device: torch.device) -> None:
         kv, w = plan.kv, plan.weights
-        self.send_counts = [sum(r[1::2]) for r in kv.send_runs]
-        self.recv_counts = [sum(r[1::2]) for r in kv.recv_runs]
+        self.send_counts = _rows_per_peer(kv.send_runs)
+        self.recv_counts = _rows_per_peer(kv.recv_runs)
         self.send_slots = slots_from_runs(kv.send_runs, device)
         self.recv_slots = slots_from_runs(kv.recv_runs, device)
         self.w_send_counts = [len(s) for s in w.send_to]
@@ -320,10 +331,18 @@ class SwitchExecutor:
             return
         if self.staged is not None:
             self.heads, _ = self.staged.complete()
+        # two groups in flight: the next group packs while this one's collective runs, and
+        # this one unpacks while the next one's runs
+        last: _Group | None = None
         for layers in self.xfer.groups(per_layer=False):
             g = self.xfer.issue(layers)
-            g.wait()
-            self.heads.update(self.xfer.unpack(g))
+            if last is not None:
+                last.wait()
+                self.heads.update(self.xfer.unpack(last))
+            last = g
+        if last is not None:
+            last.wait()
+            self.heads.update(self.xfer.unpack(last))
         self._install(range(len(self.attns)))
         self.wait_ms = self.busy_ms = (time.perf_counter() - t0) * 1e3
 

@@ -71,17 +71,21 @@ def test_fit_recovers_the_profile_that_made_the_steps(cfg: ModelConfig) -> None:
     true = dataclasses.replace(base, gemm_time_scale=1.8, attention_time_scale=2.5,
                                collective_latency_us=35.0, step_overhead_us=900.0,
                                request_overhead_us=40.0,
-                               switch_time_scale=1.6)
+                               switch_time_scale=1.6, switch_overhead_us=1500.0)
     truth = CostModel(cfg, 2, true, sparse_attention=False)
     steps = _points(truth)
     live = (1000, 4000, 2000)
     switches = [SwitchPoint(s, d, BatchShape.decode(3, 2001), live, None,
                             predict_switch(truth, SwitchPoint(s, d, BatchShape.decode(3, 2001),
                                                               live, None, 1.0)))
-                for s, d in (("tp", "dp"), ("dp", "cp"), ("cp", "dop"), ("dop", "tp"))]
+                for s, d in (("tp", "dp"), ("dp", "cp"), ("cp", "dop"), ("dop", "tp"),
+                             ("dp", "dop"))]
+    # a first switch that also connected its NCCL peers: far above its twin, left out
+    switches.append(dataclasses.replace(switches[1], measured_ms=40 * switches[1].measured_ms))
     fitted = fit_profile(cfg, 2, base, steps, switches)
     for name in ("gemm_time_scale", "attention_time_scale", "collective_latency_us",
-                 "step_overhead_us", "request_overhead_us", "switch_time_scale"):
+                 "step_overhead_us", "request_overhead_us", "switch_time_scale",
+                 "switch_overhead_us"):
         assert getattr(fitted, name) == pytest.approx(getattr(true, name), rel=1e-3), name
     assert fitted.hbm_gbps == base.hbm_gbps and fitted.link_gbps == base.link_gbps
 

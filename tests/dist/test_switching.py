@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+import splash.engine.plans as plans_module
 from splash import LLM, SamplingParams
 from tiny_models import DEV, checkpoint, hf_greedy, mixed_prompts
 
@@ -22,12 +23,17 @@ def _params(n):
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-# blocking mode is the measurement baseline: T=2 covers its correctness. A background switch
-# hands off at the earliest on the step after its pre-copy: the circuit then takes two steps a
-# switch, with decodes and the chunked prefill writing rows between pre-copy and handoff.
-@pytest.mark.parametrize("world,mode", [(2, "live"), (4, "live"), (2, "blocking"),
-                                        (2, "background"), (4, "background")])
-def test_all_twelve_directions_token_identical(world, mode):
+# blocking mode is the measurement baseline: T=2 covers its correctness, with one collective
+# for all layers and with one per layer (two groups in flight: one packs or unpacks while the
+# other moves). A background switch hands off at the earliest on the step after its pre-copy:
+# the circuit then takes two steps a switch, with decodes and the chunked prefill writing rows
+# between pre-copy and handoff.
+@pytest.mark.parametrize("world,mode,group_bytes", [
+    (2, "live", None), (4, "live", None), (2, "blocking", None), (2, "blocking", 1),
+    (2, "background", None), (4, "background", None)])
+def test_all_twelve_directions_token_identical(world, mode, group_bytes, monkeypatch):
+    if group_bytes is not None:
+        monkeypatch.setattr(plans_module, "GROUP_BYTES", group_bytes)
     path = checkpoint("v3")
     # short prompts decode while the 90-token prompt is prefilled in chunks across the
     # first dozen steps: each switch step carries decodes and a chunked prefill; a history

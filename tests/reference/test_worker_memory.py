@@ -11,7 +11,7 @@ from tiny_models import checkpoint
 from splash import LLM, SamplingParams
 from splash.core.ownership import LAYOUTS, num_local_pages
 from splash.engine.config import EngineConfig
-from splash.engine.profiling import profile_plans, profile_tables
+from splash.engine.profiling import PROFILE_CONTEXT, profile_plans, profile_tables
 from splash.engine.setup import resolve_setup
 from splash.engine.worker import Worker
 from splash.errors import WorkerDiedError
@@ -35,6 +35,9 @@ def test_profiling_plans_hold_the_largest_steps(layout):
     long_chunk, _ = profile_plans(layout, 2, prefill_rows=100, decode_rows=1, context=40)
     assert long_chunk.query_lens == [40, 40, 20]  # positions stay inside the context
     assert long_chunk.positions == [*range(40), *range(40), *range(20, 40)]
+    # a context beyond PROFILE_CONTEXT runs at PROFILE_CONTEXT: no buffer grows past it
+    capped, dec = profile_plans(layout, 2, prefill_rows=24, decode_rows=2, context=10**6)
+    assert capped.context_lens == [PROFILE_CONTEXT] and dec.positions == [PROFILE_CONTEXT - 1] * 2
 
 
 def test_profiling_steps_run_over_one_page():
