@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 
+import numpy as np
 from _results import save_json  # noqa: E402  (benchmarks/ is on sys.path)
 
 from splash.core.allocator import RankAllocators
@@ -108,7 +109,8 @@ def main() -> int:
         print(f"{world:>2} {src + '->' + dst:>9} {row['precopy_ms']:>11.2f} "
               f"{row['handoff_ms']:>10.2f} {row['apply_ms']:>8.2f}", flush=True)
         rows.append(row)
-    save_json(args.out, {"benchmark": "switch_planning", "batch": args.batch,
+    save_json(args.out, {"benchmark": "switch_planning", "numpy": np.__version__,
+                         "batch": args.batch,
                          "context": args.context, "page_size": args.page_size,
                          "reps": args.reps, "rows": rows})
     return 0
