@@ -7,6 +7,7 @@ requests with the sampled tokens.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import time
@@ -93,6 +94,11 @@ class LLMEngine:
             except BaseException:  # no worker outlives an engine that failed to start
                 self.executor.shutdown()
                 raise
+        # what start-up built lives as long as the engine: out of the collector's sight, its
+        # full passes stop walking it (a pass over the weights' and pools' Python objects cost
+        # up to a millisecond at random steps and switches)
+        gc.collect()
+        gc.freeze()
 
     @classmethod
     def from_args(cls, **kwargs: Any) -> LLMEngine:
@@ -384,3 +390,4 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        gc.unfreeze()  # what this engine built may be collected again
