@@ -246,6 +246,7 @@ def write_results(names, runs, traces, size, path, out_dir, args, final=False) -
         best = max(fixed, key=lambda r: r["tokens_per_s"]) if fixed else None
         ratio = auto["tokens_per_s"] / best["tokens_per_s"] if auto and best else float("nan")
         result = {"benchmark": "end_to_end", "trace": name, "trace_params": SIZES[size].get(name),
+                  "kv_pages_per_rank": args.kv_pages_per_rank,
                   "seed": args.seed, "requests": len(traces[name]), "tp": args.tp,
                   "backend": args.backend, "checkpoint": path, "time_scale": args.time_scale,
                   "auto_vs_best_fixed": ratio, "best_fixed": best and best["layout"],
@@ -265,6 +266,13 @@ def write_results(names, runs, traces, size, path, out_dir, args, final=False) -
     return summaries
 
 
+def _engine_kw(args) -> dict[str, Any]:
+    """A KV budget of ``--kv-pages-per-rank`` pages: the room a full-size model leaves (a
+    memory-bound deployment, where TP's replicated latent KV holds half the requests DP and
+    DOP hold at T=2)."""
+    return {"kv_pages_per_rank": args.kv_pages_per_rank} if args.kv_pages_per_rank else {}
+
+
 def _report(name: str, layout: str, r: dict) -> None:
     print(f"{name:>10} {layout:>4}: {r['tokens_per_s']:8.1f} tokens/s  TTFT p50 "
           f"{r['ttft_p50_s'] or 0:.3f} s  TPOT p50 {r['tpot_p50_s'] or 0:.4f} s  "
@@ -276,7 +284,8 @@ def serve_one_engine(path, layouts, names, traces, runs, size, out_dir, args) ->
     """Every run from one auto engine (`use_layout`) after unmeasured warm runs of each trace;
     results written after each run."""
     t0 = time.perf_counter()
-    with LLM(path, tp_size=args.tp, backend=args.backend, layout="auto") as llm:
+    with LLM(path, tp_size=args.tp, backend=args.backend, layout="auto",
+             **_engine_kw(args)) as llm:
         startup = time.perf_counter() - t0
         vocab = llm.engine.vocab_size
         for name in names:
@@ -311,6 +320,9 @@ def main() -> int:
     ap.add_argument("--ckpt", default=None, help="checkpoint dir (default: built)")
     ap.add_argument("--one-engine", action=argparse.BooleanOptionalAction, default=None,
                     help="serve every run from one auto engine (default: on GPUs)")
+    ap.add_argument("--kv-pages-per-rank", type=int, default=None,
+                    help="KV pages per rank (default: what memory allows); a small pool "
+                    "emulates the room a full-size model leaves")
     ap.add_argument("--warm-runs", type=int, default=1,
                     help="unmeasured auto runs of each trace first (--one-engine only)")
     ap.add_argument("--out-dir", default=None,
@@ -336,7 +348,8 @@ def main() -> int:
         return 0
     for layout in layouts:
         t0 = time.perf_counter()
-        with LLM(path, tp_size=args.tp, backend=args.backend, layout=layout) as llm:
+        with LLM(path, tp_size=args.tp, backend=args.backend, layout=layout,
+                 **_engine_kw(args)) as llm:
             startup = time.perf_counter() - t0
             vocab = llm.engine.vocab_size
             for name in names:
