@@ -63,7 +63,7 @@ class AutoLayout:
 
     def prepare(self, step: int) -> None:
         """Ask now (while the step before ``step`` computes) for ``step``'s answer."""
-        self._prepared = None
+        self._prepared = None  # an ask that fails leaves no stale answer behind
         self._prepared = (step, self._ask(step))
 
     def __call__(self, step: int) -> str | None:

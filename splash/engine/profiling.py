@@ -31,13 +31,18 @@ def _plan(layout: str, rows: list[int], context: int, owners: list[int], sample:
                     [_SAMPLING] * len(rows), [0] * len(rows))
 
 
+def profile_context(context: int) -> int:
+    """The context the profiling steps run at for a longest context of ``context``."""
+    return min(max(context, 1), PROFILE_CONTEXT)
+
+
 def profile_plans(layout: str, world: int, prefill_rows: int, decode_rows: int,
                   context: int) -> list[StepPlan]:
     """The prefill chunk (``prefill_rows`` rows, each request's last rows of a ``context``-long
     history: one request, or as many as a chunk longer than a context needs) and the decode
     batch (``decode_rows`` requests at ``context``, every one sampled), all owned by rank 0:
     the busiest rank under owned-KV layouts."""
-    context = min(max(context, 1), PROFILE_CONTEXT)
+    context = profile_context(context)
     plans = []
     if prefill_rows:
         rows = [context] * (prefill_rows // context) + [prefill_rows % context]

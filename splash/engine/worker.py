@@ -29,7 +29,12 @@ from splash.core.protocol import (
 )
 from splash.dist.comm import Comm
 from splash.engine.graphs import DecodeGraphs, graph_width, startup_graph_keys, startup_layouts
-from splash.engine.profiling import PROFILE_CONTEXT, PROFILE_PAGES, profile_plans, profile_tables
+from splash.engine.profiling import (
+    PROFILE_PAGES,
+    profile_context,
+    profile_plans,
+    profile_tables,
+)
 from splash.engine.sampling import sample_step
 from splash.engine.worker_config import WorkerConfig
 from splash.kernels_triton import set_value_checks
@@ -142,7 +147,7 @@ class Worker:
             logger.info("rank %d: profiling steps (prefill %d rows, decode %d rows, context %d) "
                         "peak %.2f GiB above %.2f GiB of weights", cfg.rank,
                         cfg.profile_prefill_rows, cfg.profile_decode_rows,
-                        min(cfg.profile_context, PROFILE_CONTEXT),
+                        profile_context(cfg.profile_context),
                         peak / 2**30, self.weight_bytes / 2**30)
         return peak, decode
 

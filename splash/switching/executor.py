@@ -87,21 +87,20 @@ def _unpack(rows: torch.Tensor, slots: torch.Tensor, buf: torch.Tensor, col: int
     scatter_rows(rows.view(word), slots, src.view(word))
 
 
-def _runs(runs: list[list[int]]) -> np.ndarray:
-    """Every peer's flat ``[slot, n, ...]`` runs as one (runs, 2) array, peers in order."""
-    parts = [np.asarray(r, dtype=np.int64) for r in runs]
-    return np.concatenate(parts).reshape(-1, 2) if parts else np.zeros((0, 2), np.int64)
-
-
-def _rows_per_peer(runs: list[list[int]]) -> list[int]:
-    return [int(np.asarray(r, dtype=np.int64)[1::2].sum()) for r in runs]
+def _pairs(runs: list[list[int]]) -> list[np.ndarray]:
+    """Each peer's flat ``[slot, n, ...]`` runs as a (runs, 2) array."""
+    return [np.asarray(r, dtype=np.int64).reshape(-1, 2) for r in runs]
 
 
 def slots_from_runs(runs: list[list[int]], device: torch.device) -> torch.Tensor:
-    """Flat ``[slot, n, ...]`` runs per peer -> the slot of every row, peers in order. Only
-    the runs cross to the device; the rows are expanded there (a 32K-token context is 512
-    runs but 32,768 rows)."""
-    pairs = _runs(runs)
+    """Flat ``[slot, n, ...]`` runs per peer -> the slot of every row, peers in order."""
+    return _slots(_pairs(runs), device)
+
+
+def _slots(per_peer: list[np.ndarray], device: torch.device) -> torch.Tensor:
+    """Only the runs cross to the device; the rows are expanded there (a 32K-token context is
+    512 runs but 32,768 rows)."""
+    pairs = np.concatenate(per_peer) if per_peer else np.zeros((0, 2), np.int64)
     total = int(pairs[:, 1].sum())
     if not total:
         return torch.empty(0, dtype=torch.long, device=device)
@@ -153,10 +152,11 @@ class _Moves:
 
     def __init__(self, plan: SwitchPlan, device: torch.device) -> None:
         kv, w = plan.kv, plan.weights
-        self.send_counts = _rows_per_peer(kv.send_runs)
-        self.recv_counts = _rows_per_peer(kv.recv_runs)
-        self.send_slots = slots_from_runs(kv.send_runs, device)
-        self.recv_slots = slots_from_runs(kv.recv_runs, device)
+        send, recv = _pairs(kv.send_runs), _pairs(kv.recv_runs)
+        self.send_counts = [int(p[:, 1].sum()) for p in send]
+        self.recv_counts = [int(p[:, 1].sum()) for p in recv]
+        self.send_slots = _slots(send, device)
+        self.recv_slots = _slots(recv, device)
         self.w_send_counts = [len(s) for s in w.send_to]
         self.w_recv_counts = [len(s) for s in w.recv_from]
         self.sent_heads = [h for s in w.send_to for h in s]
