@@ -72,7 +72,8 @@ def _prompts(batch: int, length: int, seed: int = 0) -> list[list[int]]:
 
 def correctness(args) -> dict:
     """fp32 tokens of T ranks (each layout, then the 12-direction circuit) against T=1: bf16
-    near-ties on random weights make bf16 token identity meaningless."""
+    near-ties on random weights make bf16 token identity meaningless. The T=1 reference runs
+    with asynchronous scheduling off, the T-rank runs with it on (the default)."""
     from splash import LLM, SamplingParams
 
     prompts = _prompts(6, 300) + _prompts(2, 2000, seed=1)
@@ -81,15 +82,17 @@ def correctness(args) -> dict:
     # start-ups within one device call
     kw = {"dtype": "fp32", "enforce_eager": args.enforce_eager, "max_num_seqs": len(prompts),
           "max_model_len": 4096}
-    with LLM(args.model, tp_size=1, **kw) as llm:
+    with LLM(args.model, tp_size=1, async_scheduling=False, **kw) as llm:
         ref = [o.token_ids for o in llm.generate(prompts, params)]
-    out = {"tp": args.tp, "dtype": "fp32", "layouts": {}, "switching": None}
+    out = {"tp": args.tp, "dtype": "fp32", "reference": "T=1, synchronous scheduling",
+           "layouts": {}, "switching": None}
     for layout in ("tp", "dp", "cp", "dop") if "layouts" in args.parts else ():
         with LLM(args.model, tp_size=args.tp, layout=layout, **kw) as llm:
             got = [o.token_ids for o in llm.generate(prompts, params)]
             st = llm.stats()
         out["layouts"][layout] = {**_compare(got, ref), "graph_steps": st["graph_steps"],
-                                  "steps": st["num_steps"]}
+                                  "steps": st["num_steps"],
+                                  "steps_scheduled_ahead": st["steps_scheduled_ahead"]}
         print(layout, out["layouts"][layout], flush=True)
     if "bf16" in args.parts:
         out["bf16_teacher_forced"] = teacher_forced_top1(args, prompts)
@@ -101,6 +104,7 @@ def correctness(args) -> dict:
         st = llm.stats()
         switches = st["switches"]
     out["switching"] = {**_compare(got, ref), "graph_steps": st["graph_steps"],
+                        "steps_scheduled_ahead": st["steps_scheduled_ahead"],
                         "directions": [(s["from"], s["to"]) for s in switches],
                         "bytes_match_manifest": all(
                             s["kv_bytes_received_per_rank"] == s["predicted_kv_bytes_per_rank"]

@@ -5,7 +5,9 @@
 For each (tp, layout, batch, context) the engine serves ``batch`` requests whose prompts are
 ``context`` tokens long; once every request decodes, ``--steps`` decode steps are timed (wall
 time of ``LLMEngine.step``: host work included) after ``--warmup`` steps (graph captures).
-``host_ms`` is the part of a step spent outside the workers (schedule, plans, update).
+``host_ms`` is the part of a step the controller spends not waiting for the workers (schedule,
+plans, update; with asynchronous scheduling, the default, most of it overlaps the device's
+work on the step before). ``--sync`` measures with asynchronous scheduling off.
 
 ``roofline_ms`` = bytes the busiest rank must read in that step / the same run's copy bandwidth:
 its weights (attention projections as the layout places them, its MoE shard counting only the
@@ -112,7 +114,7 @@ def measure(llm: LLM, batch: int, context: int, steps: int, warmup: int,
     max_tokens = -(-batch * context // max(chunk, 1)) + warmup + steps + 4
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     ids = [eng.add_request(p, params) for p in prompts]
-    executor, inner = eng.executor, eng.executor.execute
+    executor, inner = eng.executor, eng.executor.collect
     worker_s: list[float] = []
 
     def timed(plans, while_waiting=None):
@@ -121,7 +123,7 @@ def measure(llm: LLM, batch: int, context: int, steps: int, warmup: int,
         worker_s.append(time.perf_counter() - t0)
         return out
 
-    executor.execute = timed
+    executor.collect = timed
     decode: list[tuple[float, float]] = []
     graph_before = eng.stats()["graph_steps"]
     try:
@@ -140,7 +142,7 @@ def measure(llm: LLM, batch: int, context: int, steps: int, warmup: int,
         profiled = kernel_profile(eng, profile_steps) if profile_steps and not \
             eng.scheduler.waiting and len(pending) == batch else None
     finally:
-        executor.execute = inner
+        executor.collect = inner
         for rid in pending:
             eng.abort_request(rid)
         while eng.has_unfinished():
@@ -188,6 +190,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--sync", action="store_true", help="asynchronous scheduling off")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after timing, profile this many more decode steps (<= 3) by kernel")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
@@ -210,7 +213,7 @@ def main() -> int:
     for tp, layout in runs:
         t0 = time.perf_counter()
         with LLM(args.model, tp_size=tp, backend=args.backend, layout=layout,
-                 enforce_eager=args.enforce_eager) as llm:
+                 enforce_eager=args.enforce_eager, async_scheduling=not args.sync) as llm:
             eng = llm.engine
             start_s = time.perf_counter() - t0
             for i, (batch, context) in enumerate(points):
@@ -219,7 +222,8 @@ def main() -> int:
                                     "context": context, "why": "prefill too long for one call"})
                     continue
                 rec = {"tp": tp, "layout": layout, "batch": batch, "context": context,
-                       "graphs": bool(eng.setup.cuda_graphs)}
+                       "graphs": bool(eng.setup.cuda_graphs),
+                       "async_scheduling": not args.sync}
                 try:
                     rec.update(measure(llm, batch, context, args.steps, args.warmup,
                                        cfg.vocab_size, seed=i,

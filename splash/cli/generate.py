@@ -49,6 +49,8 @@ def generate_main(args: Any) -> int:
                  if getattr(args, k, None) is not None}
     if args.enforce_eager:
         engine_kw["enforce_eager"] = True
+    if not getattr(args, "async_scheduling", True):
+        engine_kw["async_scheduling"] = False
     with LLM(args.model, tp_size=args.tp_size, backend=args.backend, layout=args.layout,
              **engine_kw) as llm:
         outs = llm.generate(prompts, params, layout_plan=plan)

@@ -64,6 +64,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV pages per rank (default: from the memory budget)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps (on by default on CUDA)")
+    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   help="schedule each step only once the step before is done (by default the "
+                        "next step is scheduled while the device computes)")
     p.add_argument("--memory-fraction", type=float, default=0.85,
                    help="of device memory for weights, activations, CUDA graphs and KV (GPU)")
     p.add_argument("--max-num-seqs", type=int, default=256,

@@ -101,7 +101,8 @@ class PrefixCache:
         on their holders."""
         if not self.enabled:
             return
-        full = num_tokens // self.page_size
+        # a token still in flight is not known yet: its page registers once it is
+        full = min(num_tokens, req.num_tokens) // self.page_size
         if full <= req.num_cached_pages:
             return
         keys = self.hashes(req)

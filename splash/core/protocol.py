@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-WORKER_PROTOCOL_VERSION = 3
+WORKER_PROTOCOL_VERSION = 4
 
 
 class SeqSampling(msgspec.Struct, frozen=True):
@@ -126,6 +126,11 @@ class StepPlan(msgspec.Struct, frozen=True):
     switch: SwitchPlan | None = None
     load_weights: WeightLoad | None = None  # a weight update instead of a step
     shutdown: bool = False
+    # asynchronous scheduling: input ids < 0 are draw -1 - id of step ``inputs_from_step``
+    # (the step before, whose tokens the controller did not know yet); ``share_samples``:
+    # every rank keeps this step's draws on the device for the next step's inputs
+    inputs_from_step: int = -1
+    share_samples: bool = False
 
 
 class StepResult(msgspec.Struct, tag=True):

@@ -39,19 +39,36 @@ class Request:
     sample_index: int = 0  # its index there
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of full pages
     num_cached_pages: int = 0  # leading full pages registered in the prefix cache
+    # a token drawn by a step still in flight (asynchronous scheduling): the next step was
+    # scheduled before it is known, and reads it on the workers as draw ``pending_draw`` of
+    # that step
+    pending: int = 0
+    pending_draw: int = -1
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def token_at(self, i: int) -> int:
+        """Token ``i``; the one still in flight reads as ``-1 - pending_draw`` (the workers
+        take it from the step that draws it)."""
         n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+        if i < n:
+            return self.prompt_token_ids[i]
+        if i - n < len(self.output_token_ids):
+            return self.output_token_ids[i - n]
+        assert self.pending and i == self.num_tokens, f"token {i} of {self.request_id} unknown"
+        return -1 - self.pending_draw
+
+    @property
+    def num_outputs(self) -> int:
+        """Output tokens drawn so far, the one in flight included."""
+        return len(self.output_token_ids) + self.pending
 
     @property
     def num_pending(self) -> int:
         """Tokens whose KV still has to be computed before the next sample."""
-        return self.num_tokens - self.num_computed
+        return self.num_tokens + self.pending - self.num_computed
 
     @property
     def fork_pending(self) -> bool:

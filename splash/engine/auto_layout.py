@@ -61,10 +61,14 @@ class AutoLayout:
         self._asked = self._prepared = None
         self.policy.reset()
 
-    def prepare(self, step: int) -> None:
-        """Ask now (while the step before ``step`` computes) for ``step``'s answer."""
+    def prepare(self, step: int) -> str | None:
+        """Ask now (while the step before ``step`` computes) for ``step``'s answer; kept for
+        the call at ``step`` and returned (asked once per step)."""
+        if self._prepared is not None and self._prepared[0] == step:
+            return self._prepared[1]
         self._prepared = None  # an ask that fails leaves no stale answer behind
         self._prepared = (step, self._ask(step))
+        return self._prepared[1]
 
     def __call__(self, step: int) -> str | None:
         prepared, self._prepared = self._prepared, None
@@ -127,15 +131,14 @@ class AutoLayout:
 
     def observe(self, step: int, batch: ScheduledBatch, step_ms: float, layout: str,
                 switching: bool) -> None:
-        """A served step, for the audit: its work as a BatchShape (before the scheduler
-        updates the requests) and its measured time."""
+        """A served step, for the audit: its work as a BatchShape and its measured time."""
         decode, prefill, dec_own, pf_own = [], [], [], []
-        for req, n in batch.entries:
-            if n == 1 and req.num_pending <= 1:
-                decode.append(req.num_computed + 1)
+        for (req, n), start, sample in zip(batch.entries, batch.starts, batch.samples):
+            if n == 1 and sample:
+                decode.append(start + 1)
                 dec_own.append(req.owner)
             else:
-                prefill.append((n, req.num_computed))
+                prefill.append((n, start))
                 pf_own.append(req.owner)
         if not decode and not prefill:
             return

@@ -89,7 +89,10 @@ def _switch(eng: LLMEngine, layout: str, out: Measurements) -> None:
     before = len(eng.switches.history)
     eng.switch_layout(layout)
     batch = _shape(eng)
-    eng.step()
+    for _ in range(3):  # the step in flight, then the switching step
+        eng.step()
+        if len(eng.switches.history) > before:
+            break
     if len(eng.switches.history) > before and running:
         entry = eng.switches.history[-1]
         out.switches.append(SwitchPoint(src, layout, batch, live, owners, entry["overhead_ms"]))

@@ -34,6 +34,8 @@ class EngineConfig:
     policy_margin: float = 0.1  # auto: switch when the best layout leads by this fraction
     worker_addr: str | None = None  # bind here and wait for torchrun-started workers
     enforce_eager: bool = False  # no CUDA graphs for decode steps (they are on by default on CUDA)
+    # schedule step N + 1 while step N computes (its tokens read on the workers from N's draws)
+    async_scheduling: bool = True
     # compile the kernels at start-up (a short request in every layout the engine may use);
     # None: on GPUs (the CPU's Triton interpreter compiles nothing)
     warmup: bool | None = None

@@ -3,7 +3,9 @@ ZeroMQ (T>1, and always on the CPU backend).
 
 Both start in two phases: the workers load their weights and report their profiling steps
 (`profiles`), then allocate the KV pool the controller sized from them (`allocate`). Both take
-one StepPlan per rank and return one StepResult per rank. A dead or silent worker, or one that
+one StepPlan per rank and return one StepResult per rank: `submit` issues a step, `collect`
+waits for the oldest step issued (a second step may be submitted before the first is
+collected: the workers launch it behind the first), `execute` does both. A dead or silent worker, or one that
 reports an error, raises WorkerDiedError within seconds (the first error ends the wait: its
 peers may be stuck in a collective); nothing waits forever. A step that failed on a worker that
 kept its state raises StepFailedError.
@@ -17,6 +19,7 @@ earlier (directly or through torch._dynamo) would mix compiled and interpreted k
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import gc
@@ -49,7 +52,7 @@ from splash.core.protocol import (
     decode_result,
     encode,
 )
-from splash.engine.worker import Worker, recoverable
+from splash.engine.worker import Launched, Worker, recoverable
 from splash.engine.worker_config import WorkerConfig
 from splash.engine.worker_loop import worker_main
 from splash.errors import StepFailedError, WorkerDiedError
@@ -66,6 +69,7 @@ class InprocExecutor:
         self.worker: Worker | None = Worker(cfg)
         self.pids: list[int] = []
         self.profiles = [self.worker.profile_report()]
+        self._launched: collections.deque[Launched | Exception] = collections.deque()
 
     def allocate(self, num_pages: int) -> list[WorkerReady]:
         assert self.worker is not None
@@ -82,21 +86,35 @@ class InprocExecutor:
 
     def execute(self, plans: list[StepPlan],
                 while_waiting: Callable[[], None] | None = None) -> list[StepResult]:
-        """The step's results; ``while_waiting`` runs once the step is issued (here, where the
-        worker computes in this thread, after it)."""
+        """The step's results; ``while_waiting`` runs on the host while the device computes."""
+        self.submit(plans)
+        return self.collect(plans, while_waiting)
+
+    def submit(self, plans: list[StepPlan]) -> None:
+        """Launch the step on the device (the host returns before the device is done)."""
         if self.worker is None:
             raise WorkerDiedError("the engine was shut down")
         try:
-            result = self.worker.execute(plans[0])
-        except torch.OutOfMemoryError as e:
+            self._launched.append(self.worker.launch(plans[0]))
+        except Exception as e:  # reported in step order, by collect
             if not recoverable(e, plans[0], 1):
                 raise
+            self._launched.append(e)
+
+    def collect(self, plans: list[StepPlan],
+                while_waiting: Callable[[], None] | None = None) -> list[StepResult]:
+        """The results of the oldest step submitted (``plans``)."""
+        _run_aside(while_waiting)
+        if self.worker is None:
+            raise WorkerDiedError("the engine was shut down")
+        launched = self._launched.popleft()
+        if isinstance(launched, Exception):
             self.worker.recover()
             raise StepFailedError(f"worker 0 failed step {plans[0].step}: "
-                                  f"OutOfMemoryError: {e}") from e
+                                  f"{type(launched).__name__}: {launched}") from launched
+        result = self.worker.finish(launched)
         if result.error:
             raise WorkerDiedError(f"worker 0 failed: {result.error}")
-        _run_aside(while_waiting)
         return [result]
 
     def alive(self) -> bool:
@@ -107,6 +125,7 @@ class InprocExecutor:
         this process, and the next engine's memory budget counts what is still held here."""
         if self.worker is None:
             return
+        self._launched.clear()
         self.worker.shutdown()
         on_gpu = self.worker.device.type == "cuda"
         self.worker = None
@@ -145,6 +164,7 @@ class MPExecutor:
                 self.procs.append(proc)
         self.pids = [p.pid for p in self.procs]
         self.start_timeout_s = start_timeout_s
+        self._early: dict[int, collections.deque] = {}  # rank: results of later steps
         self.profiles = self._start_messages(WorkerProfile, "start")
 
     def _start_messages(self, kind: type, what: str) -> list:
@@ -175,15 +195,27 @@ class MPExecutor:
         return all(p.is_alive() for p in self.procs)
 
     def _gather(self, timeout_s: float, what: str) -> list:
-        got: dict[int, object] = {}
+        """One message per rank, in each rank's order (a rank's messages for a later step,
+        arriving before a slower peer's for this one, wait for the next gather)."""
+        got: dict[int, object] = {r: q.popleft() for r, q in self._early.items() if q}
+        if any(_fatal(m) for m in got.values()):
+            return [*(m for m in got.values() if _fatal(m)), *self._errors_within(0.5)]
         deadline = time.monotonic() + timeout_s
         while len(got) < self.world:
             if self.sock.poll(200):
                 ident, payload = self.sock.recv_multipart()
                 rank = int(ident.decode().split("-")[1])
+                if rank in got:
+                    self._early.setdefault(rank, collections.deque()).append(
+                        decode_result(payload))
+                    continue
                 msg = got[rank] = decode_result(payload)
-                if getattr(msg, "error", None) and not getattr(msg, "recoverable", False):
-                    return [msg]  # its peers may wait in a collective for it: stop here
+                if _fatal(msg):
+                    # its peers may wait in a collective for it: stop here, with the errors
+                    # that arrive meanwhile (a peer's may come first and only echo this one)
+                    earlier = [m for r, m in got.items() if r != rank and
+                               getattr(m, "error", None)]
+                    return [*earlier, msg, *self._errors_within(0.5)]
                 continue
             dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]  # spawned only
             if dead and not all(r in got for r in dead):
@@ -195,6 +227,15 @@ class MPExecutor:
                 raise WorkerDiedError(f"worker(s) {missing} did not answer within "
                                       f"{timeout_s:.0f} s during {what}")
         return [got[r] for r in range(self.world)]
+
+    def _errors_within(self, seconds: float) -> list:
+        """The error reports that arrive within ``seconds``."""
+        out, deadline = [], time.monotonic() + seconds
+        while self.sock.poll(max(int((deadline - time.monotonic()) * 1e3), 0)):
+            msg = decode_result(self.sock.recv_multipart()[1])
+            if getattr(msg, "error", None):
+                out.append(msg)
+        return out
 
     def _dump_stacks(self, ranks: list[int]) -> None:
         """Ask silent workers to print every thread's Python stack to their stderr."""
@@ -228,8 +269,16 @@ class MPExecutor:
     def execute(self, plans: list[StepPlan],
                 while_waiting: Callable[[], None] | None = None) -> list[StepResult]:
         """The step's results; ``while_waiting`` runs on the host while the workers compute."""
+        self.submit(plans)
+        return self.collect(plans, while_waiting)
+
+    def submit(self, plans: list[StepPlan]) -> None:
         with _sigint_deferred():  # every rank gets the step or none does (Ctrl-C mid-send left
             self._send(plans)  # one rank waiting in a collective for a peer that never came)
+
+    def collect(self, plans: list[StepPlan],
+                while_waiting: Callable[[], None] | None = None) -> list[StepResult]:
+        """The results of the oldest step submitted (``plans``)."""
         _run_aside(while_waiting)
         return self._results(plans)
 
@@ -244,7 +293,8 @@ class MPExecutor:
             e = errors[0]
             if all(r.recoverable for r in errors):
                 raise StepFailedError(f"worker {e.rank} failed step {e.step}: {e.error}")
-            raise WorkerDiedError(f"worker {e.rank} failed: {e.error}")
+            raise WorkerDiedError("; ".join(f"worker {e.rank} failed: {e.error}"
+                                            for e in sorted(errors, key=lambda e: e.rank)))
         return results  # type: ignore[return-value]
 
     def shutdown(self) -> None:
@@ -331,6 +381,7 @@ class ExternalExecutor(MPExecutor):
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(bind_addr)
         self.procs = []
+        self._early = {}
         logger.info("waiting for %d workers on %s (start them with torchrun: "
                     "python -m splash.engine.worker_loop --controller %s)", cfg.world, bind_addr,
                     bind_addr)
@@ -357,6 +408,11 @@ class ExternalExecutor(MPExecutor):
         time.sleep(0.2)
         self.sock.close()
         self.ctx.term()
+
+
+def _fatal(msg: object) -> bool:
+    """A worker's report of an error it does not serve on after."""
+    return bool(getattr(msg, "error", None)) and not getattr(msg, "recoverable", False)
 
 
 def _run_aside(work: Callable[[], None] | None) -> None:

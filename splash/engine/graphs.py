@@ -62,6 +62,7 @@ logger = logging.getLogger("splash.graphs")
 _GHOST = "\x00ghost-"  # request-id prefix of padding rows (never a real id: ids are printable)
 
 Forward = Callable[[torch.Tensor, StepMeta, AttentionLayout], torch.Tensor]
+InputIds = Callable[[list[int], StepPlan], torch.Tensor]  # a step's ids on the device
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -130,7 +131,7 @@ def _copy_into(static: Any, fresh: Any) -> None:
     if isinstance(static, torch.Tensor):
         if not isinstance(fresh, torch.Tensor) or fresh.shape != static.shape:
             raise _Mismatch(f"tensor {tuple(static.shape)} vs {getattr(fresh, 'shape', fresh)}")
-        static.copy_(fresh, non_blocking=True)
+        static.copy_(_pinned(fresh), non_blocking=True)
     elif isinstance(static, dict):
         if not isinstance(fresh, dict) or static.keys() != fresh.keys():
             raise _Mismatch("input keys differ")
@@ -138,6 +139,12 @@ def _copy_into(static: Any, fresh: Any) -> None:
             _copy_into(static[k], fresh[k])
     elif static != fresh:
         raise _Mismatch(f"host value {static!r} vs {fresh!r}")
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    """A host tensor in pinned memory, so that its copy to the device does not wait for the
+    device (a replay's inputs are copied while the step before still runs)."""
+    return t.pin_memory() if t.device.type == "cpu" and torch.cuda.is_available() else t
 
 
 @dataclass
@@ -154,8 +161,12 @@ class DecodeGraphs:
 
     def __init__(self, forward: Forward, comm: Comm, page_size: int,
                  device: torch.device, max_batch: int = 256, max_graphs: int = 96,
-                 capture: bool = True, min_width: int = 1) -> None:
+                 capture: bool = True, min_width: int = 1,
+                 input_ids: InputIds | None = None) -> None:
         self.forward, self.comm = forward, comm
+        # a step's ids on the device (the worker's resolves the draws of the step before)
+        self.input_ids = input_ids or (
+            lambda ids, plan: torch.tensor(ids, dtype=torch.long, device=device))
         self.rank, self.world = comm.rank, comm.world
         if capture:
             comm.make_graph_group(device)
@@ -233,7 +244,7 @@ class DecodeGraphs:
                         torch.device("cpu") if entry is not None else self.device,
                         table_width=width)
         if not self.capture:
-            ids = torch.tensor(padded.input_ids, dtype=torch.long, device=self.device)
+            ids = self.input_ids(padded.input_ids, padded)
             return self.forward(ids, meta, impl)[: len(plan.request_ids)]
         if entry is None:
             entry = self._capture(key, padded, meta, impl)
@@ -246,8 +257,8 @@ class DecodeGraphs:
             except _Mismatch as e:  # never expected: same key, same structure
                 logger.warning("graph %s: inputs changed structure (%s); running eagerly", key, e)
                 return None
-            entry.positions.copy_(meta.positions, non_blocking=True)
-            entry.ids.copy_(torch.tensor(padded.input_ids, dtype=torch.long), non_blocking=True)
+            entry.positions.copy_(_pinned(meta.positions), non_blocking=True)
+            entry.ids.copy_(self.input_ids(padded.input_ids, padded), non_blocking=True)
         entry.graph.replay()
         self.replays += 1
         logger.debug("rank %d: step %d replayed graph %s", self.rank, plan.step, key)
@@ -274,7 +285,7 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        ids = torch.tensor(padded.input_ids, dtype=torch.long, device=self.device)
+        ids = self.input_ids(padded.input_ids, padded)
         inputs = meta.inputs(impl)  # the static buffers from now on
         graph, hidden, error = torch.cuda.CUDAGraph(), None, ""
         with self.comm.capturing():

@@ -1,8 +1,20 @@
 """LLMEngine: the controller. Schedules, owns every rank's pages, decides and plans layout
 switches, and drives the workers one step at a time. It holds no device tensors.
 
-One step: plan a switch (if one is due) → schedule → execute on the workers → update the
+One step: plan a switch (if one is due) → schedule → submit to the workers → update the
 requests with the sampled tokens.
+
+Asynchronous scheduling (``async_scheduling``, on by default): while the workers compute step
+N, the controller already schedules and submits step N + 1, counting N's rows as computed and
+N's draws as tokens in flight (`Scheduler.advance`); the workers read those tokens from N's
+draws on the device. The device then never waits for the host between steps: planning, output
+handling and the policy run while it computes. A request that stops at N (end of sequence, a
+stop string, an abort) has computed one row in N + 1 for nothing; one that stops by length is
+not scheduled again. The controller goes ahead only from a step without a switch, with one
+draw per request, and with no switch due at N + 1; otherwise (and when a request could not get
+pages without preemption) the next step is scheduled once N's tokens are known. Either way a
+call to ``step`` returns with the next step submitted: changes between calls (new requests,
+aborts, a requested switch) take effect from the step after it.
 """
 
 from __future__ import annotations
@@ -13,6 +25,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
 from typing import Any
 
 from splash.core.protocol import StepPlan, StepResult
@@ -23,6 +36,7 @@ from splash.engine.executor import start_executor
 from splash.engine.graphs import startup_layouts
 from splash.engine.output_processor import OutputProcessor
 from splash.engine.plans import build_plans
+from splash.engine.sampling_plan import num_draws
 from splash.engine.scheduler import ScheduledBatch
 from splash.engine.setup import (
     build_scheduler,
@@ -30,7 +44,7 @@ from splash.engine.setup import (
     resolve_setup,
     size_from_profiles,
 )
-from splash.engine.switches import SwitchController
+from splash.engine.switches import SwitchController, SwitchStep
 from splash.engine.warmup import warm_up
 from splash.errors import InvalidRequestError, StepFailedError, WorkerDiedError
 from splash.logging_utils import get_logger
@@ -39,6 +53,18 @@ from splash.outputs import RequestOutput
 from splash.sampling_params import SamplingParams
 
 logger = get_logger("splash.engine")
+
+
+@dataclass
+class _Submitted:
+    """A step issued to the workers whose results are not processed yet."""
+
+    number: int
+    batch: ScheduledBatch
+    switch: SwitchStep | None
+    precopy: bool  # a background pre-copy moves under it
+    plans: list[StepPlan]
+    t0: float  # submitted at (perf_counter)
 
 
 class LLMEngine:
@@ -86,6 +112,9 @@ class LLMEngine:
         self._tokens_total = 0
         self._graph_steps = 0
         self._step_ms_ema: float | None = None
+        self._ahead: _Submitted | None = None  # the step submitted, not completed yet
+        self._steps_ahead = 0  # steps scheduled before the step before them was done
+        self._last_done = 0.0  # when the last step's results came back (perf_counter)
         self.weight_version = 0  # in-place weight updates so far
         self._started = time.monotonic()
         if cfg.warmup if cfg.warmup is not None else s.backend_name != "cpu":
@@ -169,27 +198,98 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending_outputs)
+        return self.scheduler.has_unfinished() or bool(self._pending_outputs) or \
+            self._ahead is not None
 
     # -- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         if not self.healthy:
             raise WorkerDiedError("the worker group is down; restart the engine")
         outputs = self._take_pending()
+        cur, self._ahead = self._ahead, None
+        if cur is None:
+            cur = self._submit_next()
+            if cur is None:
+                return outputs
+        nxt = self._go_ahead(cur)
+        done, ok = self._complete(cur, self._think_ahead if nxt is None else None)
+        outputs += done
+        if nxt is not None and not ok:  # scheduled on the failed step's rows: it fails too
+            done, _ = self._complete(nxt, fail="the step before it failed")
+            outputs += done
+            nxt = None
+        if nxt is None and self.cfg.async_scheduling:  # the device gets its next step now
+            nxt = self._submit_next()
+        self._ahead = nxt
+        return outputs
+
+    def _submit_next(self) -> _Submitted | None:
+        """Schedule the next step once the last one's tokens are known, and submit it."""
         switch = self.switches.prepare(self.step_count, self._step_ms_ema)
         precopy = self.switches.inflight is not None  # a pre-copy moves under this step
         batch = self.scheduler.schedule(allow_preemption=switch is None and not precopy)
         if not batch.entries and switch is None and not precopy:
-            return outputs
-        plans = build_plans(self.scheduler, batch, switch, self.step_count, self.setup)
+            return None
+        plans = build_plans(self.scheduler, batch, switch, self.step_count, self.setup,
+                            share_samples=self._share_samples())
+        return self._submit(self.step_count, batch, switch, precopy, plans)
+
+    def _go_ahead(self, cur: _Submitted) -> _Submitted | None:
+        """Schedule and submit the step after ``cur`` while ``cur`` computes, where nothing
+        about it waits for ``cur``'s tokens (see the module docstring)."""
+        if not self._can_go_ahead(cur):
+            return None
+        self.scheduler.advance(cur.batch)
+        batch = self.scheduler.schedule(allow_preemption=False)
+        if not batch.entries:
+            return None
+        plans = build_plans(self.scheduler, batch, None, cur.number + 1, self.setup,
+                            share_samples=self._share_samples())
+        self._steps_ahead += 1
+        return self._submit(cur.number + 1, batch, None, False, plans)
+
+    def _can_go_ahead(self, cur: _Submitted) -> bool:
+        if not self.cfg.async_scheduling or cur.switch is not None or cur.precopy or \
+                cur.batch.starved or not cur.plans[0].share_samples:
+            return False
+        if any(s and num_draws(req) > 1 for (req, _), s in zip(cur.batch.entries,
+                                                              cur.batch.samples)):
+            return False  # n samples fork off: they start once their first tokens are known
+        return self.switches.quiet(cur.number + 1)
+
+    def _share_samples(self) -> bool:
+        return self.cfg.async_scheduling
+
+    def _submit(self, number: int, batch: ScheduledBatch, switch: SwitchStep | None,
+                precopy: bool, plans: list[StepPlan]) -> _Submitted:
         try:
-            results, step_ms = self._execute(plans, self._think_ahead)
+            self.executor.submit(plans)
+        except WorkerDiedError as e:
+            self._fail_all(str(e))
+            raise
+        return _Submitted(number, batch, switch, precopy, plans, time.perf_counter())
+
+    def _complete(self, cur: _Submitted, while_waiting: Callable[[], None] | None = None,
+                  fail: str | None = None) -> tuple[list[RequestOutput], bool]:
+        """Collect a submitted step and update its requests: (their outputs, whether the step
+        succeeded). ``fail``: the step's requests finish with this error whatever it returns."""
+        try:
+            results = self.executor.collect(cur.plans, while_waiting)
         except StepFailedError as e:
-            return outputs + self._fail_step(batch, str(e))
-        self.switches.finish(switch, results, step_ms, self.step_count, batch)
+            return self._fail_step(cur.batch, fail or str(e)), False
+        except WorkerDiedError as e:
+            self._fail_all(str(e))
+            raise
+        now = time.perf_counter()
+        step_ms = (now - max(cur.t0, self._last_done)) * 1e3  # the device's time for it
+        self._last_done = now
+        if fail is not None:
+            return self._fail_step(cur.batch, fail), False
+        batch, switch = cur.batch, cur.switch
+        self.switches.finish(switch, results, step_ms, cur.number, batch)
         if self.auto is not None:
-            self.auto.observe(self.step_count, batch, step_ms, self.layout,
-                              switch is not None or precopy)
+            self.auto.observe(cur.number, batch, step_ms, self.layout,
+                              switch is not None or cur.precopy)
         sampled = self.scheduler.update_from_output(batch, results[0], self.outputs)
         self._count_step(results, step_ms, len(sampled))
         heads: dict[str, Request] = {}  # one output per prompt: its n samples report together
@@ -197,11 +297,17 @@ class LLMEngine:
             head = req.group.members[0] if req.group is not None else req
             heads.setdefault(head.request_id, head)
         got = {id(m) for m in sampled}
-        outputs += [self._output(head, got) for head in heads.values()]
+        outputs = [self._output(head, got) for head in heads.values()]
         for out in outputs:  # finished requests leave the table (ids may be reused)
             if out.finished:
                 self._forget(out.request_id)
-        return outputs
+        return outputs, True
+
+    def _drain(self) -> None:
+        """Complete the step submitted ahead, if any (its outputs come with the next step)."""
+        if self._ahead is not None:
+            cur, self._ahead = self._ahead, None
+            self._pending_outputs += self._complete(cur)[0]
 
     def _take_pending(self) -> list[RequestOutput]:
         """Outputs produced between steps (aborts); their requests leave the table."""
@@ -221,16 +327,6 @@ class LLMEngine:
         it stands, one step old when used), off the step's critical path."""
         if self.auto is not None and self.switches.asks_policy(self.step_count + 1):
             self.auto.prepare(self.step_count + 1)
-
-    def _execute(self, plans: list[StepPlan], while_waiting: Callable[[], None] | None = None
-                 ) -> tuple[list[StepResult], float]:
-        t0 = time.perf_counter()
-        try:
-            results = self.executor.execute(plans, while_waiting)
-        except WorkerDiedError as e:
-            self._fail_all(str(e))
-            raise
-        return results, (time.perf_counter() - t0) * 1e3
 
     def _fail_step(self, batch: ScheduledBatch, message: str) -> list[RequestOutput]:
         """The workers failed this step but kept their state: its requests finish with the
@@ -291,7 +387,7 @@ class LLMEngine:
         sched.prefix.clear()
         sched.prefix.hit_tokens = sched.prefix.queried_tokens = 0
         sched.num_preemptions = sched.prompt_tokens_computed = 0
-        self.step_count = self._tokens_total = self._graph_steps = 0
+        self.step_count = self._tokens_total = self._graph_steps = self._steps_ahead = 0
         self._step_ms_ema = None
         self._started = time.monotonic()
 
@@ -310,6 +406,7 @@ class LLMEngine:
         if self.switches.inflight is not None:
             raise InvalidRequestError("a layout switch is moving weights in the background: "
                                       "update the weights once it has completed")
+        self._drain()
         t0 = time.perf_counter()
         names, payload = weights_to_update(self.cfg.model, self.model_cfg, source)
         self.executor.load_weights(payload, names, self.step_count)
@@ -331,8 +428,9 @@ class LLMEngine:
         """Switch before the engine step ``after_steps`` steps from now (0: the next)."""
         if isinstance(after_steps, bool) or not isinstance(after_steps, int) or after_steps < 0:
             raise InvalidRequestError(f"after_steps must be an int >= 0, got {after_steps!r}")
-        if after_steps:
-            self.switches.force_at(self.step_count + after_steps, name)
+        if after_steps:  # counted from the next step not scheduled yet
+            self.switches.force_at(self.step_count + (self._ahead is not None) + after_steps,
+                                   name)
         else:
             self.switches.request(name)
 
@@ -379,6 +477,8 @@ class LLMEngine:
             **self._graphs_at_start,  # captured at start-up: count, seconds, MiB per rank
             "memory": self.setup.budget.as_dict(),  # how the KV pool was sized (GiB per rank)
             "graph_steps": self._graph_steps,  # steps replayed from CUDA graphs
+            "async_scheduling": self.cfg.async_scheduling,
+            "steps_scheduled_ahead": self._steps_ahead,  # before the step before them was done
             "step_time_ms_ema": self._step_ms_ema,
             "tokens_generated": self._tokens_total,
             "tokens_per_s": self._tokens_total / elapsed,

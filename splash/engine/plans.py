@@ -21,10 +21,12 @@ from splash.switching.manifest import SwitchManifest
 
 
 def build_plans(sched: Scheduler, batch: ScheduledBatch, action: SwitchStep | None,
-                step: int, setup: EngineSetup | None = None) -> list[StepPlan]:
+                step: int, setup: EngineSetup | None = None,
+                share_samples: bool = False) -> list[StepPlan]:
     """One plan per rank for engine step ``step``: the batch's rows, the rank's block-table
     changes and, with a switch, the rank's part of this step's ``action`` (``setup`` sizes
-    its collectives)."""
+    its collectives). Tokens still in flight (`Scheduler.advance`) come from step - 1's draws
+    on the workers; ``share_samples``: every rank keeps this step's draws for the next."""
     ids: list[str] = []
     query_lens: list[int] = []
     context_lens: list[int] = []
@@ -36,17 +38,19 @@ def build_plans(sched: Scheduler, batch: ScheduledBatch, action: SwitchStep | No
     output_index: list[int] = []
     prompt_logprobs: list[PromptLogprobs] = []
     eos = sched.cfg.eos_token_ids
+    in_flight = False
     for b, (req, n) in enumerate(batch.entries):
-        start = req.num_computed
+        start = batch.starts[b]
+        in_flight |= req.pending > 0
         ids.append(req.request_id)
         query_lens.append(n)
         context_lens.append(start + n)
         owners.append(req.owner)
         input_ids.extend(req.token_at(i) for i in range(start, start + n))
         positions.extend(range(start, start + n))
-        sample.append(start + n == req.num_tokens)
+        sample.append(batch.samples[b])
         sampling.append(seq_sampling(req, eos))
-        output_index.append(len(req.output_token_ids))
+        output_index.append(req.num_outputs)
         rows = prompt_logprob_rows(req, b, start, n)
         if rows is not None:
             prompt_logprobs.append(rows)
@@ -66,7 +70,8 @@ def build_plans(sched: Scheduler, batch: ScheduledBatch, action: SwitchStep | No
             input_ids=input_ids, positions=positions, sample=sample, sampling=sampling,
             output_index=output_index, table_updates=updates, released=released, switch=switch,
             prompt_logprobs=prompt_logprobs if rank == 0 else [],
-            page_copies=sched.take_copies(rank)))
+            page_copies=sched.take_copies(rank),
+            inputs_from_step=step - 1 if in_flight else -1, share_samples=share_samples))
     return plans
 
 

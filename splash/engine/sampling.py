@@ -40,10 +40,11 @@ def _draw(logits: torch.Tensor, sp: list[SeqSampling], seeds: list[int | None],
                   seeds=seeds, steps=steps)
 
 
-def sample_step(model: MLAModel, hidden: torch.Tensor,
-                plan: StepPlan) -> tuple[list[int], list[TokenLogprobs], list[list[TokenLogprobs]]]:
-    """hidden (N, hidden) of the step's rows -> (tokens, logprobs per draw that asked, prompt
-    logprobs per ``plan.prompt_logprobs`` entry)."""
+def sample_step(model: MLAModel, hidden: torch.Tensor, plan: StepPlan
+                ) -> tuple[torch.Tensor | None, list[TokenLogprobs], list[list[TokenLogprobs]]]:
+    """hidden (N, hidden) of the step's rows -> (the draws, on the device and not waited for;
+    None when nothing samples), logprobs per draw that asked, prompt logprobs per
+    ``plan.prompt_logprobs`` entry (these two wait for the device)."""
     starts = np.concatenate([[0], np.cumsum(plan.query_lens)])
     rows: list[int] = []
     sp: list[SeqSampling] = []
@@ -58,17 +59,16 @@ def sample_step(model: MLAModel, hidden: torch.Tensor,
             sp.append(cfg)
             seeds.append(sample_seed(cfg.seed, i))
             steps.append(plan.output_index[b])
-    tokens: list[int] = []
+    drawn = None
     logprobs: list[TokenLogprobs] = []
     if rows:
         unique = sorted(set(rows))  # a row drawn n times computes its logits once
         at = {r: i for i, r in enumerate(unique)}
         where = [at[r] for r in rows] if len(unique) < len(rows) else None
-        logits = model.compute_logits(hidden[torch.tensor(unique, device=hidden.device)])
+        logits = model.compute_logits(hidden[_index(unique, hidden.device)])
         if where is not None:
-            logits = logits[torch.tensor(where, device=logits.device)]  # (draws, V)
+            logits = logits[_index(where, logits.device)]  # (draws, V)
         drawn = _draw(logits, sp, seeds, steps)
-        tokens = drawn.tolist()
         want = [j for j, s in enumerate(sp) if s.logprobs is not None]
         if want:
             idx = torch.tensor(want, device=logits.device)
@@ -83,4 +83,17 @@ def sample_step(model: MLAModel, hidden: torch.Tensor,
             targets = torch.tensor(pl.targets[lo:hi], device=logits.device)
             out += _logprob_rows(logits, targets, [pl.k] * (hi - lo))
         prompt.append(out)
-    return tokens, logprobs, prompt
+    return drawn, logprobs, prompt
+
+
+def num_draws(plan: StepPlan) -> int:
+    """Tokens a step draws (every rank knows it from the plan)."""
+    return sum(cfg.draws for s, cfg in zip(plan.sample, plan.sampling) if s)
+
+
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    """Row indices on ``device`` without waiting for it (a pinned host copy on GPUs)."""
+    t = torch.tensor(rows, dtype=torch.long)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)

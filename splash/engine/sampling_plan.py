@@ -14,7 +14,7 @@ from splash.core.request import Request
 def seq_sampling(req: Request, eos_token_ids: Collection[int]) -> SeqSampling:
     p = req.params
     banned: list[int] = []
-    if len(req.output_token_ids) < p.min_tokens:
+    if req.num_outputs < p.min_tokens:
         banned = sorted((set() if p.ignore_eos else set(eos_token_ids)) | set(p.stop_token_ids or []))
     return SeqSampling(p.temperature, p.top_p, p.top_k, p.seed, p.logprobs, banned, num_draws(req))
 

@@ -61,6 +61,10 @@ class SchedulerConfig:
 class ScheduledBatch:
     entries: list[tuple[Request, int]] = field(default_factory=list)  # (request, new rows)
     preempted: list[Request] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)  # per entry: its first row's position
+    samples: list[bool] = field(default_factory=list)  # per entry: draws after this step
+    advanced: bool = False  # its rows and draws are counted already (`Scheduler.advance`)
+    starved: bool = False  # a request got no rows for want of pages (preemption was not allowed)
 
     @property
     def num_rows(self) -> int:
@@ -231,6 +235,7 @@ class Scheduler:
                 victim = self.running[-1] if allow_preemption else None
                 if victim is None or victim is req:
                     n = 0
+                    batch.starved |= not allow_preemption
                     if allow_preemption and len(self.running) == 1:
                         self.finish(req, "error", "out of KV memory: the request does not fit")
                     break
@@ -241,9 +246,27 @@ class Scheduler:
                 self.prefix.register(req, self.layout, req.num_computed + n)
         if not self.hold_admission and not batch.preempted:
             self._admit(batch, budget)
+        batch.starts = [req.num_computed for req, _ in batch.entries]
+        batch.samples = [req.num_computed + n == req.num_tokens + req.pending
+                         for req, n in batch.entries]
         return batch
 
+    def advance(self, batch: ScheduledBatch) -> None:
+        """Count ``batch`` as computed while it is still in flight, so that the next step can
+        be scheduled now (asynchronous scheduling): its rows are computed and each draw is a
+        token in flight. Only for batches drawing one token per request."""
+        draw = 0
+        for (req, n), start, sample in zip(batch.entries, batch.starts, batch.samples):
+            req.num_computed = start + n
+            if sample:
+                assert num_draws(req) == 1 and not req.pending
+                req.pending, req.pending_draw = 1, draw
+                draw += 1
+        batch.advanced = True
+
     def _chunk(self, req: Request, budget: int) -> int:
+        if req.pending and self._stops_with_pending(req):
+            return 0  # its token in flight is its last: nothing more to compute
         if req.num_pending <= 1:
             return min(req.num_pending, budget)
         # a step never exceeds max_num_batched_tokens rows (the profiled size): without
@@ -253,6 +276,12 @@ class Scheduler:
         if not self.cfg.enable_chunked_prefill and whole:
             return req.num_pending if budget == self.cfg.max_num_batched_tokens else 0
         return min(req.num_pending, budget)
+
+    def _stops_with_pending(self, req: Request) -> bool:
+        """Whether the token in flight ends ``req`` by length (other stops are seen only once
+        it is known: the step after it computes one row for nothing)."""
+        return req.num_outputs >= req.params.max_tokens or \
+            req.num_tokens + req.pending >= self.cfg.max_model_len
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
@@ -360,14 +389,17 @@ class Scheduler:
         tokens, logprobs = iter(result.tokens), iter(result.logprobs)
         prompt_logprobs = iter(result.prompt_logprobs)
         for b, (req, n) in enumerate(batch.entries):
-            start = req.num_computed
+            start, sample = batch.starts[b], batch.samples[b]
             if prompt_logprob_rows(req, b, start, n) is not None:
                 out.add_prompt_logprobs(req, next(prompt_logprobs))
             self.prompt_tokens_computed += max(min(start + n, len(req.prompt_token_ids)) - start,
                                                0)
-            req.num_computed += n
-            if req.num_computed < req.num_tokens:
+            if not batch.advanced:
+                req.num_computed += n
+            if not sample:
                 continue  # a prefill chunk short of the prompt's end: nothing sampled
+            if batch.advanced:
+                req.pending = 0
             draws = num_draws(req)
             toks = [next(tokens) for _ in range(draws)]
             lps = [next(logprobs) if req.params.logprobs is not None else None for _ in toks]

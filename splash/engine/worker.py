@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import msgspec
 import torch
@@ -35,7 +36,7 @@ from splash.engine.profiling import (
     profile_plans,
     profile_tables,
 )
-from splash.engine.sampling import sample_step
+from splash.engine.sampling import num_draws, sample_step
 from splash.engine.worker_config import WorkerConfig
 from splash.kernels_triton import set_value_checks
 from splash.layouts.base import AttentionLayout, KVStore, StepMeta
@@ -48,6 +49,27 @@ from splash.model.model import MLAModel
 from splash.switching.executor import PreCopy, SwitchExecutor
 
 logger = get_logger("splash.worker")
+
+
+@dataclass
+class Launched:
+    """A step issued to the device and not waited for (`Worker.launch`); `Worker.finish` makes
+    its result. ``result`` is set already where the step completed on the host (weight loads,
+    the CPU)."""
+
+    plan: StepPlan
+    t0: float
+    result: StepResult | None = None
+    tokens: torch.Tensor | None = None  # rank 0: the draws (a host copy in flight on GPUs)
+    done: torch.cuda.Event | None = None  # recorded after the step's last kernel
+    switch: SwitchExecutor | None = None
+    graph_step: bool = False
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[list[TokenLogprobs]] = field(default_factory=list)
+
+    def ready(self) -> bool:
+        """Whether ``finish`` would return without waiting for the device."""
+        return self.result is not None or self.done is None or self.done.query()
 
 
 class Worker:
@@ -89,6 +111,8 @@ class Worker:
         self.layouts: dict[str, AttentionLayout] = {}
         oom = envs.get("SPLASH_TEST_OOM_STEP")
         self.oom_step = int(oom) if oom and cfg.rank == 0 else None
+        self.samples: tuple[int, torch.Tensor] | None = None  # (step, its draws on the device)
+        self.failed_step = -1  # the last step that failed here
 
     def _held_bytes(self) -> int:
         """Device memory this process holds (0 on the CPU, where nothing reports it: the
@@ -178,7 +202,7 @@ class Worker:
         width = graph_width(self.cfg.graph_context, self.cfg.page_size) if self.capture else 1
         self.graphs = DecodeGraphs(self._model_forward, self.comm, self.cfg.page_size,
                                    self.device, self.cfg.graph_max_batch, capture=self.capture,
-                                   min_width=width)
+                                   min_width=width, input_ids=self._input_ids)
         if not self.capture:
             return ready
         names = startup_layouts(self.cfg.graph_layouts, self.cfg.layout, self.cfg.world)
@@ -233,36 +257,97 @@ class Worker:
             raise ValueError(f"the model holds no tensor {unused[0]!r}")
         self.backend.synchronize()
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        return self.finish(self.launch(plan))
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> Launched:
+        """Issue ``plan``'s step without waiting for the device: the next plan may be launched
+        behind it (its inputs may read this step's draws) before `finish` collects it."""
+        try:
+            return self._launch(plan)
+        except Exception:
+            self.samples, self.failed_step = None, plan.step
+            raise
+
+    def _launch(self, plan: StepPlan) -> Launched:
         t0 = time.perf_counter()
         if plan.load_weights is not None:
             weights = CheckpointWeights(plan.load_weights.path, self.model.cfg)
             self.load_weights(weights, plan.load_weights.names)
-            return StepResult(version=WORKER_PROTOCOL_VERSION, step=plan.step, rank=self.cfg.rank,
-                              elapsed_ms=(time.perf_counter() - t0) * 1e3)
+            return Launched(plan, t0, StepResult(
+                version=WORKER_PROTOCOL_VERSION, step=plan.step, rank=self.cfg.rank,
+                elapsed_ms=(time.perf_counter() - t0) * 1e3))
         self._apply_tables(plan)
         switch = self._switch(plan)
         if switch is None:  # before anything writes into the copies (else layer by layer)
             self.store.copy_pages(plan.page_copies)
-        tokens: list[int] = []
-        logprobs: list[TokenLogprobs] = []
-        prompt_logprobs: list[list[TokenLogprobs]] = []
+        out = Launched(plan, t0, switch=switch)
         self.graph_step = False
         if plan.input_ids:
-            tokens, logprobs, prompt_logprobs = self._forward(plan, switch)
+            drawn, out.logprobs, out.prompt_logprobs = self._forward(plan, switch)
+            out.tokens = self._keep_samples(plan, drawn)
+            out.graph_step = self.graph_step
         elif switch is not None:  # nothing to compute: complete every layer's transfer
             for layer in range(self.model.cfg.num_hidden_layers):
                 switch.before_layer(layer)
-        self.backend.synchronize()
+        if self.device.type == "cuda":
+            out.done = torch.cuda.Event()
+            out.done.record()
+        return out
+
+    def finish(self, out: Launched) -> StepResult:
+        """Wait for a launched step and make its result."""
+        if out.result is not None:
+            return out.result
+        if out.done is not None:
+            out.done.synchronize()
+        if out.switch is not None or self.precopy is not None:  # transfers on other streams
+            self.backend.synchronize()
+        switch = out.switch
         return StepResult(
-            version=WORKER_PROTOCOL_VERSION, step=plan.step, rank=self.cfg.rank, tokens=tokens,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            elapsed_ms=(time.perf_counter() - t0) * 1e3,
-            switch_ms=switch.busy_ms if switch else 0.0, graph_replay=self.graph_step,
+            version=WORKER_PROTOCOL_VERSION, step=out.plan.step, rank=self.cfg.rank,
+            tokens=out.tokens.tolist() if out.tokens is not None and self.cfg.rank == 0 else [],
+            logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs,
+            elapsed_ms=(time.perf_counter() - out.t0) * 1e3,
+            switch_ms=switch.busy_ms if switch else 0.0, graph_replay=out.graph_step,
             kv_bytes_received=switch.kv_bytes if switch else 0,
             weight_bytes_received=switch.weight_bytes if switch else 0,
             precopy_done=self.precopy is None or self.precopy.done())
+
+    def _keep_samples(self, plan: StepPlan, drawn: torch.Tensor | None) -> torch.Tensor | None:
+        """Keep the step's draws on the device for the next step's inputs (every rank gets
+        rank 0's where the plan shares them); rank 0's host copy, issued now."""
+        if plan.share_samples and self.cfg.world > 1:
+            if drawn is None:  # ranks > 0 (or a step that draws nothing: every rank knows)
+                drawn = torch.zeros(num_draws(plan), dtype=torch.long, device=self.device)
+            if drawn.numel():
+                self.comm.all_reduce(drawn)  # rank 0's draws, zeros elsewhere
+        self.samples = (plan.step, drawn) if drawn is not None else None
+        if drawn is None or self.cfg.rank != 0:
+            return None
+        if self.device.type != "cuda":
+            return drawn
+        host = torch.empty(drawn.shape, dtype=drawn.dtype, pin_memory=True)
+        return host.copy_(drawn, non_blocking=True)
+
+    def _input_ids(self, ids: list[int], plan: StepPlan) -> torch.Tensor:
+        """The step's input ids on the device; ids < 0 are the previous step's draws."""
+        host = torch.tensor(ids, dtype=torch.long)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(self.device, non_blocking=True)
+        if plan.inputs_from_step < 0:
+            return dev
+        if self.failed_step == plan.inputs_from_step:
+            raise PreviousStepFailed(f"step {plan.step} reads the draws of step "
+                                     f"{plan.inputs_from_step}, which failed")
+        if self.samples is None or self.samples[0] != plan.inputs_from_step:
+            raise RuntimeError(f"step {plan.step} reads the draws of step "
+                               f"{plan.inputs_from_step}, which this rank does not hold "
+                               f"(it holds step {self.samples[0] if self.samples else None}'s)")
+        prev = self.samples[1]
+        return torch.where(dev < 0, prev[(-dev - 1).clamp(0, max(prev.numel() - 1, 0))], dev)
 
     def _switch(self, plan: StepPlan) -> SwitchExecutor | None:
         """Start this step's part of a switch; the executor when the step computes in the
@@ -299,7 +384,7 @@ class Worker:
         return self.model.forward(ids, meta.positions, attn_fn, self.comm.all_reduce)
 
     def _forward(self, plan: StepPlan, switch: SwitchExecutor | None, graphs: bool = True
-                 ) -> tuple[list[int], list[TokenLogprobs], list[list[TokenLogprobs]]]:
+                 ) -> tuple[torch.Tensor | None, list[TokenLogprobs], list[list[TokenLogprobs]]]:
         if plan.step == self.oom_step:  # fault injection for the tests (splash/envs.py)
             raise torch.OutOfMemoryError(f"SPLASH_TEST_OOM_STEP: step {plan.step} "
                                          "(injected)")
@@ -312,10 +397,10 @@ class Worker:
         if hidden is None:
             meta = StepMeta(plan, self.tables, self.cfg.rank, self.cfg.world,
                             self.cfg.page_size, self.device)
-            ids = torch.tensor(plan.input_ids, dtype=torch.long, device=self.device)
+            ids = self._input_ids(plan.input_ids, plan)
             hidden = self._model_forward(ids, meta, impl, switch)
         if self.cfg.rank != 0:
-            return [], [], []
+            return None, [], []
         return sample_step(self.model, hidden, plan)
 
     def shutdown(self) -> None:
@@ -323,12 +408,17 @@ class Worker:
             dist.destroy_process_group()
 
 
+class PreviousStepFailed(RuntimeError):
+    """A step scheduled ahead reads the draws of a step that failed: it fails the same way."""
+
+
 def recoverable(error: BaseException, plan: StepPlan, world: int) -> bool:
     """Whether a worker serves on after ``error`` in ``plan``: an out-of-memory error (the
     allocator unwound it) of a single-rank group (no peer waits in a collective) in a plain
-    step (no switch or weight load half done). Only the step's requests fail."""
-    return isinstance(error, torch.OutOfMemoryError) and world == 1 and plan.switch is None \
-        and plan.load_weights is None
+    step (no switch or weight load half done), or a step scheduled ahead on such a step. Only
+    the step's requests fail."""
+    return isinstance(error, (torch.OutOfMemoryError, PreviousStepFailed)) and world == 1 \
+        and plan.switch is None and plan.load_weights is None
 
 
 def _num_heads(model_dir: str) -> int:

@@ -1,4 +1,6 @@
-"""The worker process's entry and ZeroMQ loop: receive a plan, execute, send the result.
+"""The worker process's entry and ZeroMQ loop: receive a plan, launch it, send its result once
+the device is done — or, when the next plan arrives first, launch that one behind it and then
+send the earlier result (results always go back in step order).
 
 The worker's DEALER socket connects to the controller's ROUTER. At start-up it loads its weights,
 runs the profiling steps and reports them (`WorkerProfile`), allocates the KV pool the
@@ -17,6 +19,7 @@ import dataclasses
 import faulthandler
 import os
 import signal
+import time
 import traceback
 
 import msgspec
@@ -25,6 +28,7 @@ import zmq
 
 from splash.core.protocol import (
     WORKER_PROTOCOL_VERSION,
+    StepPlan,
     StepResult,
     WorkerHello,
     WorkerProfile,
@@ -33,7 +37,7 @@ from splash.core.protocol import (
     decode_pool_size,
     encode,
 )
-from splash.engine.worker import Worker, recoverable
+from splash.engine.worker import Launched, Worker, recoverable
 from splash.engine.worker_config import WorkerConfig
 
 
@@ -101,9 +105,40 @@ def _serve(cfg, ctx, sock) -> None:
         sock.close()
         ctx.term()
         return
+    pending: Launched | None = None  # a launched step not reported yet
+
+    def report(out: Launched) -> bool:
+        try:
+            result = worker.finish(out)
+        except Exception as e:
+            return fail(e, out.plan)
+        sock.send(encode(result))
+        return True
+
+    def fail(e: Exception, plan: StepPlan) -> bool:
+        keep = recoverable(e, plan, cfg.world)
+        if keep:  # only this step's requests fail; the worker serves on
+            worker.recover()
+        else:
+            traceback.print_exc()
+        sock.send(encode(StepResult(WORKER_PROTOCOL_VERSION, plan.step, cfg.rank,
+                                    error=f"{type(e).__name__}: {e}", recoverable=keep)))
+        return keep
+
     try:
         while True:
-            if not poller.poll(1000):
+            if pending is not None:
+                # the next plan may come before the device finishes this step (the controller
+                # schedules ahead): it is launched behind it, so the device never waits for
+                # the host between the two
+                while not pending.ready() and not poller.poll(0):
+                    time.sleep(0)
+                if not poller.poll(0):
+                    if not report(pending):
+                        break
+                    pending = None
+                    continue
+            elif not poller.poll(1000):
                 if os.getppid() != parent:  # controller gone: nothing left to serve
                     break
                 continue
@@ -111,19 +146,17 @@ def _serve(cfg, ctx, sock) -> None:
             if plan.shutdown:
                 break
             try:
-                result = worker.execute(plan)
+                launched = worker.launch(plan)
             except Exception as e:
-                keep = recoverable(e, plan, cfg.world)
-                if keep:  # only this step's requests fail; the worker serves on
-                    worker.recover()
-                else:
-                    traceback.print_exc()
-                sock.send(encode(StepResult(WORKER_PROTOCOL_VERSION, plan.step, cfg.rank,
-                                            error=f"{type(e).__name__}: {e}", recoverable=keep)))
-                if keep:
-                    continue
+                if pending is not None and not report(pending):  # the earlier step first
+                    break
+                pending = None
+                if not fail(e, plan):
+                    break
+                continue
+            if pending is not None and not report(pending):
                 break
-            sock.send(encode(result))
+            pending = launched
     finally:
         worker.shutdown()
         sock.close()

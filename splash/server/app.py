@@ -97,6 +97,7 @@ def serve_main(args: argparse.Namespace) -> int:
         dtype=args.dtype, kv_dtype=args.kv_dtype, page_size=args.page_size,
         max_model_len=args.max_model_len, kv_pages_per_rank=args.kv_pages_per_rank,
         enforce_eager=args.enforce_eager, memory_fraction=args.memory_fraction,
+        async_scheduling=getattr(args, "async_scheduling", True),
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     try:
         server = ZmqServer(engine, zmq_endpoint(args.host, args.port), ServerConfig(token=token))
