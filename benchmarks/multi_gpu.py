@@ -86,7 +86,7 @@ def correctness(args) -> dict:
         ref = [o.token_ids for o in llm.generate(prompts, params)]
     out = {"tp": args.tp, "dtype": "fp32", "reference": "T=1, synchronous scheduling",
            "layouts": {}, "switching": None}
-    for layout in ("tp", "dp", "cp", "dop") if "layouts" in args.parts else ():
+    for layout in args.layouts.split(",") if "layouts" in args.parts else ():
         with LLM(args.model, tp_size=args.tp, layout=layout, **kw) as llm:
             got = [o.token_ids for o in llm.generate(prompts, params)]
             st = llm.stats()
@@ -196,6 +196,7 @@ def main() -> int:
     ap.add_argument("--parts", default="layouts,circuit,bf16",
                     help="correctness: fp32 layouts and circuit against T=1, bf16 teacher-forced "
                     "top-1 agreement")
+    ap.add_argument("--layouts", default="tp,dp,cp,dop", help="correctness: the layouts part")
     ap.add_argument("--out-dir", default=os.environ.get("OUT", "benchmarks/results/multi-gpu"))
     args = ap.parse_args()
     args.model = args.model or build(f"/tmp/splash-v3-{args.layers}l-o1", args.layers, args.experts)

@@ -489,5 +489,5 @@ class LLMEngine:
         }
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
-        gc.unfreeze()  # what this engine built may be collected again
+        gc.unfreeze()  # what this engine built may be collected again: the in-process
+        self.executor.shutdown()  # executor's collection frees its device memory
