@@ -61,14 +61,13 @@ class AutoLayout:
         self._asked = self._prepared = None
         self.policy.reset()
 
-    def prepare(self, step: int) -> str | None:
-        """Ask now (while the step before ``step`` computes) for ``step``'s answer; kept for
-        the call at ``step`` and returned (asked once per step)."""
+    def prepare(self, step: int) -> None:
+        """Ask now (while the step before ``step`` computes) for ``step``'s answer, kept for
+        the call at ``step`` (asked once per step)."""
         if self._prepared is not None and self._prepared[0] == step:
-            return self._prepared[1]
+            return
         self._prepared = None  # an ask that fails leaves no stale answer behind
         self._prepared = (step, self._ask(step))
-        return self._prepared[1]
 
     def __call__(self, step: int) -> str | None:
         prepared, self._prepared = self._prepared, None

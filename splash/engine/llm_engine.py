@@ -10,9 +10,12 @@ N's draws as tokens in flight (`Scheduler.advance`); the workers read those toke
 draws on the device. The device then never waits for the host between steps: planning, output
 handling and the policy run while it computes. A request that stops at N (end of sequence, a
 stop string, an abort) has computed one row in N + 1 for nothing; one that stops by length is
-not scheduled again. The controller goes ahead only from a step without a switch, with one
-draw per request, and with no switch due at N + 1; otherwise (and when a request could not get
-pages without preemption) the next step is scheduled once N's tokens are known. Either way a
+not scheduled again. A switch due at N + 1 is planned then too (its manifests count N's rows,
+which the workers write before they move anything), so its planning also runs while the
+device computes. The controller goes ahead only from a step that completes no switch (a
+background pre-copy may be in flight) and draws one token per request; otherwise (and when a
+request could not get pages without preemption) the next step is scheduled once N's tokens
+are known. Either way a
 call to ``step`` returns with the next step submitted: changes between calls (new requests,
 aborts, a requested switch) take effect from the step after it.
 """
@@ -236,26 +239,32 @@ class LLMEngine:
 
     def _go_ahead(self, cur: _Submitted) -> _Submitted | None:
         """Schedule and submit the step after ``cur`` while ``cur`` computes, where nothing
-        about it waits for ``cur``'s tokens (see the module docstring)."""
+        about it waits for ``cur``'s tokens (see the module docstring). A switch due then is
+        planned now too: its manifest counts ``cur``'s rows, which the workers write before
+        the switch moves anything (both on the device's stream, in step order)."""
         if not self._can_go_ahead(cur):
             return None
         self.scheduler.advance(cur.batch)
+        step = cur.number + 1
+        switch = self.switches.prepare(step, self._step_ms_ema)
+        precopy = self.switches.inflight is not None
         batch = self.scheduler.schedule(allow_preemption=False)
-        if not batch.entries:
+        if not batch.entries and switch is None and not precopy:
             return None
-        plans = build_plans(self.scheduler, batch, None, cur.number + 1, self.setup,
+        plans = build_plans(self.scheduler, batch, switch, step, self.setup,
                             share_samples=self._share_samples())
         self._steps_ahead += 1
-        return self._submit(cur.number + 1, batch, None, False, plans)
+        return self._submit(step, batch, switch, precopy, plans)
 
     def _can_go_ahead(self, cur: _Submitted) -> bool:
-        if not self.cfg.async_scheduling or cur.switch is not None or cur.precopy or \
-                cur.batch.starved or not cur.plans[0].share_samples:
+        if not self.cfg.async_scheduling or cur.batch.starved or \
+                not cur.plans[0].share_samples:
             return False
-        if any(s and num_draws(req) > 1 for (req, _), s in zip(cur.batch.entries,
-                                                              cur.batch.samples)):
-            return False  # n samples fork off: they start once their first tokens are known
-        return self.switches.quiet(cur.number + 1)
+        if cur.switch is not None and cur.switch.mode != "precopy":
+            return False  # its results complete the switch (pages to free, the history)
+        # n samples fork off once their first tokens are known
+        return not any(s and num_draws(req) > 1 for (req, _), s in zip(cur.batch.entries,
+                                                                      cur.batch.samples))
 
     def _share_samples(self) -> bool:
         return self.cfg.async_scheduling
@@ -288,7 +297,7 @@ class LLMEngine:
         batch, switch = cur.batch, cur.switch
         self.switches.finish(switch, results, step_ms, cur.number, batch)
         if self.auto is not None:
-            self.auto.observe(cur.number, batch, step_ms, self.layout,
+            self.auto.observe(cur.number, batch, step_ms, cur.plans[0].layout,
                               switch is not None or cur.precopy)
         sampled = self.scheduler.update_from_output(batch, results[0], self.outputs)
         self._count_step(results, step_ms, len(sampled))

@@ -141,20 +141,6 @@ class SwitchController:
         return self.policy is not None and self.inflight is None and step not in self.forced \
             and self.requested is None and self.pinned is None
 
-    def quiet(self, step: int) -> bool:
-        """Whether no switch can start at ``step`` (asynchronous scheduling schedules it
-        before the step before it is done). Asks the policy now, for ``step``."""
-        if self.inflight is not None or step in self.forced or self.requested is not None:
-            return False
-        if self.pinned is not None:
-            return self.pinned == self.scheduler.layout.name
-        if self.policy is None:
-            return True
-        prepare = getattr(self.policy, "prepare", None)
-        if prepare is None:  # a plain callable: it answers when asked
-            return False
-        return prepare(step) is None
-
     def _target(self, step: int) -> str | None:
         if step in self.forced:
             self.requested = self.forced.pop(step)

@@ -302,7 +302,7 @@ class Worker:
             return out.result
         if out.done is not None:
             out.done.synchronize()
-        if out.switch is not None or self.precopy is not None:  # transfers on other streams
+        if out.switch is not None:  # its transfers ran on other streams
             self.backend.synchronize()
         switch = out.switch
         return StepResult(

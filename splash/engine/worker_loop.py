@@ -1,5 +1,5 @@
 """The worker process's entry and ZeroMQ loop: receive a plan, launch it, send its result once
-the device is done — or, when the next plan arrives first, launch that one behind it and then
+the device is done — or, when the next plan arrives before that, launch it behind and then
 send the earlier result (results always go back in step order).
 
 The worker's DEALER socket connects to the controller's ROUTER. At start-up it loads its weights,
@@ -130,10 +130,10 @@ def _serve(cfg, ctx, sock) -> None:
             if pending is not None:
                 # the next plan may come before the device finishes this step (the controller
                 # schedules ahead): it is launched behind it, so the device never waits for
-                # the host between the two
+                # the host between the two; a finished step is reported first
                 while not pending.ready() and not poller.poll(0):
                     time.sleep(0)
-                if not poller.poll(0):
+                if pending.ready():
                     if not report(pending):
                         break
                     pending = None
