@@ -21,7 +21,7 @@ from splash.model.attention import MLAAttention
 from splash.model.config import ModelConfig
 from splash.model.loader import from_pretrained_dir, take
 from splash.model.mlp import DenseMLP, MoE
-from splash.model.norm import rms_norm
+from splash.model.norm import add_rms_norm, rms_norm
 from splash.model.rope import RotaryEmbedding
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -97,11 +97,17 @@ class MLAModel:
                              f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
         eps = self.cfg.rms_norm_eps
         h = self.embed_tokens[input_ids]  # (N, hidden)
+        x = rms_norm(h, self.layers[0].input_layernorm, eps) if self.layers else h
+        # each residual add is fused with the norm after it (the next layer's input norm, the
+        # final norm after the last layer)
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         for i, layer in enumerate(self.layers):
-            h = h + attn_fn(i, layer.self_attn, rms_norm(h, layer.input_layernorm, eps))
-            partial = layer.mlp(rms_norm(h, layer.post_attention_layernorm, eps))
-            h = h + (partial if all_reduce is None else all_reduce(partial))
-        return rms_norm(h, self.norm, eps)
+            h, x = add_rms_norm(h, attn_fn(i, layer.self_attn, x),
+                                layer.post_attention_layernorm, eps)
+            partial = layer.mlp(x)
+            h, x = add_rms_norm(h, partial if all_reduce is None else all_reduce(partial),
+                                norms[i], eps)
+        return x if self.layers else rms_norm(h, self.norm, eps)
 
     __call__ = forward
 

@@ -92,6 +92,20 @@ def test_logits_match_hf(checkpoint):
 
 
 @torch.no_grad()
+def test_logits_match_hf_with_the_fused_norm_kernel(checkpoint, monkeypatch):
+    """The GPU path of every RMSNorm (the Triton kernel, residual adds fused in), run here
+    under the interpreter."""
+    import splash.model.norm as norm
+
+    path, hf = checkpoint
+    monkeypatch.setattr(norm, "_kernel", lambda x: True)
+    model = MLAModel.from_pretrained(path)
+    prompts = _prompts()[:2]
+    for p, ours in zip(prompts, _batched_logits(model, prompts)):
+        torch.testing.assert_close(ours, hf(p[None]).logits[0].float(), atol=1e-4, rtol=0)
+
+
+@torch.no_grad()
 def test_greedy_tokens_match_hf_generate(checkpoint):
     path, hf = checkpoint
     model, new = MLAModel.from_pretrained(path), 8
