@@ -35,6 +35,7 @@ from splash.kernels_triton.rms_norm import (
     rms_norm,
     rms_norm_ref,
 )
+from splash.kernels_triton.rope import rope, rope_ref
 from splash.kernels_triton.topk import topk_rows, topk_rows_ref
 
 __all__ = [
@@ -70,6 +71,8 @@ __all__ = [
     "split_heads_to_ranks_ref",
     "rms_norm",
     "rms_norm_ref",
+    "rope",
+    "rope_ref",
     "topk_rows",
     "topk_rows_ref",
     "value_checks_enabled",

@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from splash.kernels_triton import rope, rope_ref
 from splash.model.config import ModelConfig, RopeScaling
 
 
@@ -40,7 +41,8 @@ def inv_frequencies(dim: int, theta: float, scaling: RopeScaling | None) -> tupl
 
 
 class RotaryEmbedding:
-    """Applies RoPE to (N, ..., R) tensors given (N,) integer positions."""
+    """Applies RoPE to (N, ..., R) tensors given (N,) integer positions: one Triton kernel on
+    CUDA, the same arithmetic in torch elsewhere (`splash.kernels_triton.rope`)."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None,
                  interleave: bool | None = None) -> None:
@@ -49,22 +51,12 @@ class RotaryEmbedding:
         inv_freq, self.scale = inv_frequencies(self.dim, cfg.rope_theta, cfg.rope_scaling)
         self.inv_freq = inv_freq.to(device)
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (N,) -> cos, sin (N, R/2) fp32, YaRN-scaled."""
-        inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * inv_freq[None, :]  # (N, R/2)
-        return freqs.cos() * self.scale, freqs.sin() * self.scale
-
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x (N, ..., R) -> rotated, same shape and dtype."""
-        cos, sin = self.cos_sin(positions)
-        shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
-        cos, sin = cos.view(shape), sin.view(shape)  # broadcast over heads
-        xf = x.float()
-        if self.interleave:
-            x1, x2 = xf[..., 0::2], xf[..., 1::2]
-            out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (..., R/2, 2)
-            return out.flatten(-2).to(x.dtype)
-        half = self.dim // 2
-        x1, x2 = xf[..., :half], xf[..., half:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        inv_freq = self.inv_freq.to(positions.device)
+        fn = rope if _kernel(x) else rope_ref
+        return fn(x, positions, inv_freq, self.scale, self.interleave)
+
+
+def _kernel(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.version.hip is None
