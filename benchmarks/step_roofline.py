@@ -84,23 +84,22 @@ def roofline_bytes(cfg: ModelConfig, layout: str, tp: int, batch: int, context: 
     return total
 
 
-def kernel_profile(eng, steps: int) -> list[dict]:
-    """The GPU time of ``steps`` more decode steps by kernel (torch profiler; kernels inside
-    CUDA graph replays included): the 15 largest, ms per step and share of the GPU time."""
-    from torch.profiler import ProfilerActivity, profile
+def kernel_profile(eng, steps: int) -> dict:
+    """Where ``steps`` more decode steps spend their device time on every rank, by kernel
+    (`LLMEngine.profile_steps`; kernels inside CUDA graph replays included)."""
+    import glob
+    import tempfile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            eng.step()
-        torch.cuda.synchronize()
-    totals: dict[str, float] = {}
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            totals[ev.name] = totals.get(ev.name, 0.0) + ev.device_time
-    gpu_us = sum(totals.values()) or 1.0
-    top = sorted(totals.items(), key=lambda kv: -kv[1])[:15]
-    return [{"kernel": name[:120], "ms_per_step": us / 1e3 / steps, "pct": 100 * us / gpu_us}
-            for name, us in top] + [{"kernel": "(all)", "ms_per_step": gpu_us / 1e3 / steps}]
+    out = tempfile.mkdtemp(prefix="splash-profile-")
+    eng.profile_steps(steps, out)
+    for _ in range(steps + 3):  # the step in flight, the profiled ones, the one that stops
+        eng.step()
+    deadline = time.monotonic() + 30
+    while len(glob.glob(os.path.join(out, "profile_rank*.json"))) < eng.world and \
+            time.monotonic() < deadline:
+        time.sleep(0.1)
+    return {os.path.basename(f)[len("profile_"):-len(".json")]: json.load(open(f))
+            for f in sorted(glob.glob(os.path.join(out, "profile_rank*.json")))}
 
 
 def measure(llm: LLM, batch: int, context: int, steps: int, warmup: int,
@@ -192,7 +191,8 @@ def main() -> int:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--sync", action="store_true", help="asynchronous scheduling off")
     ap.add_argument("--profile-steps", type=int, default=0,
-                    help="after timing, profile this many more decode steps (<= 3) by kernel")
+                    help="after timing, profile this many more decode steps by kernel on every "
+                    "rank (<= 3)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                   "step_roofline.json"))
     args = ap.parse_args()

@@ -131,6 +131,10 @@ class StepPlan(msgspec.Struct, frozen=True):
     # every rank keeps this step's draws on the device for the next step's inputs
     inputs_from_step: int = -1
     share_samples: bool = False
+    # the workers' profiler (`LLMEngine.profile_steps`): "start" before this step, "stop"
+    # before this step (the summary goes to ``profile_dir``)
+    profile: str = ""
+    profile_dir: str = ""
 
 
 class StepResult(msgspec.Struct, tag=True):

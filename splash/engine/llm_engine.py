@@ -31,6 +31,8 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from splash.core.protocol import StepPlan, StepResult
 from splash.core.request import Request, SampleGroup, Status
 from splash.engine.auto_layout import AutoLayout
@@ -117,6 +119,7 @@ class LLMEngine:
         self._step_ms_ema: float | None = None
         self._ahead: _Submitted | None = None  # the step submitted, not completed yet
         self._steps_ahead = 0  # steps scheduled before the step before them was done
+        self._profile: dict[str, Any] | None = None  # profile_steps() under way
         self._last_done = 0.0  # when the last step's results came back (perf_counter)
         self.weight_version = 0  # in-place weight updates so far
         self._started = time.monotonic()
@@ -271,6 +274,8 @@ class LLMEngine:
 
     def _submit(self, number: int, batch: ScheduledBatch, switch: SwitchStep | None,
                 precopy: bool, plans: list[StepPlan]) -> _Submitted:
+        if self._profile is not None:
+            plans = self._profile_marks(plans)
         try:
             self.executor.submit(plans)
         except WorkerDiedError as e:
@@ -311,6 +316,26 @@ class LLMEngine:
             if out.finished:
                 self._forget(out.request_id)
         return outputs, True
+
+    def profile_steps(self, steps: int, out_dir: str | os.PathLike) -> None:
+        """Profile the next ``steps`` steps submitted on every worker; each writes where its
+        time went to ``out_dir/profile_rank<r>.json`` when the step after them is submitted
+        (or at shutdown) — `splash.engine.step_profile`."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise InvalidRequestError(f"steps must be an int >= 1, got {steps!r}")
+        self._profile = {"left": steps, "dir": os.fspath(out_dir), "started": False}
+
+    def _profile_marks(self, plans: list[StepPlan]) -> list[StepPlan]:
+        p = self._profile
+        assert p is not None
+        if p["left"] == 0:
+            mark, self._profile = "stop", None
+        else:
+            mark, p["started"], p["left"] = ("" if p["started"] else "start"), True, p["left"] - 1
+        if not mark:
+            return plans
+        return [msgspec.structs.replace(plan, profile=mark, profile_dir=p["dir"])
+                for plan in plans]
 
     def _drain(self) -> None:
         """Complete the step submitted ahead, if any (its outputs come with the next step)."""

@@ -37,6 +37,7 @@ from splash.engine.profiling import (
     profile_tables,
 )
 from splash.engine.sampling import num_draws, sample_step
+from splash.engine.step_profile import StepProfiler
 from splash.engine.worker_config import WorkerConfig
 from splash.kernels_triton import set_value_checks
 from splash.layouts.base import AttentionLayout, KVStore, StepMeta
@@ -113,6 +114,7 @@ class Worker:
         self.oom_step = int(oom) if oom and cfg.rank == 0 else None
         self.samples: tuple[int, torch.Tensor] | None = None  # (step, its draws on the device)
         self.failed_step = -1  # the last step that failed here
+        self.profiler = StepProfiler(cfg.rank, self.device)
 
     def _held_bytes(self) -> int:
         """Device memory this process holds (0 on the CPU, where nothing reports it: the
@@ -264,6 +266,8 @@ class Worker:
     def launch(self, plan: StepPlan) -> Launched:
         """Issue ``plan``'s step without waiting for the device: the next plan may be launched
         behind it (its inputs may read this step's draws) before `finish` collects it."""
+        if plan.profile or self.profiler.prof is not None:
+            self.profiler.before(plan)
         try:
             return self._launch(plan)
         except Exception:
@@ -404,6 +408,7 @@ class Worker:
         return sample_step(self.model, hidden, plan)
 
     def shutdown(self) -> None:
+        self.profiler.stop()  # a profile still running is written now
         if self.cfg.world > 1 and dist.is_initialized():
             dist.destroy_process_group()
 

@@ -1,0 +1,67 @@
+"""A worker's profile of a few steps (`LLMEngine.profile_steps`): torch's profiler runs from
+the plan marked "start" to the plan marked "stop" (or shutdown), and the worker writes where
+its time went to ``<profile_dir>/profile_rank<r>.json``: device time per kernel (kernels
+replayed inside CUDA graphs included) or, on the CPU, host time per operator, per step."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+TOP = 20  # kernels listed
+
+
+class StepProfiler:
+    def __init__(self, rank: int, device: torch.device) -> None:
+        self.rank, self.device = rank, device
+        self.prof: Any = None
+        self.first = self.steps = 0
+        self.out_dir = ""
+
+    def before(self, plan) -> None:
+        """Start or stop as ``plan`` says, before it launches."""
+        if plan.profile == "stop" or (plan.profile == "start" and self.prof is not None):
+            self.stop()
+        if plan.profile == "start":
+            acts = [ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                acts.append(ProfilerActivity.CUDA)
+            self.prof = profile(activities=acts)
+            self.prof.__enter__()
+            self.first, self.out_dir = plan.step, plan.profile_dir
+        if self.prof is not None and plan.profile != "stop":
+            self.steps += 1
+
+    def stop(self) -> None:
+        if self.prof is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.prof.__exit__(None, None, None)
+        prof, self.prof = self.prof, None
+        self._write(prof)
+        self.steps = 0
+
+    def _write(self, prof) -> None:
+        cuda = self.device.type == "cuda"
+        kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+        totals: dict[str, float] = {}
+        for ev in prof.events():
+            if ev.device_type == kind:
+                us = ev.device_time if cuda else ev.self_cpu_time_total
+                totals[ev.name] = totals.get(ev.name, 0.0) + us
+        steps = max(self.steps, 1)
+        total = sum(totals.values()) or 1.0
+        top = sorted(totals.items(), key=lambda kv: -kv[1])[:TOP]
+        out = {"rank": self.rank, "first_step": self.first, "steps": self.steps,
+               "time": "device" if cuda else "host (CPU operators, self time)",
+               "ms_per_step": total / 1e3 / steps,
+               "kernels": [{"kernel": name[:160], "ms_per_step": us / 1e3 / steps,
+                            "pct": 100 * us / total} for name, us in top]}
+        os.makedirs(self.out_dir or ".", exist_ok=True)
+        with open(os.path.join(self.out_dir or ".", f"profile_rank{self.rank}.json"), "w") as f:
+            json.dump(out, f, indent=1)
