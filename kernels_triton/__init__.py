@@ -29,6 +29,7 @@ from splash.kernels_triton.lse_merge import lse_merge, lse_merge_ref
 from splash.kernels_triton.mla_decode import choose_num_splits, mla_decode, mla_decode_ref
 from splash.kernels_triton.mla_extend import mla_extend, mla_extend_ref
 from splash.kernels_triton.mla_sparse import mla_sparse, mla_sparse_ref
+from splash.kernels_triton.moe_route import moe_route, moe_route_ref
 from splash.kernels_triton.rms_norm import (
     add_rms_norm,
     add_rms_norm_ref,
@@ -69,6 +70,8 @@ __all__ = [
     "set_value_checks",
     "split_heads_to_ranks",
     "split_heads_to_ranks_ref",
+    "moe_route",
+    "moe_route_ref",
     "rms_norm",
     "rms_norm_ref",
     "rope",

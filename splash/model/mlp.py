@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from splash.kernels_triton import fused_moe
+from splash.kernels_triton import fused_moe, moe_route, moe_route_ref
 from splash.model.config import ModelConfig
 from splash.model.loader import take
 
@@ -79,27 +79,16 @@ def select_experts(logits: torch.Tensor, cfg: ModelConfig,
 
     deepseek_v2: softmax scores; greedy, or group-limited with group score = max (masked to 0).
     noaux_tc (v3 family): sigmoid scores; choice = score + correction bias; groups scored by
-    the sum of their top-2 choices (masked to -inf); weights are the unbiased scores.
+    the sum of their top-2 choices (masked to -inf); weights are the unbiased scores. One
+    Triton kernel on CUDA, torch elsewhere (`splash.kernels_triton.moe_route`).
     """
-    scores = logits.softmax(-1) if cfg.scoring_func == "softmax" else logits.sigmoid()
-    choice = scores if bias is None else scores + bias
-    n, num_experts = logits.shape
-    groups = cfg.n_group
-    if cfg.topk_method != "greedy" and groups > 1:
-        grouped = choice.view(n, groups, num_experts // groups)  # (N, G, E/G)
-        if cfg.topk_method == "noaux_tc":
-            group_score = grouped.topk(2, dim=-1).values.sum(-1)
-        else:
-            group_score = grouped.max(dim=-1).values
-        keep = torch.zeros_like(group_score, dtype=torch.bool)
-        keep.scatter_(1, group_score.topk(cfg.topk_group, dim=-1).indices, True)
-        keep = keep.repeat_interleave(num_experts // groups, dim=1)  # (N, E)
-        choice = choice.masked_fill(~keep, float("-inf") if cfg.topk_method == "noaux_tc" else 0.0)
-    ids = choice.topk(cfg.num_experts_per_tok, dim=-1).indices
-    weights = (scores if cfg.topk_method == "noaux_tc" else choice).gather(1, ids)
-    if cfg.norm_topk_prob:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * cfg.routed_scaling_factor, ids
+    route = moe_route if _kernel(logits) else moe_route_ref
+    return route(logits, bias, cfg.scoring_func, cfg.topk_method, cfg.n_group, cfg.topk_group,
+                 cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+
+
+def _kernel(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.version.hip is None
 
 
 def routed_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

@@ -92,15 +92,17 @@ def test_logits_match_hf(checkpoint):
 
 
 @torch.no_grad()
-def test_logits_match_hf_with_the_norm_and_rope_kernels(checkpoint, monkeypatch):
-    """The GPU path of every RMSNorm (the Triton kernel, residual adds fused in) and of every
-    rotary embedding (MLA's and the DSA indexer's), run here under the interpreter."""
+def test_logits_match_hf_with_the_small_op_kernels(checkpoint, monkeypatch):
+    """The GPU path of every RMSNorm (the Triton kernel, residual adds fused in), of every
+    rotary embedding (MLA's and the DSA indexer's) and of the MoE router, run here under the
+    interpreter."""
+    import splash.model.mlp as mlp
     import splash.model.norm as norm
     import splash.model.rope as rope
 
     path, hf = checkpoint
-    monkeypatch.setattr(norm, "_kernel", lambda x: True)
-    monkeypatch.setattr(rope, "_kernel", lambda x: True)
+    for module in (norm, rope, mlp):
+        monkeypatch.setattr(module, "_kernel", lambda x: True)
     model = MLAModel.from_pretrained(path)
     prompts = _prompts()[:2]
     for p, ours in zip(prompts, _batched_logits(model, prompts)):
