@@ -7,7 +7,8 @@
 # PART: tests (GPU kernel + CUDA-graph tests, then the multi-rank tests with CUDA tensors over
 # gloo), engine (bf16 / fp8 KV vs fp32 transformers), kernels (benchmarks/kernel_bench.py, no sweep),
 # moe (fused MoE, default config), offline (throughput vs transformers), profile (ncu),
-# prefix (prefix caching and n samples on GRPO and agent traces, V2-Lite dims).
+# prefix (prefix caching and n samples on GRPO and agent traces, V2-Lite dims), small (the fused
+# norm, rope and routing kernels against the torch ops they replace).
 # Default: tests engine kernels moe offline (about 8 minutes on an H200).
 set -uo pipefail
 PARTS=${*:-tests engine kernels moe offline}
@@ -37,6 +38,7 @@ for p in $PARTS; do
     engine) part engine 120 python3 benchmarks/gpu_engine_check.py --out "$OUT/engine_bf16.json" ;;
     kernels) part kernels 300 python3 benchmarks/kernel_bench.py --out "$OUT/kernels.json" --no-sweep ;;
     moe) part moe 120 python3 benchmarks/moe_kernel.py --out "$OUT/moe_kernel.json" --no-sweep ;;
+    small) part small_ops 120 python3 benchmarks/small_ops.py --out "$OUT/small_ops.json" ;;
     offline) part offline 240 python3 benchmarks/offline_throughput.py \
       --out "$OUT/offline_throughput.json" ;;
     profile) part profile 300 bash benchmarks/profile_kernels.sh "$OUT/profile" ;;
@@ -44,6 +46,6 @@ for p in $PARTS; do
       --full-dims --layers 4 --prompts 64 --n 8 --template 1024 --question 512 --output 1024 \
       --page-size 64 --batch-tokens 8192 --sessions 32 --turns 6 --context 8192 --turn-len 1024 \
       --out "$OUT/prefix_cache.json" ;;
-    *) echo "unknown part $p (tests engine kernels moe offline profile prefix)"; exit 2 ;;
+    *) echo "unknown part $p (tests engine kernels moe offline profile prefix small)"; exit 2 ;;
   esac
 done
