@@ -4,9 +4,15 @@ prompt's last row), min_tokens' banned tokens, and the logprobs asked for.
 Logprobs are the log-softmax of the very fp32 logits the draw used, before temperature, top-k/p
 and min_tokens' masking (vLLM's "raw" logprobs). Prompt logprobs score each prompt token by the
 row before it; they are computed in slices, so a long prefill never holds a (rows, vocab) block.
+
+At T > 1 a step whose draws are all greedy (nothing banned, no logprobs) is drawn by every rank
+together instead (`greedy_draws`): each scores its slice of the vocabulary, and one small
+all-gather of the slices' maxima gives every rank the tokens.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -73,6 +79,13 @@ def sample_step(model: MLAModel, hidden: torch.Tensor, plan: StepPlan
         if want:
             idx = torch.tensor(want, device=logits.device)
             logprobs = _logprob_rows(logits[idx], drawn[idx], [sp[j].logprobs or 0 for j in want])
+    return drawn, logprobs, prompt_logprobs(model, hidden, plan)
+
+
+def prompt_logprobs(model: MLAModel, hidden: torch.Tensor,
+                    plan: StepPlan) -> list[list[TokenLogprobs]]:
+    """Rank 0's prompt logprobs, per ``plan.prompt_logprobs`` entry (waits for the device)."""
+    starts = np.concatenate([[0], np.cumsum(plan.query_lens)])
     prompt: list[list[TokenLogprobs]] = []
     for pl in plan.prompt_logprobs:
         first = int(starts[pl.index]) + pl.first_row
@@ -83,7 +96,40 @@ def sample_step(model: MLAModel, hidden: torch.Tensor, plan: StepPlan
             targets = torch.tensor(pl.targets[lo:hi], device=logits.device)
             out += _logprob_rows(logits, targets, [pl.k] * (hi - lo))
         prompt.append(out)
-    return drawn, logprobs, prompt
+    return prompt
+
+
+def split_greedy(plan: StepPlan) -> bool:
+    """Whether the ranks may draw this step together, each scoring its vocabulary slice
+    (`greedy_draws`): every draw greedy, nothing banned, no logprobs asked. Decided from what
+    every rank's plan holds alike."""
+    return any(plan.sample) and all(
+        cfg.temperature <= 0 and not cfg.banned and cfg.logprobs is None
+        for s, cfg in zip(plan.sample, plan.sampling) if s)
+
+
+def greedy_draws(model: MLAModel, hidden: torch.Tensor, plan: StepPlan, rank: int, world: int,
+                 all_gather: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Greedy draws of a step (`split_greedy`) on every rank: each rank scores its slice of
+    the vocabulary, and the best of the slices' maxima wins (the first on ties: the lowest
+    token id, as one argmax over the whole vocabulary picks). Reads 1 / world of the LM head
+    per rank instead of all of it on rank 0, and leaves the draws on every rank."""
+    starts = np.concatenate([[0], np.cumsum(plan.query_lens)])
+    rows = [int(starts[b + 1]) - 1 for b, s in enumerate(plan.sample) if s
+            for _ in range(plan.sampling[b].draws)]
+    head = model.lm_head
+    per = -(-head.shape[0] // world)
+    lo = min(rank * per, head.shape[0])
+    h = hidden[_index(rows, hidden.device)].to(head.dtype)
+    logits = (h @ head[lo:lo + per].t()).float()  # (draws, per) — empty for a rank past V
+    if logits.shape[1]:
+        best, at = logits.max(dim=-1)
+    else:
+        best = torch.full((len(rows),), float("-inf"), device=hidden.device)
+        at = torch.zeros(len(rows), dtype=torch.long, device=hidden.device)
+    both = all_gather(torch.stack((best.double(), (at + lo).double()), dim=-1))  # (T, n, 2)
+    winner = both[..., 0].argmax(dim=0)  # (n,) the first rank holding the maximum
+    return both[winner, torch.arange(len(rows), device=hidden.device), 1].long()
 
 
 def num_draws(plan: StepPlan) -> int:

@@ -36,7 +36,13 @@ from splash.engine.profiling import (
     profile_plans,
     profile_tables,
 )
-from splash.engine.sampling import num_draws, sample_step
+from splash.engine.sampling import (
+    greedy_draws,
+    num_draws,
+    prompt_logprobs,
+    sample_step,
+    split_greedy,
+)
 from splash.engine.step_profile import StepProfiler
 from splash.engine.worker_config import WorkerConfig
 from splash.kernels_triton import set_value_checks
@@ -321,8 +327,9 @@ class Worker:
 
     def _keep_samples(self, plan: StepPlan, drawn: torch.Tensor | None) -> torch.Tensor | None:
         """Keep the step's draws on the device for the next step's inputs (every rank gets
-        rank 0's where the plan shares them); rank 0's host copy, issued now."""
-        if plan.share_samples and self.cfg.world > 1:
+        rank 0's where the plan shares them, unless the ranks drew together); rank 0's host
+        copy, issued now."""
+        if plan.share_samples and self.cfg.world > 1 and not split_greedy(plan):
             if drawn is None:  # ranks > 0 (or a step that draws nothing: every rank knows)
                 drawn = torch.zeros(num_draws(plan), dtype=torch.long, device=self.device)
             if drawn.numel():
@@ -403,6 +410,12 @@ class Worker:
                             self.cfg.page_size, self.device)
             ids = self._input_ids(plan.input_ids, plan)
             hidden = self._model_forward(ids, meta, impl, switch)
+        if self.cfg.world > 1 and plan.share_samples and split_greedy(plan):
+            drawn = greedy_draws(self.model, hidden, plan, self.cfg.rank, self.cfg.world,
+                                 self.comm.all_gather_same)  # on every rank already
+            if self.cfg.rank != 0:
+                return drawn, [], []
+            return drawn, [], prompt_logprobs(self.model, hidden, plan)
         if self.cfg.rank != 0:
             return None, [], []
         return sample_step(self.model, hidden, plan)
