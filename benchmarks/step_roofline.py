@@ -11,8 +11,10 @@ work on the step before). ``--sync`` measures with asynchronous scheduling off.
 
 ``roofline_ms`` = bytes the busiest rank must read in that step / the same run's copy bandwidth:
 its weights (attention projections as the layout places them, its MoE shard counting only the
-experts the batch's routing is expected to hit, dense MLP shards, the LM head on rank 0, which
-samples), and the KV it reads (every token it attends, every layer).
+experts the batch's routing is expected to hit, dense MLP shards, its slice of the LM head:
+greedy steps at T > 1 are drawn by every rank from its slice of the vocabulary), and the KV it
+reads (every token it attends, every layer). Results before that change counted the whole LM
+head on rank 0.
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ def roofline_bytes(cfg: ModelConfig, layout: str, tp: int, batch: int, context: 
             total += c.n_routed_experts * c.hidden_size * wb  # router
         else:
             total += 3 * c.hidden_size * c.intermediate_size * wb // tp
-    total += c.vocab_size * c.hidden_size * wb  # LM head: rank 0 samples every row
+    # LM head: greedy steps (these) are drawn by every rank from its slice of the vocabulary
+    total += -(-c.vocab_size // tp) * c.hidden_size * wb
     tokens = batch * context
     if lay.kv is KVPlacement.OWNED:
         held = -(-batch // tp) * context
