@@ -5,10 +5,10 @@ Both start in two phases: the workers load their weights and report their profil
 (`profiles`), then allocate the KV pool the controller sized from them (`allocate`). Both take
 one StepPlan per rank and return one StepResult per rank: `submit` issues a step, `collect`
 waits for the oldest step issued (a second step may be submitted before the first is
-collected: the workers launch it behind the first), `execute` does both. A dead or silent worker, or one that
-reports an error, raises WorkerDiedError within seconds (the first error ends the wait: its
-peers may be stuck in a collective); nothing waits forever. A step that failed on a worker that
-kept its state raises StepFailedError.
+collected: the workers launch it behind the first), `execute` does both. A dead or silent
+worker, or one that reports an error, raises WorkerDiedError within seconds (the first error
+ends the wait: its peers may be stuck in a collective); nothing waits forever. A step that
+failed on a worker that kept its state raises StepFailedError.
 
 Spawned workers start with SIGINT ignored (Ctrl-C in a terminal reaches the whole process
 group; the controller alone handles it and stops its workers) and, on the CPU backend, with
@@ -62,7 +62,24 @@ from splash.model.loader import CheckpointWeights
 logger = get_logger("splash.executor")
 
 
-class InprocExecutor:
+class _Executor:
+    """What every executor shares: `execute` is `submit` then `collect`."""
+
+    def submit(self, plans: list[StepPlan]) -> None:
+        raise NotImplementedError
+
+    def collect(self, plans: list[StepPlan],
+                while_waiting: Callable[[], None] | None = None) -> list[StepResult]:
+        raise NotImplementedError
+
+    def execute(self, plans: list[StepPlan],
+                while_waiting: Callable[[], None] | None = None) -> list[StepResult]:
+        """The step's results; ``while_waiting`` runs on the host while the workers compute."""
+        self.submit(plans)
+        return self.collect(plans, while_waiting)
+
+
+class InprocExecutor(_Executor):
     """T=1 on a GPU: the worker lives in the controller's process; plans still go through msgspec."""
 
     def __init__(self, cfg: WorkerConfig) -> None:
@@ -83,12 +100,6 @@ class InprocExecutor:
         weights = source if isinstance(source, Mapping) else CheckpointWeights(
             source, self.worker.model.cfg)
         self.worker.load_weights(weights, names)
-
-    def execute(self, plans: list[StepPlan],
-                while_waiting: Callable[[], None] | None = None) -> list[StepResult]:
-        """The step's results; ``while_waiting`` runs on the host while the device computes."""
-        self.submit(plans)
-        return self.collect(plans, while_waiting)
 
     def submit(self, plans: list[StepPlan]) -> None:
         """Launch the step on the device (the host returns before the device is done)."""
@@ -140,7 +151,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class MPExecutor:
+class MPExecutor(_Executor):
     """T spawned worker processes; ROUTER here, one DEALER per worker."""
 
     def __init__(self, cfg: WorkerConfig, start_timeout_s: float = 600.0) -> None:
@@ -265,12 +276,6 @@ class MPExecutor:
         finally:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
-
-    def execute(self, plans: list[StepPlan],
-                while_waiting: Callable[[], None] | None = None) -> list[StepResult]:
-        """The step's results; ``while_waiting`` runs on the host while the workers compute."""
-        self.submit(plans)
-        return self.collect(plans, while_waiting)
 
     def submit(self, plans: list[StepPlan]) -> None:
         with _sigint_deferred():  # every rank gets the step or none does (Ctrl-C mid-send left

@@ -55,6 +55,7 @@ import torch
 from splash.core.ownership import KVPlacement, Layout, get_layout
 from splash.core.protocol import WORKER_PROTOCOL_VERSION, StepPlan
 from splash.dist.comm import Comm
+from splash.engine.host_copy import pinned
 from splash.layouts.base import AttentionLayout, StepMeta
 
 logger = logging.getLogger("splash.graphs")
@@ -131,7 +132,7 @@ def _copy_into(static: Any, fresh: Any) -> None:
     if isinstance(static, torch.Tensor):
         if not isinstance(fresh, torch.Tensor) or fresh.shape != static.shape:
             raise _Mismatch(f"tensor {tuple(static.shape)} vs {getattr(fresh, 'shape', fresh)}")
-        static.copy_(_pinned(fresh), non_blocking=True)
+        static.copy_(pinned(fresh, static.device), non_blocking=True)
     elif isinstance(static, dict):
         if not isinstance(fresh, dict) or static.keys() != fresh.keys():
             raise _Mismatch("input keys differ")
@@ -139,12 +140,6 @@ def _copy_into(static: Any, fresh: Any) -> None:
             _copy_into(static[k], fresh[k])
     elif static != fresh:
         raise _Mismatch(f"host value {static!r} vs {fresh!r}")
-
-
-def _pinned(t: torch.Tensor) -> torch.Tensor:
-    """A host tensor in pinned memory, so that its copy to the device does not wait for the
-    device (a replay's inputs are copied while the step before still runs)."""
-    return t.pin_memory() if t.device.type == "cpu" and torch.cuda.is_available() else t
 
 
 @dataclass
@@ -257,7 +252,7 @@ class DecodeGraphs:
             except _Mismatch as e:  # never expected: same key, same structure
                 logger.warning("graph %s: inputs changed structure (%s); running eagerly", key, e)
                 return None
-            entry.positions.copy_(_pinned(meta.positions), non_blocking=True)
+            entry.positions.copy_(pinned(meta.positions, self.device), non_blocking=True)
             entry.ids.copy_(self.input_ids(padded.input_ids, padded), non_blocking=True)
         entry.graph.replay()
         self.replays += 1

@@ -15,9 +15,8 @@ which the workers write before they move anything), so its planning also runs wh
 device computes. The controller goes ahead only from a step that completes no switch (a
 background pre-copy may be in flight) and draws one token per request; otherwise (and when a
 request could not get pages without preemption) the next step is scheduled once N's tokens
-are known. Either way a
-call to ``step`` returns with the next step submitted: changes between calls (new requests,
-aborts, a requested switch) take effect from the step after it.
+are known. Either way a call to ``step`` returns with the next step submitted: changes between
+calls (new requests, aborts, a requested switch) take effect from the step after it.
 """
 
 from __future__ import annotations
@@ -30,8 +29,6 @@ from collections.abc import Callable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
-
-import msgspec
 
 from splash.core.protocol import StepPlan, StepResult
 from splash.core.request import Request, SampleGroup, Status
@@ -49,6 +46,7 @@ from splash.engine.setup import (
     resolve_setup,
     size_from_profiles,
 )
+from splash.engine.step_profile import ProfileMarks
 from splash.engine.switches import SwitchController, SwitchStep
 from splash.engine.warmup import warm_up
 from splash.errors import InvalidRequestError, StepFailedError, WorkerDiedError
@@ -119,7 +117,7 @@ class LLMEngine:
         self._step_ms_ema: float | None = None
         self._ahead: _Submitted | None = None  # the step submitted, not completed yet
         self._steps_ahead = 0  # steps scheduled before the step before them was done
-        self._profile: dict[str, Any] | None = None  # profile_steps() under way
+        self._profile = ProfileMarks()  # profile_steps() under way
         self._last_done = 0.0  # when the last step's results came back (perf_counter)
         self.weight_version = 0  # in-place weight updates so far
         self._started = time.monotonic()
@@ -231,14 +229,7 @@ class LLMEngine:
 
     def _submit_next(self) -> _Submitted | None:
         """Schedule the next step once the last one's tokens are known, and submit it."""
-        switch = self.switches.prepare(self.step_count, self._step_ms_ema)
-        precopy = self.switches.inflight is not None  # a pre-copy moves under this step
-        batch = self.scheduler.schedule(allow_preemption=switch is None and not precopy)
-        if not batch.entries and switch is None and not precopy:
-            return None
-        plans = build_plans(self.scheduler, batch, switch, self.step_count, self.setup,
-                            share_samples=self._share_samples())
-        return self._submit(self.step_count, batch, switch, precopy, plans)
+        return self._schedule(self.step_count, ahead=False)
 
     def _go_ahead(self, cur: _Submitted) -> _Submitted | None:
         """Schedule and submit the step after ``cur`` while ``cur`` computes, where nothing
@@ -248,20 +239,24 @@ class LLMEngine:
         if not self._can_go_ahead(cur):
             return None
         self.scheduler.advance(cur.batch)
-        step = cur.number + 1
-        switch = self.switches.prepare(step, self._step_ms_ema)
-        precopy = self.switches.inflight is not None
-        batch = self.scheduler.schedule(allow_preemption=False)
+        return self._schedule(cur.number + 1, ahead=True)
+
+    def _schedule(self, number: int, ahead: bool) -> _Submitted | None:
+        """Plan step ``number`` (its switch, its batch) and submit it; None when there is
+        nothing to run. A step scheduled ahead never preempts."""
+        switch = self.switches.prepare(number, self._step_ms_ema)
+        precopy = self.switches.inflight is not None  # a pre-copy moves under this step
+        batch = self.scheduler.schedule(
+            allow_preemption=not ahead and switch is None and not precopy)
         if not batch.entries and switch is None and not precopy:
             return None
-        plans = build_plans(self.scheduler, batch, switch, step, self.setup,
-                            share_samples=self._share_samples())
-        self._steps_ahead += 1
-        return self._submit(step, batch, switch, precopy, plans)
+        plans = build_plans(self.scheduler, batch, switch, number, self.setup,
+                            share_samples=self.cfg.async_scheduling)
+        self._steps_ahead += ahead
+        return self._submit(number, batch, switch, precopy, plans)
 
     def _can_go_ahead(self, cur: _Submitted) -> bool:
-        if not self.cfg.async_scheduling or cur.batch.starved or \
-                not cur.plans[0].share_samples:
+        if not self.cfg.async_scheduling or cur.batch.starved:
             return False
         if cur.switch is not None and cur.switch.mode != "precopy":
             return False  # its results complete the switch (pages to free, the history)
@@ -269,13 +264,9 @@ class LLMEngine:
         return not any(s and num_draws(req) > 1 for (req, _), s in zip(cur.batch.entries,
                                                                       cur.batch.samples))
 
-    def _share_samples(self) -> bool:
-        return self.cfg.async_scheduling
-
     def _submit(self, number: int, batch: ScheduledBatch, switch: SwitchStep | None,
                 precopy: bool, plans: list[StepPlan]) -> _Submitted:
-        if self._profile is not None:
-            plans = self._profile_marks(plans)
+        plans = self._profile.mark(plans)
         try:
             self.executor.submit(plans)
         except WorkerDiedError as e:
@@ -323,19 +314,7 @@ class LLMEngine:
         (or at shutdown) — `splash.engine.step_profile`."""
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise InvalidRequestError(f"steps must be an int >= 1, got {steps!r}")
-        self._profile = {"left": steps, "dir": os.fspath(out_dir), "started": False}
-
-    def _profile_marks(self, plans: list[StepPlan]) -> list[StepPlan]:
-        p = self._profile
-        assert p is not None
-        if p["left"] == 0:
-            mark, self._profile = "stop", None
-        else:
-            mark, p["started"], p["left"] = ("" if p["started"] else "start"), True, p["left"] - 1
-        if not mark:
-            return plans
-        return [msgspec.structs.replace(plan, profile=mark, profile_dir=p["dir"])
-                for plan in plans]
+        self._profile.start(steps, os.fspath(out_dir))
 
     def _drain(self) -> None:
         """Complete the step submitted ahead, if any (its outputs come with the next step)."""

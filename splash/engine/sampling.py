@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from splash.core.protocol import SeqSampling, StepPlan, TokenLogprobs
+from splash.engine.host_copy import to_device
 from splash.model.model import MLAModel
 from splash.model.sampler import sample, token_logprobs
 from splash.sampling_params import sample_seed
@@ -51,7 +52,7 @@ def sample_step(model: MLAModel, hidden: torch.Tensor, plan: StepPlan
     """hidden (N, hidden) of the step's rows -> (the draws, on the device and not waited for;
     None when nothing samples), logprobs per draw that asked, prompt logprobs per
     ``plan.prompt_logprobs`` entry (these two wait for the device)."""
-    starts = np.concatenate([[0], np.cumsum(plan.query_lens)])
+    starts = _row_starts(plan)
     rows: list[int] = []
     sp: list[SeqSampling] = []
     seeds: list[int | None] = []
@@ -85,7 +86,7 @@ def sample_step(model: MLAModel, hidden: torch.Tensor, plan: StepPlan
 def prompt_logprobs(model: MLAModel, hidden: torch.Tensor,
                     plan: StepPlan) -> list[list[TokenLogprobs]]:
     """Rank 0's prompt logprobs, per ``plan.prompt_logprobs`` entry (waits for the device)."""
-    starts = np.concatenate([[0], np.cumsum(plan.query_lens)])
+    starts = _row_starts(plan)
     prompt: list[list[TokenLogprobs]] = []
     for pl in plan.prompt_logprobs:
         first = int(starts[pl.index]) + pl.first_row
@@ -114,7 +115,7 @@ def greedy_draws(model: MLAModel, hidden: torch.Tensor, plan: StepPlan, rank: in
     the vocabulary, and the best of the slices' maxima wins (the first on ties: the lowest
     token id, as one argmax over the whole vocabulary picks). Reads 1 / world of the LM head
     per rank instead of all of it on rank 0, and leaves the draws on every rank."""
-    starts = np.concatenate([[0], np.cumsum(plan.query_lens)])
+    starts = _row_starts(plan)
     rows = [int(starts[b + 1]) - 1 for b, s in enumerate(plan.sample) if s
             for _ in range(plan.sampling[b].draws)]
     head = model.lm_head
@@ -138,8 +139,10 @@ def num_draws(plan: StepPlan) -> int:
 
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:
-    """Row indices on ``device`` without waiting for it (a pinned host copy on GPUs)."""
-    t = torch.tensor(rows, dtype=torch.long)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    """Row indices on ``device``, copied without waiting for it."""
+    return to_device(torch.tensor(rows, dtype=torch.long), device)
+
+
+def _row_starts(plan: StepPlan) -> np.ndarray:
+    """Each request's first row in the step (and the end of the last)."""
+    return np.concatenate([[0], np.cumsum(plan.query_lens)])

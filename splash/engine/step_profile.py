@@ -1,7 +1,8 @@
-"""A worker's profile of a few steps (`LLMEngine.profile_steps`): torch's profiler runs from
-the plan marked "start" to the plan marked "stop" (or shutdown), and the worker writes where
-its time went to ``<profile_dir>/profile_rank<r>.json``: device time per kernel (kernels
-replayed inside CUDA graphs included) or, on the CPU, host time per operator, per step."""
+"""Profiles of a few steps (`LLMEngine.profile_steps`): the controller marks the plans
+(`ProfileMarks`); on every worker torch's profiler runs from the plan marked "start" to the
+plan marked "stop" (or shutdown), and the worker writes where its time went to
+``<profile_dir>/profile_rank<r>.json``: device time per kernel (kernels replayed inside CUDA
+graphs included) or, on the CPU, host time per operator, per step (`StepProfiler`)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,39 @@ import json
 import os
 from typing import Any
 
+import msgspec
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from splash.core.protocol import StepPlan
+
 TOP = 20  # kernels listed
+
+
+class ProfileMarks:
+    """The controller's side: the next ``steps`` plans submitted after `start` are profiled;
+    the first carries "start", the one after the last "stop"."""
+
+    def __init__(self) -> None:
+        self.left = 0
+        self.out_dir = ""
+        self.started = self.active = False
+
+    def start(self, steps: int, out_dir: str) -> None:
+        self.left, self.out_dir, self.started, self.active = steps, out_dir, False, True
+
+    def mark(self, plans: list[StepPlan]) -> list[StepPlan]:
+        """``plans`` (one step's, every rank's), marked where the profile starts or stops."""
+        if not self.active:
+            return plans
+        if self.left == 0:
+            mark, self.active = "stop", False
+        else:
+            mark, self.started, self.left = "" if self.started else "start", True, self.left - 1
+        if not mark:
+            return plans
+        return [msgspec.structs.replace(p, profile=mark, profile_dir=self.out_dir)
+                for p in plans]
 
 
 class StepProfiler:

@@ -30,6 +30,7 @@ from splash.core.protocol import (
 )
 from splash.dist.comm import Comm
 from splash.engine.graphs import DecodeGraphs, graph_width, startup_graph_keys, startup_layouts
+from splash.engine.host_copy import to_device
 from splash.engine.profiling import (
     PROFILE_PAGES,
     profile_context,
@@ -326,14 +327,8 @@ class Worker:
             precopy_done=self.precopy is None or self.precopy.done())
 
     def _keep_samples(self, plan: StepPlan, drawn: torch.Tensor | None) -> torch.Tensor | None:
-        """Keep the step's draws on the device for the next step's inputs (every rank gets
-        rank 0's where the plan shares them, unless the ranks drew together); rank 0's host
-        copy, issued now."""
-        if plan.share_samples and self.cfg.world > 1 and not split_greedy(plan):
-            if drawn is None:  # ranks > 0 (or a step that draws nothing: every rank knows)
-                drawn = torch.zeros(num_draws(plan), dtype=torch.long, device=self.device)
-            if drawn.numel():
-                self.comm.all_reduce(drawn)  # rank 0's draws, zeros elsewhere
+        """Keep the step's draws on the device for the next step's inputs; rank 0's host copy,
+        issued now."""
         self.samples = (plan.step, drawn) if drawn is not None else None
         if drawn is None or self.cfg.rank != 0:
             return None
@@ -344,10 +339,7 @@ class Worker:
 
     def _input_ids(self, ids: list[int], plan: StepPlan) -> torch.Tensor:
         """The step's input ids on the device; ids < 0 are the previous step's draws."""
-        host = torch.tensor(ids, dtype=torch.long)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        dev = host.to(self.device, non_blocking=True)
+        dev = to_device(torch.tensor(ids, dtype=torch.long), self.device)
         if plan.inputs_from_step < 0:
             return dev
         if self.failed_step == plan.inputs_from_step:
@@ -410,15 +402,27 @@ class Worker:
                             self.cfg.page_size, self.device)
             ids = self._input_ids(plan.input_ids, plan)
             hidden = self._model_forward(ids, meta, impl, switch)
-        if self.cfg.world > 1 and plan.share_samples and split_greedy(plan):
-            drawn = greedy_draws(self.model, hidden, plan, self.cfg.rank, self.cfg.world,
-                                 self.comm.all_gather_same)  # on every rank already
-            if self.cfg.rank != 0:
-                return drawn, [], []
-            return drawn, [], prompt_logprobs(self.model, hidden, plan)
-        if self.cfg.rank != 0:
-            return None, [], []
-        return sample_step(self.model, hidden, plan)
+        return self._draw(plan, hidden)
+
+    def _draw(self, plan: StepPlan, hidden: torch.Tensor
+              ) -> tuple[torch.Tensor | None, list[TokenLogprobs], list[list[TokenLogprobs]]]:
+        """The step's draws (on every rank where the plan shares them: drawn together from
+        vocabulary slices when all greedy, else rank 0's through an all-reduce), and rank 0's
+        logprobs and prompt logprobs."""
+        rank0 = self.cfg.rank == 0
+        shared = plan.share_samples and self.cfg.world > 1
+        if shared and split_greedy(plan):
+            together = greedy_draws(self.model, hidden, plan, self.cfg.rank, self.cfg.world,
+                                    self.comm.all_gather_same)
+            return together, [], prompt_logprobs(self.model, hidden, plan) if rank0 else []
+        drawn, logprobs, prompt = sample_step(self.model, hidden, plan) if rank0 \
+            else (None, [], [])
+        if shared:
+            if drawn is None:  # ranks > 0 (or a step that draws nothing: every rank knows)
+                drawn = torch.zeros(num_draws(plan), dtype=torch.long, device=self.device)
+            if drawn.numel():
+                self.comm.all_reduce(drawn)  # rank 0's draws, zeros elsewhere
+        return drawn, logprobs, prompt
 
     def shutdown(self) -> None:
         self.profiler.stop()  # a profile still running is written now
