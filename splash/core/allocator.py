@@ -135,6 +135,11 @@ class PageAllocator:
         block = self._cached.get(key)
         return None if block is None else block.page
 
+    def evictable_keys(self) -> list[bytes]:
+        """The keys of the cached pages no request holds."""
+        hash_of = self._hash_of
+        return [hash_of[page] for page in self._evictable]
+
     def cached_blocks(self) -> dict[bytes, CachedBlock]:
         return self._cached
 

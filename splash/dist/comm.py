@@ -31,6 +31,13 @@ class Comm:
             self.xfer_group = dist.new_group(list(range(world)))
         self._graph_group = None
 
+    @property
+    def stream_ordered(self) -> bool:
+        """Whether a waited collective orders the caller's stream after it (NCCL, RCCL): an
+        event recorded after it covers it. gloo moves device tensors through host copies of
+        its own."""
+        return self.group is None or dist.get_backend(self.group) == "nccl"
+
     def make_graph_group(self, device: torch.device) -> None:
         """Create the capture-only group and connect it (collective: every rank calls it at the
         same point)."""

@@ -31,6 +31,10 @@ class EngineConfig:
     # auto | background (pre-copy while serving, then hand off) | live (layer-pipelined within
     # one step) | blocking (move everything, then compute: the baseline)
     switch_mode: str = "auto"
+    # every rank holds the projection heads of every layout from the start (head-sharded and
+    # replicated), so no switch moves weights; None: when CUDA graphs are on at T > 1 (their
+    # captured addresses keep every placement held anyway, so it costs no extra memory)
+    resident_projections: bool | None = None
     policy_margin: float = 0.1  # auto: switch when the best layout leads by this fraction
     worker_addr: str | None = None  # bind here and wait for torchrun-started workers
     enforce_eager: bool = False  # no CUDA graphs for decode steps (they are on by default on CUDA)

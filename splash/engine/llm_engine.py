@@ -12,10 +12,11 @@ handling and the policy run while it computes. A request that stops at N (end of
 stop string, an abort) has computed one row in N + 1 for nothing; one that stops by length is
 not scheduled again. A switch due at N + 1 is planned then too (its manifests count N's rows,
 which the workers write before they move anything), so its planning also runs while the
-device computes. The controller goes ahead only from a step that completes no switch (a
-background pre-copy may be in flight) and draws one token per request; otherwise (and when a
-request could not get pages without preemption) the next step is scheduled once N's tokens
-are known. Either way a call to ``step`` returns with the next step submitted: changes between
+device computes. The controller goes ahead from a step that draws one token per request,
+switching steps included (the switch is already in the scheduler's tables; the pages it
+discards are freed when its results come, after the step ahead was planned); otherwise (a
+fork of n samples, or a request that could not get pages without preemption) the next step
+is scheduled once N's tokens are known. Either way a call to ``step`` returns with the next step submitted: changes between
 calls (new requests, aborts, a requested switch) take effect from the step after it.
 """
 
@@ -258,8 +259,6 @@ class LLMEngine:
     def _can_go_ahead(self, cur: _Submitted) -> bool:
         if not self.cfg.async_scheduling or cur.batch.starved:
             return False
-        if cur.switch is not None and cur.switch.mode != "precopy":
-            return False  # its results complete the switch (pages to free, the history)
         # n samples fork off once their first tokens are known
         return not any(s and num_draws(req) > 1 for (req, _), s in zip(cur.batch.entries,
                                                                       cur.batch.samples))

@@ -65,6 +65,7 @@ class EngineSetup:
     limits: StepLimits  # the largest steps, as profiled
     budget: MemoryBudget  # how the pool was sized
     cuda_graphs: bool
+    resident_heads: bool  # every layout's projection heads held from the start: no weight moves
     graph_max_batch: int  # the largest graphed decode batch (per rank under owned KV)
 
     @property
@@ -86,6 +87,7 @@ class EngineSetup:
                             backend=self.backend_name, dtype=self.dtype, kv_dtype=self.kv_dtype,
                             index_dtype=self.index_dtype, page_size=self.page_size,
                             layout=self.initial_layout, cuda_graphs=self.cuda_graphs,
+                            resident_heads=self.resident_heads,
                             graph_max_batch=self.graph_max_batch,
                             graph_layouts=self.fitting,
                             graph_context=min(self.max_model_len, _GRAPH_CONTEXT),
@@ -121,10 +123,12 @@ def resolve_setup(cfg: EngineConfig) -> EngineSetup:
                         sample_rows=min(cfg.max_num_seqs, batched), context=max_model_len)
     cuda_graphs = _cuda_graphs(cfg, backend.name)
     graph_max_batch = min(cfg.max_num_seqs, _GRAPH_MAX_BATCH)
+    resident = world > 1 and (cuda_graphs if cfg.resident_projections is None
+                              else cfg.resident_projections)
     budget = MemoryBudget(
         budget=_budget_bytes(cfg, backend),
         weights=memory.common_bytes_per_rank + held_projection_bytes(
-            memory, tuple(fitting), keep_all=cuda_graphs),
+            memory, tuple(fitting), keep_all=cuda_graphs or resident),
         activations=activation_estimate(model_cfg, world, dtype, limits),
         graphs=_graph_reserve(model_cfg, world, dtype, limits, fitting, graph_max_batch, 0)
         if cuda_graphs else 0,
@@ -139,7 +143,7 @@ def resolve_setup(cfg: EngineConfig) -> EngineSetup:
         memory=memory, fitting=tuple(fitting), initial_layout=initial, num_pages=num_pages,
         max_model_len=max_model_len, max_request_tokens=num_pages * page_size,
         limits=limits, budget=budget,
-        cuda_graphs=cuda_graphs, graph_max_batch=graph_max_batch)
+        cuda_graphs=cuda_graphs, resident_heads=resident, graph_max_batch=graph_max_batch)
 
 
 def size_from_profiles(setup: EngineSetup, profiles: list[WorkerProfile]) -> EngineSetup:
@@ -157,8 +161,11 @@ def size_from_profiles(setup: EngineSetup, profiles: list[WorkerProfile]) -> Eng
                 f"max_num_seqs), or raise tp_size ({p.error})")
         raise WorkerDiedError(f"worker {p.rank} failed to start: {p.error}")
     cfg, memory, old = setup.cfg, setup.memory, setup.budget
-    held = held_projection_bytes(memory, setup.fitting, keep_all=setup.cuda_graphs)
-    now = memory.projection_bytes_per_rank(get_layout(setup.initial_layout))
+    held = held_projection_bytes(memory, setup.fitting,
+                                 keep_all=setup.cuda_graphs or setup.resident_heads)
+    # what the workers measured holds the start layout's heads, or every layout's if resident
+    now = held if setup.resident_heads else \
+        memory.projection_bytes_per_rank(get_layout(setup.initial_layout))
     measured = max(p.weight_bytes for p in profiles)
     peak = max(p.activation_bytes for p in profiles)
     decode = max(p.decode_bytes for p in profiles)

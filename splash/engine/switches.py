@@ -181,7 +181,8 @@ class SwitchController:
         eager = setup.cfg.switch_mode in ("live", "blocking")
         manifest = build_manifest(src, dst, running, alloc, setup.world, setup.page_size,
                                   setup.model_cfg.num_attention_heads,
-                                  cached=self._cached() if eager else None)
+                                  cached=self._cached() if eager else None,
+                                  resident_heads=setup.resident_heads)
         if manifest is not None and not eager and \
                 self._mode(manifest, step_ms_ema) != "background":
             cached = self._cached()
@@ -189,7 +190,7 @@ class SwitchController:
                 manifest.give_back(alloc)
                 manifest = build_manifest(src, dst, running, alloc, setup.world,
                                           setup.page_size, setup.model_cfg.num_attention_heads,
-                                          cached=cached)
+                                          cached=cached, resident_heads=setup.resident_heads)
         if manifest is None:
             reason = (f"switch {src.name}->{dst.name} deferred at step {step}: the destination "
                       f"needs more free KV pages than the ranks have (free {[a.num_available for a in alloc.ranks]}); "
@@ -239,11 +240,19 @@ class SwitchController:
         return "live" if step_ms >= 2 * transfer_ms else "background"
 
     def _cached(self) -> list[CachedHistory]:
-        """The cached chains no request holds, complete under the current layout."""
+        """The cached chains no request holds, complete under the current layout, less those
+        a running request's history covers (copies a switch left behind, typically: the
+        request's own pages move and are registered at the destination, so moving the copy
+        too would only double the bytes)."""
         sched = self.scheduler
         if not sched.prefix.enabled or not any(a.num_evictable for a in sched.alloc.ranks):
             return []  # every cached page is a running request's: it moves with its request
-        return cached_histories(sched.alloc, sched.layout, self.setup.world, self.setup.page_size)
+        covered = {key for r in sched.running for key in r.block_hashes[:r.num_cached_pages]}
+        if all(key in covered for a in sched.alloc.ranks for key in a.evictable_keys()):
+            return []  # nothing but such copies (no chain to build)
+        chains = cached_histories(sched.alloc, sched.layout, self.setup.world,
+                                  self.setup.page_size)
+        return [h for h in chains if h.block_hashes[-1] not in covered]
 
     def _handoff(self, step: int) -> SwitchStep | None:
         sched, setup, pc = self.scheduler, self.setup, self.inflight
@@ -258,7 +267,7 @@ class SwitchController:
         delta = build_manifest(pre.src, pre.dst, running, sched.alloc, setup.world,
                                setup.page_size, setup.model_cfg.num_attention_heads,
                                owners=owners, rows_from=pc.copied, staged=staged,
-                               cached=self._cached())
+                               cached=self._cached(), resident_heads=setup.resident_heads)
         if delta is None:
             free_placed(staged, sched.alloc)
             self._cancelled(pc, step, "no free pages for the delta")
@@ -335,6 +344,9 @@ class SwitchController:
             "weight_bytes_received_per_rank": [r.weight_bytes_received for r in results],
             "predicted_kv_bytes_per_rank": predicted["kv_bytes_received"],
             "predicted_weight_bytes_per_rank": predicted["weight_bytes_received"],
+            # pages a rank had cached under the same key (a copy an earlier switch left there)
+            "kv_pages_reused_per_rank": [sum(s.pages_reused for s in (m.summary[r] for m in (
+                action.precopy, manifest) if m is not None)) for r in range(setup.world)],
             "step_ms": round(step_ms, 3),
             "overhead_ms": round(max(r.switch_ms for r in results), 3),  # the switch work
             "mode": "background" if action.mode == "handoff" else action.mode,

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from splash import envs
 from splash.backends import get_backend
 from splash.backends.dtypes import torch_dtype
-from splash.core.ownership import get_layout, heads_held
+from splash.core.ownership import fitting_layouts, get_layout, heads_held
 from splash.core.protocol import (
     WORKER_PROTOCOL_VERSION,
     StepPlan,
@@ -100,9 +100,13 @@ class Worker:
         self.comm = Comm(cfg.rank, cfg.world)
         self.comm.connect(self.device)
         heads = self._heads(cfg.layout)
+        # resident: every layout's head range loaded now, so switches move no weights
+        others = {self._heads(name) for name in fitting_layouts(
+            _num_heads(cfg.model), cfg.world)} - {heads} if cfg.resident_heads else set()
         self.model = MLAModel.from_pretrained(
             cfg.model, cfg.rank, cfg.world, heads.start, len(heads),
-            dtype=torch_dtype(cfg.dtype), device=self.device)
+            dtype=torch_dtype(cfg.dtype), device=self.device,
+            also_hold=sorted(others, key=lambda r: r.start))
         moe_config = self.backend.kernel_config("fused_moe") or None
         for layer in self.model.layers:
             if isinstance(layer.mlp, MoE):
@@ -113,7 +117,7 @@ class Worker:
         self.graphs: DecodeGraphs | None = None
         self.capture = cfg.cuda_graphs and self.device.type == "cuda"
         for attn in self.model.attn_layers:  # graphs read the placed weights' addresses
-            attn.keep_placements = self.capture
+            attn.keep_placements = self.capture or cfg.resident_heads
         self.num_pages = 0
         self.store: KVStore
         self.layouts: dict[str, AttentionLayout] = {}
@@ -311,10 +315,10 @@ class Worker:
         """Wait for a launched step and make its result."""
         if out.result is not None:
             return out.result
-        if out.done is not None:
+        if out.done is not None:  # the step's stream waited for every transfer it used
             out.done.synchronize()
-        if out.switch is not None:  # its transfers ran on other streams
-            self.backend.synchronize()
+        if out.switch is not None and not self.comm.stream_ordered:
+            self.backend.synchronize()  # gloo's device copies: not ordered with the stream
         switch = out.switch
         return StepResult(
             version=WORKER_PROTOCOL_VERSION, step=out.plan.step, rank=self.cfg.rank,

@@ -18,6 +18,7 @@ class WorkerConfig:
     layout: str  # layout at start
     dist_init: str = ""  # torch.distributed init method ("" with world == 1; "env://")
     cuda_graphs: bool = False  # replay decode steps from CUDA graphs (splash/engine/graphs.py)
+    resident_heads: bool = False  # hold every layout's projection heads from the start
     graph_max_batch: int = 256  # largest padded decode batch (per rank for DP/DOP) captured
     graph_layouts: tuple[str, ...] = ()  # layouts whose graphs are captured at start-up
     graph_context: int = 1024  # start-up graphs cover decode steps up to this context

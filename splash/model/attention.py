@@ -14,7 +14,7 @@ their lightning `indexer` (common state, `splash/model/indexer.py`); a DSA layer
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -57,6 +57,16 @@ def _place(cfg: ModelConfig, name: str, t: torch.Tensor, h: int) -> dict[str, to
         kv_b = t.view(h, nope + cfg.v_head_dim, L)
         return {"w_uk": kv_b[:, :nope].contiguous(), "w_uv": kv_b[:, nope:].contiguous()}
     return {"q_b": t.view(h, nope + cfg.qk_rope_head_dim, cfg.q_in_dim)}
+
+
+def _placed(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], prefix: str, hs: int,
+            he: int, prep: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The four placed tensors of heads [hs, he) of one layer (HF names under ``prefix``)."""
+    placed: dict[str, torch.Tensor] = {}
+    for name in _placed_sources(cfg):
+        placed.update(_place(cfg, name, prep(_head_slice(cfg, weights, prefix + name, hs, he)),
+                             he - hs))
+    return placed
 
 
 class MLAAttention:
@@ -113,10 +123,7 @@ class MLAAttention:
 
         common = {name.removesuffix(".weight"): prep(take(weights, p + name)) for name in _COMMON
                   if cfg.q_lora_rank is not None or not name.startswith("q_a")}
-        placed: dict[str, torch.Tensor] = {}
-        for name in _placed_sources(cfg):
-            placed.update(_place(cfg, name, prep(_head_slice(cfg, weights, p + name, hs, he)),
-                                 h))
+        placed = _placed(cfg, weights, p, hs, he, prep)
         indexer = None
         if cfg.has_indexer(layer_idx):
             index_rope = RotaryEmbedding(cfg, device, interleave=cfg.index_rope_interleave)
@@ -144,6 +151,30 @@ class MLAAttention:
         return True
 
     # --- placement -----------------------------------------------------------------------
+    def hold(self, weights: Mapping[str, torch.Tensor], prefix: str, heads: range) -> None:
+        """Also hold the placement of ``heads`` (loaded from HF ``weights`` under ``prefix``,
+        beside the current one, on the current tensors' device and dtype): a later switch to
+        that range changes no byte (`use`). Placements are then kept for the engine's life."""
+        self.keep_placements = True
+        key = (heads.start, len(heads))
+        if key in self._buffers:
+            return
+        ref = self.q_b
+
+        def prep(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=ref.device, dtype=ref.dtype).contiguous()
+
+        placed = _placed(self.cfg, weights, prefix, heads.start, heads.stop, prep)
+        self._buffers[key] = {k: placed[k] for k in PLACED_NAMES}
+
+    def holds(self, heads: range) -> bool:
+        """Whether the placement of ``heads`` is held (current or kept)."""
+        return (heads.start, len(heads)) in self._buffers
+
+    def use(self, heads: range) -> None:
+        """Compute with the held placement of ``heads`` from now on (no copy)."""
+        self.set_placed(heads.start, self._buffers[(heads.start, len(heads))])
+
     def placed_weights(self) -> dict[str, torch.Tensor]:
         """The four head-first tensors this instance holds (no copies)."""
         return {"q_b": self.q_b, "w_uk": self.w_uk, "w_uv": self.w_uv, "w_o": self.w_o}

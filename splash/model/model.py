@@ -81,10 +81,17 @@ class MLAModel:
     def from_pretrained(cls, path: str | Path, rank: int = 0, world: int = 1,
                         head_start: int = 0, num_heads: int | None = None,
                         dtype: torch.dtype | str | None = None,
-                        device: torch.device | str | None = None) -> MLAModel:
-        """Load a checkpoint directory, reading only this rank's slices from disk."""
+                        device: torch.device | str | None = None,
+                        also_hold: Iterable[range] = ()) -> MLAModel:
+        """Load a checkpoint directory, reading only this rank's slices from disk.
+        ``also_hold``: further head ranges every attention layer holds beside its own
+        (`MLAAttention.hold`)."""
         cfg, weights = from_pretrained_dir(path, dtype=dtype, device="cpu")
-        return cls(cfg, weights, rank, world, head_start, num_heads, weights.dtype, device)
+        model = cls(cfg, weights, rank, world, head_start, num_heads, weights.dtype, device)
+        for heads in also_hold:
+            for i, attn in enumerate(model.attn_layers):
+                attn.hold(weights, f"model.layers.{i}.self_attn.", heads)
+        return model
 
     @property
     def attn_layers(self) -> list[MLAAttention]:

@@ -43,6 +43,7 @@ class CostModel:
     kv_dtype: str = "bf16"
     page_size: int = 64
     sparse_attention: bool | None = None  # DSA top-k + indexer; None: when cfg has index_topk
+    resident_heads: bool = False  # every layout's projection heads held: switches move no weights
     memory: MemoryModel = field(init=False, repr=False, compare=False)
     _k: dict[str, Any] = field(init=False, repr=False, compare=False)  # derived constants
 
@@ -137,7 +138,7 @@ class CostModel:
                       else np.asarray(live_owners, dtype=np.int64))
         prims: list[str] = []
         w_bytes = 0
-        if s.shards_heads and not d.shards_heads and T > 1:
+        if s.shards_heads and not d.shards_heads and T > 1 and not self.resident_heads:
             w_bytes = self.memory.weight_allgather_bytes_per_rank_per_layer
             prims.append("weight all-gather")
         ps = self.page_size

@@ -248,11 +248,14 @@ def _describe(name: str, times: dict[str, float], admitted: dict[str, int]) -> s
 def build_policy(cfg, world: int, profile, budget_bytes: int, *, weight_dtype: str = "bf16",
                  kv_dtype: str = "bf16", page_size: int = 64, reserve_bytes: int = 0,
                  margin: float = 0.1, min_dwell_steps: int = 16,
-                 sparse_attention: bool | None = None, smoothing: float = 0.5) -> LayoutPolicy:
+                 sparse_attention: bool | None = None, smoothing: float = 0.5,
+                 resident_heads: bool = False) -> LayoutPolicy:
     """The policy the engine uses: cost model + memory accounting of ``cfg`` on ``world`` ranks
     of hardware ``profile`` (a HardwareProfile), ``budget_bytes`` of device memory per rank.
-    An engine that runs dense MLA on a DSA model passes ``sparse_attention=False``."""
-    cm = CostModel(cfg, world, profile, weight_dtype, kv_dtype, page_size, sparse_attention)
+    An engine that runs dense MLA on a DSA model passes ``sparse_attention=False``; one whose
+    ranks hold every layout's projection heads, ``resident_heads=True`` (no weight moves)."""
+    cm = CostModel(cfg, world, profile, weight_dtype, kv_dtype, page_size, sparse_attention,
+                   resident_heads)
     return LayoutPolicy(cm, cm.memory, budget_bytes, margin=margin,
                         min_dwell_steps=min_dwell_steps, reserve_bytes=reserve_bytes,
                         smoothing=smoothing)

@@ -126,6 +126,9 @@ def install_heads(attn: Any, plan: SwitchPlan, received: torch.Tensor,
     new = range(mv.head_start, mv.head_stop)
     if old == new:
         return
+    if not received_heads and attn.holds(new):  # resident (or kept for CUDA graphs)
+        attn.use(new)
+        return
     lo, hi = max(old.start, new.start), min(old.stop, new.stop)
     dst = torch.tensor([h - new.start for h in received_heads], dtype=torch.long,
                        device=received.device)

@@ -44,6 +44,7 @@ class RankSummary:
     pages_repacked: int = 0  # kept in place, new local index (metadata only)
     pages_discarded: int = 0
     pages_received: int = 0
+    pages_reused: int = 0  # taken from the rank's prefix cache (same key): nothing moved
     kv_rows_received: int = 0
     kv_rows_sent: int = 0
     heads_kept: int = 0
@@ -118,9 +119,15 @@ def destination_owners(src: Layout, dst: Layout, requests: list[History], world:
     return {**fixed, **new} if fixed else new
 
 
-def weight_moves(src: Layout, dst: Layout, world: int, num_heads: int) -> list[WeightMove]:
+def weight_moves(src: Layout, dst: Layout, world: int, num_heads: int,
+                 resident: bool = False) -> list[WeightMove]:
     """Per rank: the heads it must hold under ``dst`` and which it receives from (the lowest)
-    source holder, and which it sends."""
+    source holder, and which it sends. ``resident``: every rank holds every layout's heads
+    already, so nothing moves."""
+    if resident:
+        return [WeightMove(r.start, r.stop, [[] for _ in range(world)],
+                           [[] for _ in range(world)])
+                for r in (heads_held(dst, d, world, num_heads) for d in range(world))]
     sender = [world] * num_heads  # each head's lowest source holder
     for r in reversed(range(world)):
         for h in heads_held(src, r, world, num_heads):
@@ -149,6 +156,7 @@ def build_manifest(
     rows_from: dict[str, int] | None = None,
     staged: Placed | None = None,
     cached: list[CachedHistory] | None = None,
+    resident_heads: bool = False,
 ) -> SwitchManifest | None:
     """The manifest for switching ``requests`` (with their current tables) from ``src`` to
     ``dst``, allocating destination pages; None (nothing allocated) when the pages needed do
@@ -156,13 +164,14 @@ def build_manifest(
     rows it moved per request (``rows_from``, absent = 0) and the pages it placed (``staged``);
     a page a destination rank already holds under ``src`` is kept and never moves.
     ``cached`` chains (pinned here for the step) move along when their pages fit beside the
-    requests'; otherwise they stay where they are."""
+    requests'; otherwise they stay where they are. ``resident_heads``: every rank holds every
+    layout's projection heads (no weight moves)."""
     if cached:
         for h in cached:  # pinned: the allocation below must not evict what moves or stays
             for rank, pages in enumerate(h.tables):
                 allocators[rank].incref(pages)
         m = _build(src, dst, [*requests, *cached], allocators, world, page_size, num_heads,
-                   owners, rows_from, staged)
+                   owners, rows_from, staged, resident_heads)
         if m is not None:
             m.cached = list(cached)
             for h in cached:
@@ -173,28 +182,35 @@ def build_manifest(
             for rank, pages in enumerate(h.tables):
                 allocators[rank].free(pages)
     return _build(src, dst, list(requests), allocators, world, page_size, num_heads, owners,
-                  rows_from, staged)
+                  rows_from, staged, resident_heads)
 
 
 def _build(src: Layout, dst: Layout, histories: list[History], allocators: RankAllocators,
            world: int, page_size: int, num_heads: int, owners: dict[str, int] | None,
-           rows_from: dict[str, int] | None, staged: Placed | None) -> SwitchManifest | None:
+           rows_from: dict[str, int] | None, staged: Placed | None,
+           resident_heads: bool) -> SwitchManifest | None:
     owners = destination_owners(src, dst, histories, world, owners)
     pool = max(a.num_pages for a in allocators.ranks)
-    plan = plan_pages(src, dst, histories, owners, world, page_size, pool, rows_from, staged)
+    plan = plan_pages(src, dst, histories, owners, world, page_size, pool, rows_from, staged,
+                      lookup=lambda rank, key: allocators[rank].lookup(key))
+    reused = plan.reused_pages()
+    for rank, pages in enumerate(reused):  # taken before allocating: never evicted for it
+        allocators[rank].incref(pages)
     need = received_pages(plan)
     if not allocators.can_allocate(need):
+        for rank, pages in enumerate(reused):
+            allocators[rank].free(pages)
         return None
     placed = place_pages(plan, allocators.allocate(need))
     for rank, pages in enumerate(placed.incref):
         allocators[rank].incref(pages)
-    weights = weight_moves(src, dst, world, num_heads)
+    weights = weight_moves(src, dst, world, num_heads, resident_heads)
     kv = [KVMove(placed.send[r], placed.recv[r]) for r in range(world)]
     summary = [RankSummary(**{k: int(v[r]) for k, v in placed.counts.items()})
                for r in range(world)]
     for rank, mv in enumerate(weights):
-        old = set(heads_held(src, rank, world, num_heads))
         new = set(range(mv.head_start, mv.head_stop))
+        old = new if resident_heads else set(heads_held(src, rank, world, num_heads))
         summary[rank].heads_received = sum(len(x) for x in mv.recv_from)
         summary[rank].heads_kept = len(old & new)
         summary[rank].heads_discarded = len(old - new)

@@ -22,6 +22,7 @@ already moved (``rows_from``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import chain
@@ -74,6 +75,13 @@ class PagePlan:
     share_of: np.ndarray | None  # (R,) the entry whose copy it holds (itself if not shared);
     #   None when no entry shares
     fresh: np.ndarray  # received entries that need a fresh page (in ``recv``'s order)
+    reused: np.ndarray  # received entries whose content the receiver has cached: that page
+    #   is taken (one more reference) and no row moves
+
+    def reused_pages(self) -> list[list[int]]:
+        """Per rank, the cached pages the reused entries take (one reference each)."""
+        rank, page = self.recv_rank[self.reused], self.page[self.reused]
+        return [page[rank == r].tolist() for r in range(self.world)]
 
     @cached_property
     def kept(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -102,12 +110,15 @@ class PagePlacement:
 def plan_pages(src: Layout, dst: Layout, histories: list[History], owners: dict[str, int],
                world: int, page_size: int, pool_pages: int,
                rows_from: dict[str, int] | None = None,
-               staged: Placed | None = None) -> PagePlan:
+               staged: Placed | None = None,
+               lookup: Callable[[int, bytes], int | None] | None = None) -> PagePlan:
     """Every destination page: kept where the source already holds it on that rank, else
     received from its lowest source holder — its rows from ``rows_from`` (rows already moved
-    per history) on, into its ``staged`` page if any. A full page an earlier entry already
-    receives from the same source page onto the same rank shares that copy. ``pool_pages``:
-    pages in a rank's pool."""
+    per history) on, into its ``staged`` page if any. A full page of a request whose key the
+    receiving rank has cached (``lookup(rank, key)``: the prefix cache, e.g. the copy an
+    earlier switch left there) takes that page and moves nothing. A full page an earlier entry
+    already receives from the same source page onto the same rank shares that copy.
+    ``pool_pages``: pages in a rank's pool."""
     num = len(histories)
     computed = np.fromiter((h.num_computed for h in histories), INDEX, num)
     own_src = np.fromiter((h.owner for h in histories), INDEX, num)
@@ -144,6 +155,13 @@ def plan_pages(src: Layout, dst: Layout, histories: list[History], owners: dict[
         rows = np.maximum(rows - rows_start, 0)
     page = (_staged(staged, histories, starts, world)[recv] if staged
             else np.full(len(recv), -1, INDEX))
+    is_request = np.fromiter((not isinstance(h, CachedHistory) for h in histories), bool, num)
+    reused = np.zeros(0, INDEX)
+    if lookup is not None:
+        hit = _cache_hits(histories, hist[rp], logical[rp], recv_rank,
+                          full & (page < 0) & is_request[hist[rp]], lookup)
+        reused = np.flatnonzero(hit >= 0).astype(INDEX)
+        page[reused], rows[reused] = hit[reused], 0
     share_of = None
     if canon is not None:  # only a full page two table entries hold is shared
         copy = canon[at]  # the source page, as its first table entry
@@ -154,14 +172,31 @@ def plan_pages(src: Layout, dst: Layout, histories: list[History], owners: dict[
         shared = share_of != np.arange(len(recv))
         rows[shared] = 0
         share_of = share_of if shared.any() else None
-    fresh = np.flatnonzero(page < 0) if staged else np.arange(len(recv), dtype=INDEX)
+    fresh = np.flatnonzero(page < 0) if staged or len(reused) \
+        else np.arange(len(recv), dtype=INDEX)
     if share_of is not None:
         fresh = fresh[share_of[fresh] == fresh]
-    is_request = np.fromiter((not isinstance(h, CachedHistory) for h in histories), bool, num)
     return PagePlan(world, page_size, histories, is_request, n, starts, hist, src_local,
                     repacked, held, kept_mask, need, held_count, kept_count, in_place, tables,
                     lens, canon, recv, rp, recv_rank, source, source_page, rows_start, rows,
-                    page, share_of, fresh)
+                    page, share_of, fresh, reused)
+
+
+def _cache_hits(histories: list[History], hist: np.ndarray, logical: np.ndarray,
+                rank: np.ndarray, candidate: np.ndarray,
+                lookup: Callable[[int, bytes], int | None]) -> np.ndarray:
+    """(R,) for each received entry the page its receiver has cached under the page's key, or
+    -1 (only ``candidate`` entries are looked up: full pages of requests)."""
+    out = np.full(len(rank), -1, INDEX)
+    at = np.flatnonzero(candidate)
+    for j, h, i, r in zip(at.tolist(), hist[at].tolist(), logical[at].tolist(),
+                          rank[at].tolist()):
+        keys = histories[h].block_hashes
+        if i < len(keys):
+            page = lookup(r, keys[i])
+            if page is not None:
+                out[j] = page
+    return out
 
 
 def received_pages(plan: PagePlan) -> list[int]:
@@ -191,6 +226,7 @@ def place_pages(plan: PagePlan, fresh: list[list[int]]) -> PagePlacement:
     send, recv, pair_rows = _runs(plan, page)
     dropped, counts = _dropped(plan)
     counts["pages_received"] = np.array([len(pages) for pages in fresh])
+    counts["pages_reused"] = np.bincount(plan.recv_rank[plan.reused], minlength=world)
     counts["kv_rows_received"] = pair_rows.sum(0)
     counts["kv_rows_sent"] = pair_rows.sum(1)
     return PagePlacement(_new_tables(plan, page, fresh), send, recv, placed, dropped,

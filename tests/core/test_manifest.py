@@ -81,6 +81,23 @@ def test_direction_primitives_and_rows(src, dst, world):
     assert used_before != [0] * world
 
 
+@pytest.mark.parametrize("src,dst", list(EXPECTED))
+def test_resident_heads_move_no_weights(src, dst):
+    """Every rank holding every layout's heads: no direction moves or frees a head, each rank
+    ends on the destination's range, and the KV plan is the one without residency."""
+    world = 2
+    sched, alloc = _running(src, world)
+    m = build_manifest(LAYOUTS[src], LAYOUTS[dst], sched.running, alloc, world, PS, HEADS,
+                       resident_heads=True)
+    assert m is not None and (m.weight_op, m.kv_op) == ("keep", EXPECTED[(src, dst)][1])
+    for rank, (mv, s) in enumerate(zip(m.weights, m.summary)):
+        assert mv.recv_from == [[], []] and mv.send_to == [[], []]
+        want = range(HEADS) if LAYOUTS[dst].projections.name == "REPLICATED" else \
+            range(rank * HEADS // world, (rank + 1) * HEADS // world)
+        assert range(mv.head_start, mv.head_stop) == want
+        assert (s.heads_received, s.heads_discarded, s.heads_kept) == (0, 0, len(want))
+
+
 def test_predicted_bytes():
     sched, alloc = _running("dop", 2)
     m = build_manifest(LAYOUTS["dop"], LAYOUTS["tp"], sched.running, alloc, 2, PS, HEADS)
@@ -110,3 +127,32 @@ def test_owners_rebalanced_by_tokens_entering_owned_layout():
 def test_all_twelve_directions_listed():
     names = list(LAYOUTS)
     assert set(EXPECTED) == {(a, b) for a, b in itertools.permutations(names, 2)}
+
+
+def test_cached_copies_on_the_receiver_are_taken_not_moved():
+    """DP -> TP: a rank that has a request's full pages cached (same keys, e.g. left there by
+    an earlier TP -> DP) takes those pages (one reference each) and receives only the rest."""
+    from splash.core.prefix_cache import hash_page
+
+    world = 2
+    sched, alloc = _running("dp", world, lengths=(14, 9))
+    req = next(r for r in sched.running if r.num_computed == 14)  # 3 full pages + 2 rows
+    other = 1 - req.owner
+    tokens = req.prompt_token_ids
+    keys = []
+    for i in range(3):
+        keys.append(hash_page(keys[-1] if keys else None, tokens[i * PS:(i + 1) * PS]))
+    req.block_hashes = list(keys)
+    copies = alloc[other].allocate(3)
+    alloc[other].register_many(copies, keys, [None, *keys[:2]], [0, 1, 2])
+    alloc[other].free(copies)  # cached, unreferenced
+    plain_sched, plain_alloc = _running("dp", world, lengths=(14, 9))
+    plain = build_manifest(LAYOUTS["dp"], LAYOUTS["tp"], plain_sched.running, plain_alloc,
+                           world, PS, HEADS)
+    m = build_manifest(LAYOUTS["dp"], LAYOUTS["tp"], sched.running, alloc, world, PS, HEADS)
+    assert m is not None and plain is not None
+    assert m.summary[other].pages_reused == 3 and m.summary[req.owner].pages_reused == 0
+    assert m.new_tables[req.request_id][other][:3] == copies
+    assert [alloc[other].refcount(p) for p in copies] == [1, 1, 1]
+    assert m.summary[other].kv_rows_received == plain.summary[other].kv_rows_received - 12
+    assert m.summary[other].pages_received == plain.summary[other].pages_received - 3

@@ -32,3 +32,27 @@ def test_cached_pages_move_with_each_switch_and_stay_hits():
     assert stats["switches"][0]["kv_bytes_received"] > 0  # dp -> tp gathers the cached chain
     assert outs == hf_greedy(path, [shared + t for t in tails], 3)
     assert stats["kv_pages_used"] == [0, 0]
+
+
+def test_copies_a_switch_left_behind_are_reused_not_moved():
+    """TP -> DP leaves each request's pages cached on its non-owner rank. The DP -> TP switch
+    after it takes those copies back (same keys) and receives only the pages written since,
+    fewer bytes than the same run without prefix caching — not the copies moved along as
+    cached chains as well — and the tokens are the same."""
+    path = checkpoint("v3")
+    prompts = mixed_prompts(seed=33, lengths=(17, 21, 9, 13))
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    runs = []
+    for caching in (True, False):
+        with LLM(path, tp_size=2, layout="tp", page_size=4, max_num_batched_tokens=64,
+                 enable_prefix_caching=caching, **DEV) as llm:
+            outs = llm.generate(prompts, params, layout_plan=[(3, "dp"), (6, "tp")])
+            runs.append(([o.token_ids for o in outs], llm.stats()["switches"]))
+    (cached_tokens, cached), (plain_tokens, plain) = runs
+    assert cached_tokens == plain_tokens
+    assert [(s["from"], s["to"]) for s in cached] == [("tp", "dp"), ("dp", "tp")]
+    back, back_plain = cached[1], plain[1]
+    assert back["kv_bytes_received_per_rank"] == back["predicted_kv_bytes_per_rank"]
+    assert all(n > 0 for n in back["kv_pages_reused_per_rank"])
+    assert back_plain["kv_pages_reused_per_rank"] == [0, 0]
+    assert 0 < back["kv_bytes_received"] < back_plain["kv_bytes_received"]

@@ -27,11 +27,13 @@ def _params(n):
 # for all layers and with one per layer (two groups in flight: one packs or unpacks while the
 # other moves). A background switch hands off at the earliest on the step after its pre-copy:
 # the circuit then takes two steps a switch, with decodes and the chunked prefill writing rows
-# between pre-copy and handoff.
-@pytest.mark.parametrize("world,mode,group_bytes", [
-    (2, "live", None), (4, "live", None), (2, "blocking", None), (2, "blocking", 1),
-    (2, "background", None), (4, "background", None)])
-def test_all_twelve_directions_token_identical(world, mode, group_bytes, monkeypatch):
+# between pre-copy and handoff. With resident projections (every rank holds every layout's
+# heads from the start, as under CUDA graphs at T > 1) no switch moves weights.
+@pytest.mark.parametrize("world,mode,group_bytes,resident", [
+    (2, "live", None, False), (4, "live", None, False), (2, "blocking", None, False),
+    (2, "blocking", 1, False), (2, "background", None, False), (4, "background", None, False),
+    (2, "live", None, True), (4, "background", None, True)])
+def test_all_twelve_directions_token_identical(world, mode, group_bytes, resident, monkeypatch):
     if group_bytes is not None:
         monkeypatch.setattr(plans_module, "GROUP_BYTES", group_bytes)
     path = checkpoint("v3")
@@ -46,7 +48,8 @@ def test_all_twelve_directions_token_identical(world, mode, group_bytes, monkeyp
                                         SamplingParams(max_tokens=12 * gap, temperature=0.8,
                                                        seed=3, n=3, ignore_eos=True)]
     plan = [(1 + gap * i, dst) for i, dst in enumerate(CIRCUIT[1:])]
-    with LLM(path, tp_size=world, layout=CIRCUIT[0], switch_mode=mode, **KW) as llm:
+    with LLM(path, tp_size=world, layout=CIRCUIT[0], switch_mode=mode,
+             resident_projections=resident, **KW) as llm:
         switched = llm.generate(prompts, params, layout_plan=plan)
         stats = llm.stats()
     with LLM(path, tp_size=world, layout=CIRCUIT[0], enable_prefix_caching=False, **KW) as llm:
@@ -65,7 +68,9 @@ def test_all_twelve_directions_token_identical(world, mode, group_bytes, monkeyp
             assert s["kv_bytes_received"] == 0 and s["weight_bytes_received"] == 0
         if (s["from"], s["to"]) == ("dop", "tp"):
             assert s["kv_op"] == "all-gather" and s["kv_bytes_received"] > 0
-        if (s["from"], s["to"]) == ("dop", "dp"):
+        if resident:
+            assert s["weight_op"] == "keep" and s["weight_bytes_received"] == 0, s
+        elif (s["from"], s["to"]) == ("dop", "dp"):
             assert s["weight_op"] == "all-gather" and s["kv_bytes_received"] == 0
         if {s["from"], s["to"]} in ({"cp", "dp"}, {"cp", "dop"}):
             assert s["kv_op"] == "all-to-all"
