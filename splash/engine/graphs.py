@@ -55,7 +55,7 @@ import torch
 from splash.core.ownership import KVPlacement, Layout, get_layout
 from splash.core.protocol import WORKER_PROTOCOL_VERSION, StepPlan
 from splash.dist.comm import Comm
-from splash.engine.host_copy import pinned
+from splash.dist.host_copy import pinned
 from splash.layouts.base import AttentionLayout, StepMeta
 
 logger = logging.getLogger("splash.graphs")

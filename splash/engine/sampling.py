@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from splash.core.protocol import SeqSampling, StepPlan, TokenLogprobs
-from splash.engine.host_copy import to_device
+from splash.dist.host_copy import to_device
 from splash.model.model import MLAModel
 from splash.model.sampler import sample, token_logprobs
 from splash.sampling_params import sample_seed

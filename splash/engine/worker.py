@@ -29,8 +29,8 @@ from splash.core.protocol import (
     WorkerReady,
 )
 from splash.dist.comm import Comm
+from splash.dist.host_copy import to_device
 from splash.engine.graphs import DecodeGraphs, graph_width, startup_graph_keys, startup_layouts
-from splash.engine.host_copy import to_device
 from splash.engine.profiling import (
     PROFILE_PAGES,
     profile_context,

@@ -33,6 +33,7 @@ import torch
 
 from splash.core.protocol import SwitchPlan
 from splash.dist.comm import Comm
+from splash.dist.host_copy import to_device
 from splash.kernels_triton import gather_rows, scatter_rows
 from splash.layouts.base import KVStore
 
@@ -104,7 +105,7 @@ def _slots(per_peer: list[np.ndarray], device: torch.device) -> torch.Tensor:
     total = int(pairs[:, 1].sum())
     if not total:
         return torch.empty(0, dtype=torch.long, device=device)
-    t = torch.from_numpy(pairs).to(device, non_blocking=True)
+    t = to_device(torch.from_numpy(pairs), device)  # pinned: never waits for the device
     starts, counts = t[:, 0], t[:, 1]
     first = torch.cumsum(counts, 0) - counts  # row index where each run begins
     return torch.repeat_interleave(starts - first, counts, output_size=total) + \
