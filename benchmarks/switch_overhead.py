@@ -6,12 +6,20 @@ handoff, minus the same interval in a run that was already in the destination la
 
 A batch of ``--batch`` requests with ``--prompt-len``-token prompts decodes while the engine
 walks an Eulerian circuit of the 12 directions ``--rounds`` times, a new switch two steps after
-the previous one completes; once per mode (``auto`` — the engine's default, which picks a
-mechanism per switch from the predicted transfer and step times; ``background`` — pre-copy
-while serving, then hand off; and ``blocking``, the baseline). The "live" figures are auto's. The target-ready runs serve the same batch fixed in
-each layout. Per direction: p50/p95 overhead, as % of the matched ready interval, the
-reduction against blocking, bytes received, decision-to-handoff time and the blocking
-transfer's GB/s.
+the previous one completes; once per mode:
+
+- ``auto``, the engine's default: picks a mechanism per switch from the predicted transfer
+  and step times;
+- ``background``: pre-copy while serving, then hand off;
+- ``blocking``: move what is missing, then compute, reusing what the engine holds (resident
+  projection heads under CUDA graphs, cached copies of pages an earlier switch left behind);
+- ``cold``, the baseline: a blocking switch that reuses nothing (resident projections and the
+  prefix cache off), so every byte the destination lacks moves, as a stop-the-world re-shard.
+
+The "live" figures are auto's. The target-ready runs serve the same batch fixed in each
+layout. Per direction: p50/p95 overhead, as % of the matched ready interval, the reduction
+against the baseline (cold if measured, else blocking), bytes received, decision-to-handoff
+time and the baseline transfer's GB/s.
 
     python benchmarks/switch_overhead.py --backend cuda --tp 2 \
         --out benchmarks/results/h200x2/switch_overhead_tp2.json
@@ -49,10 +57,13 @@ def _prompts(batch: int, length: int) -> list[list[int]]:
 
 
 def _engine(args, layout: str, mode: str = "auto") -> LLM:
-    # max_num_seqs: the batch, so start-up captures only the graphs the runs can replay
+    # max_num_seqs: the batch, so start-up captures only the graphs the runs can replay;
+    # "cold": a blocking switch that reuses nothing (every byte the destination lacks moves)
+    cold = dict(resident_projections=False, enable_prefix_caching=False) if mode == "cold" \
+        else {}
     return LLM(args.ckpt, tp_size=args.tp, backend=args.backend, layout=layout,
-               switch_mode=mode, dtype=args.dtype, max_num_batched_tokens=args.chunk,
-               max_num_seqs=max(args.batch, 1))
+               switch_mode="blocking" if mode == "cold" else mode, dtype=args.dtype,
+               max_num_batched_tokens=args.chunk, max_num_seqs=max(args.batch, 1), **cold)
 
 
 def _prefill(eng, args, max_tokens: int) -> None:
@@ -114,7 +125,7 @@ def main() -> int:
     ap.add_argument("--ready-steps", type=int, default=12)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--ckpt", default=None)
-    ap.add_argument("--modes", default="auto,background,blocking")
+    ap.add_argument("--modes", default="auto,background,blocking,cold")
     ap.add_argument("--out", default="benchmarks/results/cpu/switch_overhead.json")
     args = ap.parse_args()
     if args.ckpt is None:
@@ -162,6 +173,10 @@ def summarize(args, ready: dict[str, float], runs: dict[str, list[dict]], link: 
                          "switch_step_ms_p50": _pct([e["step_ms"] for e in mine], 0.5),
                          "precopy_step_ms": [e.get("precopy_step_ms") for e in mine],
                          "chosen": sorted({e["mode"] for e in mine}),
+                         "kv_bytes_received_per_rank": mine[0]["kv_bytes_received_per_rank"]
+                         if mine else None,
+                         "weight_bytes_received_per_rank": mine[0][
+                             "weight_bytes_received_per_rank"] if mine else None,
                          "samples": len(mine)}
             if mine:
                 rec["kv_bytes_received"] = mine[0]["kv_bytes_received"]
@@ -169,19 +184,23 @@ def summarize(args, ready: dict[str, float], runs: dict[str, list[dict]], link: 
                 rec["kv_bytes_received_per_rank"] = mine[0]["kv_bytes_received_per_rank"]
                 rec["kv_op"], rec["weight_op"] = mine[0]["kv_op"], mine[0]["weight_op"]
         live_mode = "auto" if "auto" in rec else "background"
-        if live_mode in rec and "blocking" in rec:
-            live, block = rec[live_mode]["overhead_p50_ms"], rec["blocking"]["overhead_p50_ms"]
-            rec["live_mode"] = live_mode
+        base = "cold" if "cold" in rec else "blocking"  # the baseline: cold when measured
+        if live_mode in rec and base in rec:
+            live, block = rec[live_mode]["overhead_p50_ms"], rec[base]["overhead_p50_ms"]
+            rec["live_mode"], rec["baseline_mode"] = live_mode, base
             rec["live_p50_pct_of_ready_step"] = rec[live_mode]["pct_of_ready_interval_p50"]
             rec["live_vs_blocking_reduction_pct"] = 100 * (1 - live / block) if block > 0 else None
             moved = max(k + w for k, w in zip(
                 rec.get("kv_bytes_received_per_rank", [0]),
                 [rec.get("weight_bytes_received", 0) // args.tp] * args.tp))
-            ms = rec["blocking"]["worker_switch_ms_p50"]
+            ms = rec[base]["worker_switch_ms_p50"]
+            if base == "cold":  # what the baseline moved, not what the live switch did
+                moved = max(k + w for k, w in zip(rec[base]["kv_bytes_received_per_rank"],
+                                                  rec[base]["weight_bytes_received_per_rank"]))
             rec["transfer_GBps"] = moved / ms / 1e6 if ms > 0 and moved else None
             rec["link_GBps"] = link_gbps
             print(f"{src:>3} -> {dst:<3}  {live_mode} p50 {live:8.2f} ms "
-                  f"({rec['live_p50_pct_of_ready_step']:.2f}% of ready)  blocking p50 "
+                  f"({rec['live_p50_pct_of_ready_step']:.2f}% of ready)  {base} p50 "
                   f"{block:8.2f} ms", flush=True)
         directions.append(rec)
     result = {
