@@ -254,7 +254,9 @@ class LLMEngine:
         plans = build_plans(self.scheduler, batch, switch, number, self.setup,
                             share_samples=self.cfg.async_scheduling)
         self._steps_ahead += ahead
-        return self._submit(number, batch, switch, precopy, plans)
+        submitted = self._submit(number, batch, switch, precopy, plans)
+        self.scheduler.register_switched()  # while the device computes
+        return submitted
 
     def _can_go_ahead(self, cur: _Submitted) -> bool:
         if not self.cfg.async_scheduling or cur.batch.starved:

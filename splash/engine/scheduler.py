@@ -85,6 +85,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prompt_tokens_computed = 0  # prefill work: prompt rows computed
         self.prefix = PrefixCache(allocators, cfg.world, cfg.page_size, cfg.enable_prefix_caching)
+        self._unregistered: tuple[list, Layout] | None = None  # a switch's moved histories
 
     # -- bookkeeping ----------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -221,6 +222,8 @@ class Scheduler:
 
     # -- one step -------------------------------------------------------------------------
     def schedule(self, allow_preemption: bool = True) -> ScheduledBatch:
+        if self.waiting or any(r.num_pending > 1 for r in self.running):
+            self.register_switched()  # admissions and prefills look the cache up
         batch = ScheduledBatch()
         budget = self.cfg.max_num_batched_tokens
         for req in list(self.running):  # decodes and unfinished prefills, oldest first
@@ -373,11 +376,24 @@ class Scheduler:
         for chain in manifest.cached:
             chain.tables = manifest.new_tables[chain.request_id]
             chain.owner = manifest.new_owners[chain.request_id]
-        # pages received in this step are hits from now on: a request admitted into this very
-        # step reads them in each layer only after that layer's transfer has landed
-        for hist in [*self.running, *manifest.cached]:
-            self.prefix.register_moved(hist, manifest.dst)
+        # the moved pages join the prefix cache under their keys on their new holders later,
+        # once the step is submitted (`register_switched`), or before anything looks the cache
+        # up — whichever comes first
+        self._unregistered = ([*self.running, *manifest.cached], manifest.dst)
         self.layout = manifest.dst
+
+    def register_switched(self) -> None:
+        """Register the pages the last switch moved in the prefix cache. Deferred from
+        `apply_switch` so that it runs while the device computes the switching step; it must
+        run before any cache lookup and before any of those pages is freed. Pages received in
+        the switching step are hits from then on: a request admitted into that very step reads
+        them in each layer only after that layer's transfer has landed."""
+        if self._unregistered is None:
+            return
+        hists, layout = self._unregistered
+        self._unregistered = None
+        for hist in hists:
+            self.prefix.register_moved(hist, layout)
 
     def update_from_output(self, batch: ScheduledBatch, result: StepResult,
                            out: OutputProcessor) -> list[Request]:

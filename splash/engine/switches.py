@@ -164,6 +164,7 @@ class SwitchController:
 
     def _prepare(self, step: int, step_ms_ema: float | None) -> SwitchStep | None:
         sched, setup = self.scheduler, self.setup
+        sched.register_switched()  # the manifest looks cached pages up
         target = self._target(step)
         if self.inflight is not None:
             if target is not None and target != self.inflight.manifest.dst.name:
@@ -302,6 +303,7 @@ class SwitchController:
         """After the step: track a pre-copy; free the pages a completed switch discarded and
         record what it moved."""
         setup, alloc = self.setup, self.scheduler.alloc
+        self.scheduler.register_switched()  # before any page of the switch is freed
         rows = _decode_rows(batch)
         if self.inflight is not None:
             self.inflight.ready = all(r.precopy_done for r in results)
