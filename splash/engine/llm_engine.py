@@ -503,5 +503,10 @@ class LLMEngine:
         }
 
     def shutdown(self) -> None:
+        if self.healthy and self._ahead is not None:
+            try:  # the step submitted ahead finishes first: no rank leaves a peer waiting
+                self._drain()  # in one of its collectives
+            except Exception as e:  # a dead worker: the executor's shutdown handles it
+                logger.warning("shutdown: the step in flight did not complete (%s)", e)
         gc.unfreeze()  # what this engine built may be collected again: the in-process
         self.executor.shutdown()  # executor's collection frees its device memory
