@@ -41,8 +41,8 @@ class AutoLayout:
                                    weight_dtype=mem.weight_dtype, kv_dtype=mem.kv_dtype,
                                    page_size=setup.page_size, margin=margin,
                                    min_dwell_steps=min_dwell_steps,
-                                   sparse_attention=False,  # the engine runs dense MLA
-                                   resident_heads=setup.resident_heads)
+                                   resident_heads=setup.resident_heads)  # DSA models: sparse,
+        #   as the engine runs them (indexer, top-k, sparse MLA)
         self.audit = DecisionAudit(self.policy.cost_fn)
         self._pending: str | None = None  # a switch decided and not yet in place (pre-copy)
         # the policy is asked when the batch changes (arrivals, finishes, prefills) and at least

@@ -6,10 +6,13 @@ the background along four, in which the indexer keys move with their pages."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+from tiny_models import DEV, checkpoint, hf_greedy, mixed_prompts
 
 from splash import LLM, SamplingParams
-from tiny_models import DEV, checkpoint, hf_greedy, mixed_prompts
+from splash.core.shapes import BatchShape
 
 PROMPTS = mixed_prompts(seed=1, lengths=(3, 11, 26))
 MAX_NEW = 4
@@ -65,3 +68,25 @@ def test_dsa_switch_directions_token_identical(mode, circuit, gap):
     for s in stats["switches"]:  # KV rows carry their indexer keys: the prediction counts them
         assert s["kv_bytes_received_per_rank"] == s["predicted_kv_bytes_per_rank"], s
     assert any(s["kv_bytes_received"] for s in stats["switches"])
+
+
+
+def test_dsa_under_auto_follows_the_sparse_cost_model():
+    """layout="auto" on a DSA model: the policy's cost model is the sparse one the engine runs
+    (attention bounded by index_topk, indexer keys counted in each token's KV), and the tokens
+    are transformers'."""
+    arch = "glm-dsa"
+    with LLM(checkpoint(arch, index_topk=TOPK), tp_size=2, **DEV, layout="auto",
+             page_size=4, max_num_batched_tokens=16) as llm:
+        cm = llm.engine.auto.policy.cost_model
+        assert cm.kv_bytes_per_token_per_layer > cm.memory.kv_bytes_per_token_per_layer
+        dense = dataclasses.replace(cm, sparse_attention=False)
+
+        def growth(model):  # attention time from an 8 x top-k to a 64 x top-k context
+            short, long = (model.breakdown("tp", BatchShape.decode(1, n))["attention"]
+                           for n in (8 * TOPK, 64 * TOPK))
+            return long - short
+
+        # top-k: the same tokens attended at any context; only the indexer's scoring grows
+        assert 0 <= growth(cm) < growth(dense) / 2
+        assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == reference(arch)
