@@ -140,6 +140,11 @@ class PageAllocator:
         hash_of = self._hash_of
         return [hash_of[page] for page in self._evictable]
 
+    def lookup_many(self, keys: Sequence[bytes]) -> list[int]:
+        """`lookup` of each key, -1 where none is cached."""
+        get = self._cached.get
+        return [-1 if b is None else b.page for b in map(get, keys)]
+
     def cached_blocks(self) -> dict[bytes, CachedBlock]:
         return self._cached
 

@@ -192,7 +192,7 @@ def _build(src: Layout, dst: Layout, histories: list[History], allocators: RankA
     owners = destination_owners(src, dst, histories, world, owners)
     pool = max(a.num_pages for a in allocators.ranks)
     plan = plan_pages(src, dst, histories, owners, world, page_size, pool, rows_from, staged,
-                      lookup=lambda rank, key: allocators[rank].lookup(key))
+                      lookup=lambda rank, keys: allocators[rank].lookup_many(keys))
     reused = plan.reused_pages()
     for rank, pages in enumerate(reused):  # taken before allocating: never evicted for it
         allocators[rank].incref(pages)

@@ -111,12 +111,13 @@ def plan_pages(src: Layout, dst: Layout, histories: list[History], owners: dict[
                world: int, page_size: int, pool_pages: int,
                rows_from: dict[str, int] | None = None,
                staged: Placed | None = None,
-               lookup: Callable[[int, bytes], int | None] | None = None) -> PagePlan:
+               lookup: Callable[[int, list[bytes]], list[int]] | None = None) -> PagePlan:
     """Every destination page: kept where the source already holds it on that rank, else
     received from its lowest source holder — its rows from ``rows_from`` (rows already moved
     per history) on, into its ``staged`` page if any. A full page of a request whose key the
-    receiving rank has cached (``lookup(rank, key)``: the prefix cache, e.g. the copy an
-    earlier switch left there) takes that page and moves nothing. A full page an earlier entry
+    receiving rank has cached (``lookup(rank, keys)``: each key's cached page or -1, from the
+    prefix cache, e.g. the copy an earlier switch left there) takes that page and moves
+    nothing. A full page an earlier entry
     already receives from the same source page onto the same rank shares that copy.
     ``pool_pages``: pages in a rank's pool."""
     num = len(histories)
@@ -184,18 +185,17 @@ def plan_pages(src: Layout, dst: Layout, histories: list[History], owners: dict[
 
 def _cache_hits(histories: list[History], hist: np.ndarray, logical: np.ndarray,
                 rank: np.ndarray, candidate: np.ndarray,
-                lookup: Callable[[int, bytes], int | None]) -> np.ndarray:
+                lookup: Callable[[int, list[bytes]], list[int]]) -> np.ndarray:
     """(R,) for each received entry the page its receiver has cached under the page's key, or
-    -1 (only ``candidate`` entries are looked up: full pages of requests)."""
+    -1 (only ``candidate`` entries with a key are looked up: full pages of requests)."""
     out = np.full(len(rank), -1, INDEX)
-    at = np.flatnonzero(candidate)
-    for j, h, i, r in zip(at.tolist(), hist[at].tolist(), logical[at].tolist(),
-                          rank[at].tolist()):
-        keys = histories[h].block_hashes
-        if i < len(keys):
-            page = lookup(r, keys[i])
-            if page is not None:
-                out[j] = page
+    keyed = np.fromiter((len(h.block_hashes) for h in histories), INDEX, len(histories))
+    candidate = candidate & (logical < keyed[hist])
+    for r in np.unique(rank[candidate]).tolist():
+        at = np.flatnonzero(candidate & (rank == r))
+        keys = [histories[h].block_hashes[i] for h, i in zip(hist[at].tolist(),
+                                                             logical[at].tolist())]
+        out[at] = lookup(r, keys)
     return out
 
 
