@@ -19,7 +19,9 @@ the previous one completes; once per mode:
 The "live" figures are auto's. The target-ready runs serve the same batch fixed in each
 layout. Per direction: p50/p95 overhead, as % of the matched ready interval, the reduction
 against the baseline (cold if measured, else blocking), bytes received, decision-to-handoff
-time and the baseline transfer's GB/s.
+time and the baseline transfer's GB/s (bytes received per rank over the transfer's device
+time, pack to unpack, on the slowest rank; the workers' host time where the device does not
+time it).
 
     python benchmarks/switch_overhead.py --backend cuda --tp 2 \
         --out benchmarks/results/h200x2/switch_overhead_tp2.json
@@ -168,6 +170,9 @@ def summarize(args, ready: dict[str, float], runs: dict[str, list[dict]], link: 
                              [e.get("decision_to_handoff_ms", e["interval_ms"]) for e in mine],
                              0.5),
                          "worker_switch_ms_p50": _pct([e["overhead_ms"] for e in mine], 0.5),
+                         "transfer_device_ms_p50": _pct(
+                             [e["transfer_device_ms"] for e in mine
+                              if e.get("transfer_device_ms") is not None], 0.5),
                          "controller_ms_p50": _pct([e.get("controller_ms", 0.0)
                                                     for e in mine], 0.5),
                          "switch_step_ms_p50": _pct([e["step_ms"] for e in mine], 0.5),
@@ -193,7 +198,10 @@ def summarize(args, ready: dict[str, float], runs: dict[str, list[dict]], link: 
             moved = max(k + w for k, w in zip(
                 rec.get("kv_bytes_received_per_rank", [0]),
                 [rec.get("weight_bytes_received", 0) // args.tp] * args.tp))
-            ms = rec[base]["worker_switch_ms_p50"]
+            # the transfer's device time where events timed it, else the workers' host time
+            ms = rec[base]["transfer_device_ms_p50"]
+            if ms != ms:  # nan: not timed on the device
+                ms = rec[base]["worker_switch_ms_p50"]
             if base == "cold":  # what the baseline moved, not what the live switch did
                 moved = max(k + w for k, w in zip(rec[base]["kv_bytes_received_per_rank"],
                                                   rec[base]["weight_bytes_received_per_rank"]))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-WORKER_PROTOCOL_VERSION = 4
+WORKER_PROTOCOL_VERSION = 5
 
 
 class SeqSampling(msgspec.Struct, frozen=True):
@@ -145,7 +145,10 @@ class StepResult(msgspec.Struct, tag=True):
     logprobs: list[TokenLogprobs] = []  # rank 0: one per draw whose row asked for logprobs
     prompt_logprobs: list[list[TokenLogprobs]] = []  # rank 0: per plan.prompt_logprobs entry
     elapsed_ms: float = 0.0  # forward time of this rank
-    switch_ms: float = 0.0  # time spent waiting for switch transfers
+    switch_ms: float = 0.0  # host time of the switch's work in this step (issue, wait, install)
+    # device time of that work on the step's stream (pack, collectives, unpack) where events
+    # time it (GPUs, switches completed within one step); None elsewhere
+    switch_device_ms: float | None = None
     graph_replay: bool = False  # the step was replayed from a CUDA graph
     kv_bytes_received: int = 0
     weight_bytes_received: int = 0

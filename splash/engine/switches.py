@@ -327,6 +327,7 @@ class SwitchController:
             alloc[rank].free(pages)
         mcfg = setup.model_cfg
         mem = setup.memory
+        timed = [r.switch_device_ms for r in results if r.switch_device_ms is not None]
         head_bytes = mem.projection_bytes_per_layer // mcfg.num_attention_heads
         args = (mem.kv_bytes_per_token_per_layer, head_bytes, mcfg.num_hidden_layers,
                 mem.index_bytes_per_token_per_layer * mcfg.num_indexer_layers)
@@ -351,6 +352,8 @@ class SwitchController:
                 action.precopy, manifest) if m is not None)) for r in range(setup.world)],
             "step_ms": round(step_ms, 3),
             "overhead_ms": round(max(r.switch_ms for r in results), 3),  # the switch work
+            # its device time on the slowest rank (pack, collectives, unpack), where timed
+            "transfer_device_ms": round(max(timed), 3) if len(timed) == len(results) else None,
             "mode": "background" if action.mode == "handoff" else action.mode,
             "controller_ms": round(self._controller_ms, 3),  # planning: manifests, tables
             **action.info,

@@ -325,7 +325,8 @@ class Worker:
             tokens=out.tokens.tolist() if out.tokens is not None and self.cfg.rank == 0 else [],
             logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs,
             elapsed_ms=(time.perf_counter() - out.t0) * 1e3,
-            switch_ms=switch.busy_ms if switch else 0.0, graph_replay=out.graph_step,
+            switch_ms=switch.busy_ms if switch else 0.0,
+            switch_device_ms=switch.device_ms() if switch else None, graph_replay=out.graph_step,
             kv_bytes_received=switch.kv_bytes if switch else 0,
             weight_bytes_received=switch.weight_bytes if switch else 0,
             precopy_done=self.precopy is None or self.precopy.done())

@@ -317,7 +317,10 @@ class SwitchExecutor:
         self.pending: dict[int, _Group] = {}
         self.heads: dict[int, torch.Tensor] = {}
         self.wait_ms = 0.0  # waiting for transfers
-        self.busy_ms = 0.0  # all switch work: packing, issuing, waiting, installing
+        self.busy_ms = 0.0  # all switch work: packing, issuing, waiting, installing (host)
+        # device time of the transfer on the step's stream (blocking and handoff: everything
+        # moves before the forward), read once the step is done
+        self._events: tuple[Any, Any] | None = None
 
     @property
     def kv_bytes(self) -> int:
@@ -333,6 +336,10 @@ class SwitchExecutor:
             self.pending[0] = self.xfer.issue([0])
             self.busy_ms += (time.perf_counter() - t0) * 1e3
             return
+        if self.device.type == "cuda":
+            self._events = (torch.cuda.Event(enable_timing=True),
+                            torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
         if self.staged is not None:
             self.heads, _ = self.staged.complete()
         # two groups in flight: the next group packs while this one's collective runs, and
@@ -348,7 +355,14 @@ class SwitchExecutor:
             last.wait()
             self.heads.update(self.xfer.unpack(last))
         self._install(range(len(self.attns)))
+        if self._events is not None:
+            self._events[1].record()
         self.wait_ms = self.busy_ms = (time.perf_counter() - t0) * 1e3
+
+    def device_ms(self) -> float | None:
+        """Device time from the transfer's first pack to its last unpack, on the step's
+        stream (after the step is done); None where no events time it (live, CPU)."""
+        return None if self._events is None else self._events[0].elapsed_time(self._events[1])
 
     def before_layer(self, layer: int) -> None:
         if self.plan.mode != "live":
