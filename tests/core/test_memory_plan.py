@@ -71,6 +71,24 @@ def test_measured_profiles_size_the_pool():
     assert low.budget.activations == est  # never below the estimate
 
 
+def test_resident_projections_count_both_placements_once():
+    """Resident projections: the estimate counts the sharded and the replicated heads (as under
+    CUDA graphs), and the workers' measurement, which then holds both already, is taken as
+    it is (the heads a rank may still receive are not added on top)."""
+    plain = _setup(tp_size=2, layout="tp", resident_projections=False)
+    setup = _setup(tp_size=2, layout="tp", resident_projections=True)
+    assert setup.resident_heads and not plain.resident_heads
+    assert not _setup(tp_size=1, resident_projections=True).resident_heads  # one placement
+    mem = setup.memory
+    sharded, full = (mem.projection_bytes_per_rank(LAYOUTS[n]) for n in ("tp", "dp"))
+    assert setup.budget.weights - plain.budget.weights == sharded  # both, not the larger one
+    measured = setup.budget.weights  # what a worker holding both placements reports
+    sized = size_from_profiles(setup, [WorkerProfile(r, r + 1, "cpu", measured, 0)
+                                       for r in range(2)])
+    assert sized.budget.weights == measured
+    assert full > sharded
+
+
 def test_profiling_out_of_memory_refuses_naming_the_chunk():
     setup = _setup()
     with pytest.raises(ConfigError, match="max_num_batched_tokens"):
