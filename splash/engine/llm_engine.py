@@ -16,8 +16,9 @@ device computes. The controller goes ahead from a step that draws one token per 
 switching steps included (the switch is already in the scheduler's tables; the pages it
 discards are freed when its results come, after the step ahead was planned); otherwise (a
 fork of n samples, or a request that could not get pages without preemption) the next step
-is scheduled once N's tokens are known. Either way a call to ``step`` returns with the next step submitted: changes between
-calls (new requests, aborts, a requested switch) take effect from the step after it.
+is scheduled once N's tokens are known. Either way a call to ``step`` returns with the next
+step submitted: changes between calls (new requests, aborts, a requested switch) take effect
+from the step after it.
 """
 
 from __future__ import annotations

@@ -327,7 +327,6 @@ class SwitchController:
             alloc[rank].free(pages)
         mcfg = setup.model_cfg
         mem = setup.memory
-        timed = [r.switch_device_ms for r in results if r.switch_device_ms is not None]
         head_bytes = mem.projection_bytes_per_layer // mcfg.num_attention_heads
         args = (mem.kv_bytes_per_token_per_layer, head_bytes, mcfg.num_hidden_layers,
                 mem.index_bytes_per_token_per_layer * mcfg.num_indexer_layers)
@@ -337,6 +336,8 @@ class SwitchController:
             predicted = {"kv_bytes_received": [a + b for a, b in zip(
                 pre["kv_bytes_received"], predicted["kv_bytes_received"])],
                 "weight_bytes_received": pre["weight_bytes_received"]}
+        manifests = [m for m in (action.precopy, manifest) if m is not None]
+        timed = [r.switch_device_ms for r in results if r.switch_device_ms is not None]
         entry = {
             "step": step, "from": manifest.src.name, "to": manifest.dst.name,
             "kv_op": (action.precopy or manifest).kv_op,
@@ -348,8 +349,8 @@ class SwitchController:
             "predicted_kv_bytes_per_rank": predicted["kv_bytes_received"],
             "predicted_weight_bytes_per_rank": predicted["weight_bytes_received"],
             # pages a rank had cached under the same key (a copy an earlier switch left there)
-            "kv_pages_reused_per_rank": [sum(s.pages_reused for s in (m.summary[r] for m in (
-                action.precopy, manifest) if m is not None)) for r in range(setup.world)],
+            "kv_pages_reused_per_rank": [sum(m.summary[r].pages_reused for m in manifests)
+                                         for r in range(setup.world)],
             "step_ms": round(step_ms, 3),
             "overhead_ms": round(max(r.switch_ms for r in results), 3),  # the switch work
             # its device time on the slowest rank (pack, collectives, unpack), where timed

@@ -99,10 +99,15 @@ class Worker:
                                     rank=cfg.rank, world_size=cfg.world)
         self.comm = Comm(cfg.rank, cfg.world)
         self.comm.connect(self.device)
-        heads = self._heads(cfg.layout)
+        num_heads = ModelConfig.from_hf(cfg.model).num_attention_heads
+
+        def held(layout: str) -> range:
+            return heads_held(get_layout(layout), cfg.rank, cfg.world, num_heads)
+
+        heads = held(cfg.layout)
         # resident: every layout's head range loaded now, so switches move no weights
-        others = {self._heads(name) for name in fitting_layouts(
-            _num_heads(cfg.model), cfg.world)} - {heads} if cfg.resident_heads else set()
+        others = {held(name) for name in fitting_layouts(num_heads, cfg.world)} - {heads} \
+            if cfg.resident_heads else set()
         self.model = MLAModel.from_pretrained(
             cfg.model, cfg.rank, cfg.world, heads.start, len(heads),
             dtype=torch_dtype(cfg.dtype), device=self.device,
@@ -249,10 +254,6 @@ class Worker:
         scales = [torch.ones(shape[:2], dtype=torch.float32, device=self.device)
                   if k is not None and dtype.itemsize == 1 else None for k in keys]
         return keys, scales
-
-    def _heads(self, layout: str) -> range:
-        mcfg_heads = _num_heads(self.cfg.model)
-        return heads_held(get_layout(layout), self.cfg.rank, self.cfg.world, mcfg_heads)
 
     def _apply_tables(self, plan: StepPlan) -> None:
         for rid in plan.released:
@@ -447,7 +448,4 @@ def recoverable(error: BaseException, plan: StepPlan, world: int) -> bool:
     return isinstance(error, (torch.OutOfMemoryError, PreviousStepFailed)) and world == 1 \
         and plan.switch is None and plan.load_weights is None
 
-
-def _num_heads(model_dir: str) -> int:
-    return ModelConfig.from_hf(model_dir).num_attention_heads
 
