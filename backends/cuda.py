@@ -48,10 +48,21 @@ class CUDABackend(BaseBackend):
         # / "down" override per GEMM (gate_up's BLOCK_N counts gate and up columns each). The
         # best gate_up (128x128 x2 accumulators, 8 warps, 4 stages) and down (128x256, 3 stages)
         # of the sweep: 1.10 ms, 52% of the matmul peak (BLOCK_M 64 / 4 warps: 1.31 ms).
+        # Decode batches (benchmarks/results/h200/moe_decode.json, V3 experts, graph-timed,
+        # % of the bytes roofline vs the prefill tiles): up to 16 tokens, 16-row blocks and
+        # narrow gate_up tiles (enough programs when each rank holds half of every expert:
+        # 1 token, I 1,024: 82% vs 59%); up to 64 tokens, 64-row blocks (96% vs 86%).
         "fused_moe": {
             "default": {"BLOCK_M": 128, "BLOCK_K": 64, "num_warps": 8,
                         "gate_up": {"BLOCK_N": 128, "GROUP_M": 16, "num_stages": 4},
-                        "down": {"BLOCK_N": 256, "GROUP_M": 8, "num_stages": 3}},
+                        "down": {"BLOCK_N": 256, "GROUP_M": 8, "num_stages": 3},
+                        "by_tokens": [
+                            [16, {"BLOCK_M": 16, "GROUP_M": 1, "num_warps": 4,
+                                  "gate_up": {"BLOCK_N": 32, "BLOCK_K": 128, "num_stages": 3},
+                                  "down": {"BLOCK_N": 64, "BLOCK_K": 256, "num_stages": 3}}],
+                            [64, {"BLOCK_M": 64, "GROUP_M": 1, "BLOCK_K": 128,
+                                  "gate_up": {"BLOCK_N": 64, "num_warps": 8, "num_stages": 4},
+                                  "down": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 4}}]]},
         },
     }
 

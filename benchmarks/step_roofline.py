@@ -87,13 +87,14 @@ def roofline_bytes(cfg: ModelConfig, layout: str, tp: int, batch: int, context: 
     return total
 
 
-def kernel_profile(eng, steps: int) -> dict:
+def kernel_profile(eng, steps: int, out: str | None = None) -> dict:
     """Where ``steps`` more decode steps spend their device time on every rank, by kernel
-    (`LLMEngine.profile_steps`; kernels inside CUDA graph replays included)."""
+    (`LLMEngine.profile_steps`; kernels inside CUDA graph replays included), written to
+    ``out`` (a fresh temporary directory if None)."""
     import glob
     import tempfile
 
-    out = tempfile.mkdtemp(prefix="splash-profile-")
+    out = out or tempfile.mkdtemp(prefix="splash-profile-")
     eng.profile_steps(steps, out)
     for _ in range(steps + 3):  # the step in flight, the profiled ones, the one that stops
         eng.step()
@@ -106,7 +107,8 @@ def kernel_profile(eng, steps: int) -> dict:
 
 
 def measure(llm: LLM, batch: int, context: int, steps: int, warmup: int,
-            vocab: int, seed: int, profile_steps: int = 0) -> dict:
+            vocab: int, seed: int, profile_steps: int = 0, profile_dir: str | None = None
+            ) -> dict:
     eng = llm.engine
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(10, min(vocab, 30000), (batch, context), generator=g).tolist()
@@ -141,7 +143,7 @@ def measure(llm: LLM, batch: int, context: int, steps: int, warmup: int,
             dt = time.perf_counter() - t0
             if decoding and len(pending) == batch:
                 decode.append((dt, dt - sum(worker_s)))
-        profiled = kernel_profile(eng, profile_steps) if profile_steps and not \
+        profiled = kernel_profile(eng, profile_steps, profile_dir) if profile_steps and not \
             eng.scheduler.waiting and len(pending) == batch else None
     finally:
         executor.collect = inner
@@ -198,7 +200,11 @@ def main() -> int:
                     "rank (<= 3)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                   "step_roofline.json"))
+    ap.add_argument("--trace-dir", default=None,
+                    help="with --profile-steps: keep the profiles here, timelines too")
     args = ap.parse_args()
+    if args.trace_dir:
+        os.environ["SPLASH_PROFILE_TRACE"] = "1"  # the workers inherit it
     if args.model is None:
         sys.path.insert(0, os.path.dirname(__file__))
         import multi_gpu
@@ -230,7 +236,10 @@ def main() -> int:
                 try:
                     rec.update(measure(llm, batch, context, args.steps, args.warmup,
                                        cfg.vocab_size, seed=i,
-                                       profile_steps=min(args.profile_steps, 3)))
+                                       profile_steps=min(args.profile_steps, 3),
+                                       profile_dir=args.trace_dir and os.path.join(
+                                           args.trace_dir,
+                                           f"tp{tp}-{layout}-b{batch}-c{context}")))
                 except Exception as e:  # a point that does not fit is a result
                     rec["error"] = f"{type(e).__name__}: {e}"[:300]
                     print(json.dumps(rec), flush=True)

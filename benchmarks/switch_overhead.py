@@ -111,7 +111,21 @@ def circuit(args, mode: str) -> list[dict]:
                 out.append(entry)
                 for _ in range(2):  # let the destination settle
                     eng.step()
+        if args.trace_dir and mode == args.modes.split(",")[0]:
+            traced(eng, args.trace_dir, mode)
         return out
+
+
+def traced(eng, out_dir: str, mode: str) -> None:
+    """Profile the circuit's first two switches (not counted): a step before the switch (it
+    absorbs the profiler's start), the switching step and the steps after, on every rank;
+    with SPLASH_PROFILE_TRACE=1 the workers write their timelines too."""
+    for dst in CIRCUIT[1:3]:
+        eng.profile_steps(5, os.path.join(out_dir, f"{mode}-{eng.layout}-{dst}"))
+        eng.step()
+        eng.switch_layout(dst)
+        for _ in range(7):  # the profiled steps, the one that stops the profiler, one more
+            eng.step()
 
 
 def main() -> int:
@@ -129,7 +143,12 @@ def main() -> int:
     ap.add_argument("--ckpt", default=None)
     ap.add_argument("--modes", default="auto,background,blocking,cold")
     ap.add_argument("--out", default="benchmarks/results/cpu/switch_overhead.json")
+    ap.add_argument("--trace-dir", default=None,
+                    help="after the first mode's circuit, profile its first two switches on "
+                         "every worker into this directory (timelines too)")
     args = ap.parse_args()
+    if args.trace_dir:
+        os.environ["SPLASH_PROFILE_TRACE"] = "1"  # the workers inherit it
     if args.ckpt is None:
         if args.backend == "cuda":
             sys.path.insert(0, os.path.dirname(__file__))

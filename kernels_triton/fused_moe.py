@@ -138,13 +138,24 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _gemm_configs(config: dict | None, device: torch.device,
-                  fp32: bool = False) -> dict[str, dict[str, Any]]:
+def _for_tokens(cfg: dict[str, Any], tokens: int | None) -> dict[str, Any]:
+    """``cfg`` with its "by_tokens" entry resolved for a batch of ``tokens``."""
+    cfg = dict(cfg)
+    for max_tokens, over in cfg.pop("by_tokens", []):
+        if tokens is not None and tokens <= max_tokens:
+            return _merge(cfg, over)
+    return cfg
+
+
+def _gemm_configs(config: dict | None, device: torch.device, fp32: bool = False,
+                  tokens: int | None = None) -> dict[str, dict[str, Any]]:
     """Per-GEMM launch parameters: the device's backend table (``device_tuning``; top-level
     keys apply to both GEMMs, "gate_up" / "down" override per GEMM, BLOCK_M is shared: the
-    alignment of the sorted pairs), then ``config``, then the fp32 tiles for fp32 activations
-    on a GPU."""
-    cfg = _merge(device_tuning(device, "fused_moe"), config or {})
+    alignment of the sorted pairs; "by_tokens": ``[[max_tokens, overrides], ...]``, the first
+    entry whose ``max_tokens`` covers ``tokens`` applies, for decode-sized batches), then
+    ``config``, then the fp32 tiles for fp32 activations on a GPU."""
+    cfg = _merge(_for_tokens(device_tuning(device, "fused_moe"), tokens),
+                 _for_tokens(config or {}, tokens))
     if fp32 and device.type == "cuda":
         cfg = _merge(cfg, _GPU_FP32)
     unknown = set(cfg) - {*_TILE_KEYS, "num_warps", "num_stages", *_GEMMS}
@@ -317,7 +328,7 @@ def fused_moe(
     E, I, k = w_gate_up.shape[0], w_down.shape[2], topk_ids.shape[1]
     if N == 0:
         return torch.zeros_like(x)
-    cfgs = _gemm_configs(config, x.device, fp32=x.dtype == torch.float32)
+    cfgs = _gemm_configs(config, x.device, fp32=x.dtype == torch.float32, tokens=N)
     M = N * k
     sorted_ids, block_expert = moe_align(topk_ids, E, cfgs["gate_up"]["BLOCK_M"])
     weights = topk_weights.contiguous().reshape(-1)  # (M,)

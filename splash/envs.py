@@ -20,6 +20,9 @@ _DEFAULTS: dict[str, str] = {
     # tests only: "N": rank 0 raises torch.OutOfMemoryError in the forward of step N (how the
     # engine survives a worker running out of memory)
     "SPLASH_TEST_OOM_STEP": "",
+    # "1": profiled steps (`LLMEngine.profile_steps`) also write torch's timeline of every
+    # worker, host and device (a Chrome trace), as trace_rank<r>.json beside their summaries
+    "SPLASH_PROFILE_TRACE": "",
     "SPLASH_TOKEN": "",  # shared secret of `splash serve` and its clients (required off loopback)
 }
 

@@ -2,7 +2,9 @@
 (`ProfileMarks`); on every worker torch's profiler runs from the plan marked "start" to the
 plan marked "stop" (or shutdown), and the worker writes where its time went to
 ``<profile_dir>/profile_rank<r>.json``: device time per kernel (kernels replayed inside CUDA
-graphs included) or, on the CPU, host time per operator, per step (`StepProfiler`)."""
+graphs included) or, on the CPU, host time per operator, per step (`StepProfiler`); with
+SPLASH_PROFILE_TRACE=1 also the timeline, ``trace_rank<r>.json`` (steps and switch phases are
+labelled: ``step N launch``, ``switch ...``)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import msgspec
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from splash import envs
 from splash.core.protocol import StepPlan
 
 TOP = 20  # kernels listed
@@ -81,7 +84,9 @@ class StepProfiler:
         kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
         totals: dict[str, float] = {}
         for ev in prof.events():
-            if ev.device_type == kind:
+            # labelled ranges (steps, switch phases) are not time of their own
+            if ev.device_type == kind and not getattr(ev, "is_user_annotation", False) \
+                    and not ev.name.startswith(("step ", "switch ")):
                 us = ev.device_time if cuda else ev.self_cpu_time_total
                 totals[ev.name] = totals.get(ev.name, 0.0) + us
         steps = max(self.steps, 1)
@@ -93,5 +98,8 @@ class StepProfiler:
                "kernels": [{"kernel": name[:160], "ms_per_step": us / 1e3 / steps,
                             "pct": 100 * us / total} for name, us in top]}
         os.makedirs(self.out_dir or ".", exist_ok=True)
+        if envs.get("SPLASH_PROFILE_TRACE") == "1":
+            prof.export_chrome_trace(os.path.join(self.out_dir or ".",
+                                                  f"trace_rank{self.rank}.json"))
         with open(os.path.join(self.out_dir or ".", f"profile_rank{self.rank}.json"), "w") as f:
             json.dump(out, f, indent=1)

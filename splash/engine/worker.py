@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from splash import envs
 from splash.backends import get_backend
@@ -281,7 +282,10 @@ class Worker:
         if plan.profile or self.profiler.prof is not None:
             self.profiler.before(plan)
         try:
-            return self._launch(plan)
+            if self.profiler.prof is None:
+                return self._launch(plan)
+            with record_function(f"step {plan.step} launch"):  # labels the profile's timeline
+                return self._launch(plan)
         except Exception:
             self.samples, self.failed_step = None, plan.step
             raise
@@ -378,8 +382,9 @@ class Worker:
         if (sp.mode == "handoff") != (staged is not None):
             raise RuntimeError(f"switch {sp.mode} {'without' if staged is None else 'during'} "
                                "a pre-copy")
-        switch = SwitchExecutor(sp, self.comm, self.store, attns, self.device, staged=staged)
-        switch.start()
+        with record_function(f"switch {sp.mode} start"):
+            switch = SwitchExecutor(sp, self.comm, self.store, attns, self.device, staged=staged)
+            switch.start()
         return switch
 
     def _model_forward(self, ids: torch.Tensor, meta: StepMeta, impl: AttentionLayout,

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from splash.core.protocol import SwitchPlan
 from splash.dist.comm import Comm
@@ -345,16 +346,18 @@ class SwitchExecutor:
         # two groups in flight: the next group packs while this one's collective runs, and
         # this one unpacks while the next one's runs
         last: _Group | None = None
-        for layers in self.xfer.groups(per_layer=False):
-            g = self.xfer.issue(layers)
+        with record_function("switch transfer"):
+            for layers in self.xfer.groups(per_layer=False):
+                g = self.xfer.issue(layers)
+                if last is not None:
+                    last.wait()
+                    self.heads.update(self.xfer.unpack(last))
+                last = g
             if last is not None:
                 last.wait()
                 self.heads.update(self.xfer.unpack(last))
-            last = g
-        if last is not None:
-            last.wait()
-            self.heads.update(self.xfer.unpack(last))
-        self._install(range(len(self.attns)))
+        with record_function("switch install"):
+            self._install(range(len(self.attns)))
         if self._events is not None:
             self._events[1].record()
         self.wait_ms = self.busy_ms = (time.perf_counter() - t0) * 1e3

@@ -105,7 +105,9 @@ def test_launchers_read_their_devices_backend_table(monkeypatch, hip):
                 assert decode_config(heads, dev, None, fp8=fp8) == decode_config(
                     heads, dev, table["mla_decode"]["default"], fp8=fp8)
         assert extend_config(dev, None) == extend_config(dev, table["mla_extend"]["default"])
-        assert _gemm_configs(None, dev) == _gemm_configs(table["fused_moe"]["default"], dev)
+        for tokens in (None, 1, 16, 64, 4096):
+            assert _gemm_configs(None, dev, tokens=tokens) == _gemm_configs(
+                table["fused_moe"]["default"], dev, tokens=tokens)
     # the tokens-on-M decode kernel and fp16 products are CUDA's choices only
     assert bool(decode_config(16, gpu, None).get("transposed")) is (hip is None)
     assert decode_config(16, gpu, None, fp8=True).get("fp8_fp16", False) is (hip is None)

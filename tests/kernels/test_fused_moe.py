@@ -56,6 +56,22 @@ def test_ragged_dims_and_tiles(device):
     _check(fused_moe(*args, config=cfg), fused_moe_ref(*args), TOL[torch.float32])
 
 
+def test_tiles_follow_the_batch_size(device):
+    """"by_tokens" tiles apply up to their token count (decode batches), the base tiles
+    beyond it; both give the reference's result."""
+    from splash.kernels_triton.fused_moe import _gemm_configs
+
+    cfg = {"BLOCK_M": 32, "BLOCK_K": 16, "gate_up": {"BLOCK_N": 32},
+           "by_tokens": [[4, {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 16}}], [8, {"BLOCK_K": 32}]]}
+    picked = {n: _gemm_configs(cfg, device, tokens=n)["gate_up"] for n in (None, 3, 4, 5, 9)}
+    assert [(picked[n]["BLOCK_M"], picked[n]["BLOCK_N"], picked[n]["BLOCK_K"])
+            for n in (None, 3, 4, 5, 9)] == [(32, 32, 16), (16, 16, 16), (16, 16, 16),
+                                              (32, 32, 32), (32, 32, 16)]
+    for n in (3, 5, 9):
+        args = _problem(n, 6, 48, 32, 2, torch.float32, device, n)
+        _check(fused_moe(*args, config=cfg), fused_moe_ref(*args), TOL[torch.float32])
+
+
 def test_zero_tokens(device):
     args = _problem(0, 8, 64, 32, 2, torch.float32, device, 3)
     out = fused_moe(*args)
