@@ -20,6 +20,7 @@ import torch
 from splash.core.ownership import Layout, holds, local_kv_len, local_page_index
 from splash.core.protocol import StepPlan
 from splash.dist.comm import Comm
+from splash.dist.host_copy import to_device
 from splash.kernels_triton import (
     gather_rows,
     kv_write,
@@ -52,7 +53,7 @@ class StepMeta:
         for n in plan.query_lens:
             starts.append(starts[-1] + n)
         self.row_start = starts
-        self.positions = torch.tensor(plan.positions, dtype=torch.long, device=device)
+        self.positions = to_device(torch.tensor(plan.positions, dtype=torch.long), device)
         self.all_decode = all(n == 1 for n in plan.query_lens)
         self.selection: dict[str, torch.Tensor] = {}  # DSA: the last indexer layer's picks
         self._cache: dict[Any, Any] = {}
@@ -88,7 +89,7 @@ class StepMeta:
     def rows(self, reqs: list[int]) -> torch.Tensor:
         """Row indices (in step order) of the requests ``reqs``."""
         idx = [i for b in reqs for i in range(self.row_start[b], self.row_start[b + 1])]
-        return torch.tensor(idx, dtype=torch.long, device=self.device)
+        return to_device(torch.tensor(idx, dtype=torch.long), self.device)
 
     def owned(self, rank: int) -> list[int]:
         return [b for b, o in enumerate(self.plan.owners) if o == rank]
@@ -177,8 +178,8 @@ class KVStore:
         if not pairs:
             return
         device = self.caches[0].device
-        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=device)
-        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=device)
+        both = to_device(torch.tensor(pairs, dtype=torch.long), device)  # waits for nothing
+        src, dst = both[:, 0], both[:, 1]
         for i in layers if layers is not None else range(len(self.caches)):
             for pool in self.slot_pools(i):
                 pages = pool.view(pool.shape[0], -1).view(torch.uint8)  # (P, page bytes)
