@@ -178,20 +178,18 @@ class SwitchController:
         src, dst, alloc = sched.layout, get_layout(target), sched.alloc
         running = list(sched.running)
         # cached chains move with a switch completed in one step; a pre-copy leaves them to
-        # the handoff's delta (an explicit mode knows which before the manifest exists)
-        eager = setup.cfg.switch_mode in ("live", "blocking")
+        # the handoff's delta. Under auto the manifest is built for the common case, a switch
+        # in one step, and rebuilt without the chains only if the mode turns out background
+        cached = self._cached() if setup.cfg.switch_mode != "background" else []
         manifest = build_manifest(src, dst, running, alloc, setup.world, setup.page_size,
-                                  setup.model_cfg.num_attention_heads,
-                                  cached=self._cached() if eager else None,
+                                  setup.model_cfg.num_attention_heads, cached=cached or None,
                                   resident_heads=setup.resident_heads)
-        if manifest is not None and not eager and \
-                self._mode(manifest, step_ms_ema) != "background":
-            cached = self._cached()
-            if cached:  # rebuilt with the cached chains (or without them if they do not fit)
-                manifest.give_back(alloc)
-                manifest = build_manifest(src, dst, running, alloc, setup.world,
-                                          setup.page_size, setup.model_cfg.num_attention_heads,
-                                          cached=cached, resident_heads=setup.resident_heads)
+        mode = self._mode(manifest, step_ms_ema) if manifest is not None else ""
+        if mode == "background" and cached:
+            manifest.give_back(alloc)
+            manifest = build_manifest(src, dst, running, alloc, setup.world, setup.page_size,
+                                      setup.model_cfg.num_attention_heads,
+                                      resident_heads=setup.resident_heads)
         if manifest is None:
             reason = (f"switch {src.name}->{dst.name} deferred at step {step}: the destination "
                       f"needs more free KV pages than the ranks have (free {[a.num_available for a in alloc.ranks]}); "
@@ -207,7 +205,6 @@ class SwitchController:
             self.deferred[-1]["resolved"] = step
         sched.hold_admission = False
         self.requested = None
-        mode = self._mode(manifest, step_ms_ema)
         if mode == "background":
             self.inflight = _InFlight(manifest, {r.request_id: r.num_computed for r in running},
                                       step, time.monotonic())

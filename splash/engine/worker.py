@@ -300,8 +300,8 @@ class Worker:
                 elapsed_ms=(time.perf_counter() - t0) * 1e3))
         self._apply_tables(plan)
         switch = self._switch(plan)
-        if switch is None:  # before anything writes into the copies (else layer by layer)
-            self.store.copy_pages(plan.page_copies)
+        if switch is None or not switch.plan.hooks_forward:  # nothing still moving: copy now,
+            self.store.copy_pages(plan.page_copies)  # before anything writes into the copies
         out = Launched(plan, t0, switch=switch)
         self.graph_step = False
         if plan.input_ids:
@@ -390,8 +390,8 @@ class Worker:
     def _model_forward(self, ids: torch.Tensor, meta: StepMeta, impl: AttentionLayout,
                        switch: SwitchExecutor | None = None) -> torch.Tensor:
         def attn_fn(layer: int, attn, h: torch.Tensor) -> torch.Tensor:
-            if switch is not None:  # a copied page may have arrived with this layer's transfer
-                switch.before_layer(layer)
+            if switch is not None and switch.plan.hooks_forward:  # a copied page may have
+                switch.before_layer(layer)  # arrived with this layer's transfer
                 self.store.copy_pages(meta.plan.page_copies, range(layer, layer + 1))
             return impl.forward(layer, attn, h, meta)
 
