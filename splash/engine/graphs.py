@@ -92,11 +92,13 @@ def graph_width(context: int, page_size: int) -> int:
     return _next_pow2(max(-(-context // page_size), 1))
 
 
-def startup_layouts(fitting: tuple[str, ...] | list[str], initial: str, world: int) -> list[str]:
+def startup_layouts(fitting: tuple[str, ...] | list[str], initial: str, world: int,
+                    resident: bool = False) -> list[str]:
     """The layouts whose graphs a worker can capture at start-up: those whose projection
-    placement it holds now (all of them at T = 1)."""
+    placement it holds now (all of them at T = 1, or when every placement is resident)."""
     sharded = get_layout(initial).shards_heads
-    return [n for n in fitting if world == 1 or get_layout(n).shards_heads == sharded]
+    return [n for n in fitting
+            if world == 1 or resident or get_layout(n).shards_heads == sharded]
 
 
 def graph_rows(layout: Layout, bucket: int, world: int) -> int:

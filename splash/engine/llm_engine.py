@@ -91,7 +91,8 @@ class LLMEngine:
         if s.cuda_graphs:
             logger.info("captured %d CUDA graphs for layouts %s in %.1f s, %.0f MiB (per rank, "
                         "%.0f MiB reserved)", self._graphs_at_start["cuda_graphs_captured"],
-                        startup_layouts(s.fitting, s.initial_layout, s.world),
+                        startup_layouts(s.fitting, s.initial_layout, s.world,
+                                        s.resident_heads),
                         self._graphs_at_start["cuda_graph_capture_s"],
                         self._graphs_at_start["cuda_graph_mib"], s.budget.graphs / 2**20)
             if self._graphs_at_start["cuda_graph_mib"] * 2**20 > s.budget.graphs:

@@ -224,7 +224,8 @@ class Worker:
                                    min_width=width, input_ids=self._input_ids)
         if not self.capture:
             return ready
-        names = startup_layouts(self.cfg.graph_layouts, self.cfg.layout, self.cfg.world)
+        names = startup_layouts(self.cfg.graph_layouts, self.cfg.layout, self.cfg.world,
+                                self.cfg.resident_heads)
         keys = startup_graph_keys(names, self.graphs.buckets, [width], self.cfg.world)
         before = torch.cuda.memory_reserved(self.device)
         t0 = time.perf_counter()

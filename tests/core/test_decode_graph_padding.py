@@ -84,16 +84,18 @@ def test_not_padded_when_not_a_pure_decode_or_too_large():
     assert g.pad(_plan([0] * 17, [2] * 17), _Impl("tp")) is None  # above max_batch 16
 
 
-@pytest.mark.parametrize(("world", "start", "expected"), [
-    (1, "tp", ["tp", "dp", "cp", "dop"]),  # one rank holds every head in every layout
-    (2, "tp", ["tp", "dop"]),  # head-sharded placement: the replicated one comes later
-    (2, "dp", ["dp", "cp"]),
+@pytest.mark.parametrize(("world", "start", "resident", "expected"), [
+    (1, "tp", False, ["tp", "dp", "cp", "dop"]),  # one rank holds every head in every layout
+    (2, "tp", False, ["tp", "dop"]),  # head-sharded placement: the replicated one comes later
+    (2, "dp", False, ["dp", "cp"]),
+    (2, "tp", True, ["tp", "dp", "cp", "dop"]),  # resident projections: every placement held
 ])
-def test_startup_captures_every_decode_step_of_the_held_layouts(world, start, expected):
+def test_startup_captures_every_decode_step_of_the_held_layouts(world, start, resident,
+                                                                expected):
     """The start-up list (the same on every rank: it depends on nothing rank-specific) holds
     the key of every decode step those layouts can replay at the start-up width, each once,
     largest batch first within a layout, so no such step captures while serving."""
-    layouts = startup_layouts(["tp", "dp", "cp", "dop"], start, world)
+    layouts = startup_layouts(["tp", "dp", "cp", "dop"], start, world, resident)
     assert layouts == expected
     width = graph_width(64, PS)  # start-up graphs cover contexts up to 64 tokens
     g = DecodeGraphs(lambda *a: None, Comm(0, world, use_dist=False), PS, torch.device("cpu"),
