@@ -117,6 +117,7 @@ class Worker:
         for layer in self.model.layers:
             if isinstance(layer.mlp, MoE):
                 layer.mlp.kernel_config = moe_config
+        self.held = held  # the head range a layout places on this rank
         self.weight_bytes = self._held_bytes()  # weights and whatever else loading left
         self.tables: dict[str, list[int]] = {}
         self.precopy: PreCopy | None = None  # a background switch's transfer in flight
@@ -146,12 +147,13 @@ class Worker:
         mcfg = self.model.cfg
         kv_dtype = torch_dtype(self.cfg.kv_dtype, self.backend.fp8_dtype)
         shape = (num_pages, self.cfg.page_size, mcfg.kv_dim)
-        caches = [torch.zeros(shape, dtype=kv_dtype, device=self.device)
-                  for _ in range(mcfg.num_hidden_layers)]
+        layers = mcfg.num_hidden_layers
+        # each kind of pool allocated for all layers at once: a switch packs them in one launch
+        caches = list(torch.zeros((layers, *shape), dtype=kv_dtype, device=self.device))
         scales = None
         if kv_dtype.itemsize == 1:
-            scales = [torch.ones(shape[:2], dtype=torch.float32, device=self.device)
-                      for _ in range(mcfg.num_hidden_layers)]
+            scales = list(torch.ones((layers, *shape[:2]), dtype=torch.float32,
+                                     device=self.device))
         index_caches, index_scales = self._index_pools(mcfg, num_pages)
         configs = {k: self.backend.kernel_config(k)
                    for k in ("mla_decode", "mla_extend", "index_scores", "topk")}
@@ -226,22 +228,34 @@ class Worker:
             return ready
         names = startup_layouts(self.cfg.graph_layouts, self.cfg.layout, self.cfg.world,
                                 self.cfg.resident_heads)
-        keys = startup_graph_keys(names, self.graphs.buckets, [width], self.cfg.world)
         before = torch.cuda.memory_reserved(self.device)
         t0 = time.perf_counter()
+        n = 0
         try:
             with torch.inference_mode():  # as the steps that replay them
-                n = self.graphs.capture_keys(keys, self.layouts)
+                for name in names:  # each with its layout's placement (resident: all held)
+                    self._use_heads(self.held(name))
+                    keys = startup_graph_keys([name], self.graphs.buckets, [width],
+                                              self.cfg.world)
+                    n = self.graphs.capture_keys(keys, self.layouts)
         except torch.OutOfMemoryError as e:
             raise RuntimeError(
                 f"capturing the start-up CUDA graphs ran out of memory beyond their reserve "
                 f"({e}): lower max_num_seqs (the largest graph batch), raise memory_fraction "
                 "or set enforce_eager") from e
+        finally:
+            self._use_heads(self.held(self.cfg.layout))
         secs = time.perf_counter() - t0
         used = torch.cuda.memory_reserved(self.device) - before
         logger.info("rank %d: captured %d CUDA graphs for layouts %s in %.1f s, %.0f MiB",
                     self.cfg.rank, n, names, secs, used / 2**20)
         return msgspec.structs.replace(ready, graphs=n, graph_s=secs, graph_bytes=used)
+
+    def _use_heads(self, heads: range) -> None:
+        """Compute with the held placement of ``heads`` (a no-op where it is the current)."""
+        for attn in self.model.attn_layers:
+            if range(attn.head_start, attn.head_start + attn.num_heads) != heads:
+                attn.use(heads)
 
     def _index_pools(self, mcfg: ModelConfig, num_pages: int) -> tuple[list, list]:
         """DSA: per indexer layer, the indexer keys (P, PS, I) in the same pages as the latent

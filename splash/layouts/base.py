@@ -171,6 +171,13 @@ class KVStore:
                  self.index_caches[i], self.index_scales[i]]
         return [p for p in pools if p is not None]
 
+    def slot_kinds(self, layers: list[int]) -> list[list[torch.Tensor]]:
+        """``slot_pools`` of ``layers`` kind by kind: the latent rows, fp8 scales, indexer keys
+        and their scales of every layer that has them (a switch packs a kind at once)."""
+        kinds = [self.caches, self.scales or [None] * len(self.caches), self.index_caches,
+                 self.index_scales]
+        return [[k[i] for i in layers if k[i] is not None] for k in kinds]
+
     def copy_pages(self, pairs: list[list[int]], layers: range | None = None) -> None:
         """Copy whole pages of every slot pool (rows, fp8 scales, indexer keys; bit-exact) of
         ``layers`` (default all): [src, dst] pairs, dst pages distinct (copy-on-write of pages

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -35,7 +35,13 @@ from torch.profiler import record_function
 from splash.core.protocol import SwitchPlan
 from splash.dist.comm import Comm
 from splash.dist.host_copy import to_device
-from splash.kernels_triton import gather_rows, scatter_rows
+from splash.kernels_triton import (
+    expand_runs,
+    gather_layer_rows,
+    gather_rows,
+    scatter_layer_rows,
+    scatter_rows,
+)
 from splash.layouts.base import KVStore
 
 _PLACED = ("q_b", "w_uk", "w_uv", "w_o")
@@ -44,12 +50,13 @@ _PLACED = ("q_b", "w_uk", "w_uv", "w_o")
 _WORDS = (torch.int64, torch.int32, torch.int16)
 
 
-def _word(*rows: torch.Tensor) -> torch.dtype:
-    """The widest integer word dividing every byte-row view's width, row stride and address."""
+def _word(*views: torch.Tensor) -> torch.dtype:
+    """The widest integer word dividing every byte view's last dim, other strides and
+    address."""
     for word in _WORDS:
         k = word.itemsize
-        if all(r.shape[1] % k == 0 and r.stride(0) % k == 0 and r.data_ptr() % k == 0
-               for r in rows):
+        if all(v.shape[-1] % k == 0 and v.data_ptr() % k == 0 and
+               all(st % k == 0 for st in v.stride()[:-1]) for v in views):
             return word
     return torch.uint8
 
@@ -63,30 +70,68 @@ def _pad8(n: int) -> int:
     return -(-n // 8) * 8
 
 
-def _row_layout(pools: list[torch.Tensor]) -> tuple[list[tuple[torch.Tensor, int, int]], int]:
-    """Where each pool's row sits in a packed row: (byte rows, column, width) and the packed
-    row's bytes. Columns start on 8-byte boundaries, so a 1,152-byte latent row moves as 144
-    int64 words even beside a 4-byte fp8 scale."""
+class _Block(NamedTuple):
+    """Where L pools' rows sit in a packed row: layer j's bytes at ``col + j * step``."""
+
+    rows: torch.Tensor  # (L, rows, width) bytes: pools that are views at one stride
+    col: int
+    width: int
+    step: int  # the width padded to 8 bytes
+
+
+def _stacked(pools: list[torch.Tensor]) -> torch.Tensor | None:
+    """(L, rows, width) byte rows of ``pools`` when they are views of one tensor at one
+    stride (the worker allocates each kind of pool for all layers at once), else None."""
+    first = _pool_rows(pools[0])
+    ptrs = [p.data_ptr() for p in pools]
+    step = ptrs[1] - ptrs[0] if len(pools) > 1 else 0
+    base = pools[0].untyped_storage().data_ptr()
+    if len(pools) > 1 and (step <= 0 or any(b - a != step for a, b in zip(ptrs, ptrs[1:])) or
+                           any(p.shape != pools[0].shape or p.dtype != pools[0].dtype or
+                               p.stride() != pools[0].stride() or
+                               p.untyped_storage().data_ptr() != base for p in pools)):
+        return None
+    return torch.as_strided(first, (len(pools), *first.shape), (step, *first.stride()))
+
+
+def _row_layout(kinds: list[list[torch.Tensor]]) -> tuple[list[_Block], int]:
+    """The packed row of a layer group: kind by kind (latent rows, fp8 scales, indexer keys,
+    their scales), layer by layer within a kind; every block starts on an 8-byte boundary, so
+    a 1,152-byte latent row moves as 144 int64 words even beside a 4-byte fp8 scale. The
+    columns do not depend on how the pools are allocated; the launches do (one per kind when
+    its pools are stacked, else one per pool)."""
     out, col = [], 0
-    for pool in pools:
-        rows = _pool_rows(pool)
-        out.append((rows, col, rows.shape[1]))
-        col += _pad8(rows.shape[1])
+    for pools in kinds:
+        if not pools:
+            continue
+        stacked = _stacked(pools)
+        for rows in [stacked] if stacked is not None else [_pool_rows(p)[None] for p in pools]:
+            step = _pad8(rows.shape[2])
+            out.append(_Block(rows, col, rows.shape[2], step))
+            col += step * rows.shape[0]
     return out, col
 
 
-def _pack(rows: torch.Tensor, slots: torch.Tensor, buf: torch.Tensor, col: int) -> None:
-    """buf[:, col:col+w] = rows[slots] (bytes), in the widest word both sides allow."""
-    dst = buf[:, col:col + rows.shape[1]]
-    word = _word(rows, dst)
-    gather_rows(rows.view(word), slots, out=dst.view(word))
+def _columns(b: _Block, buf: torch.Tensor) -> torch.Tensor:
+    """``b``'s part of every packed row of ``buf``: (rows, L, width) bytes."""
+    layers = b.rows.shape[0]
+    return buf[:, b.col: b.col + b.step * layers].view(buf.shape[0], layers, b.step)[
+        :, :, :b.width]
 
 
-def _unpack(rows: torch.Tensor, slots: torch.Tensor, buf: torch.Tensor, col: int) -> None:
-    """rows[slots] = buf[:, col:col+w] (bytes), in the widest word both sides allow."""
-    src = buf[:, col:col + rows.shape[1]]
-    word = _word(rows, src)
-    scatter_rows(rows.view(word), slots, src.view(word))
+def _pack(b: _Block, slots: torch.Tensor, buf: torch.Tensor) -> None:
+    """buf's columns of ``b`` = its pools' rows at ``slots`` (bytes), in the widest word both
+    sides allow."""
+    dst = _columns(b, buf)
+    word = _word(b.rows, dst)
+    gather_layer_rows(b.rows.view(word), slots, dst.view(word))
+
+
+def _unpack(b: _Block, slots: torch.Tensor, buf: torch.Tensor) -> None:
+    """``b``'s pools' rows at ``slots`` = buf's columns of ``b``."""
+    src = _columns(b, buf)
+    word = _word(b.rows, src)
+    scatter_layer_rows(b.rows.view(word), slots, src.view(word))
 
 
 def _pairs(runs: list[list[int]]) -> list[np.ndarray]:
@@ -100,17 +145,16 @@ def slots_from_runs(runs: list[list[int]], device: torch.device) -> torch.Tensor
 
 
 def _slots(per_peer: list[np.ndarray], device: torch.device) -> torch.Tensor:
-    """Only the runs cross to the device; the rows are expanded there (a 32K-token context is
-    512 runs but 32,768 rows)."""
+    """Only the runs cross to the device (one copy that never waits for it); one kernel
+    writes the rows there (a 32K-token context is 512 runs but 32,768 rows)."""
     pairs = np.concatenate(per_peer) if per_peer else np.zeros((0, 2), np.int64)
-    total = int(pairs[:, 1].sum())
+    counts = pairs[:, 1]
+    total = int(counts.sum())
     if not total:
         return torch.empty(0, dtype=torch.long, device=device)
-    t = to_device(torch.from_numpy(pairs), device)  # pinned: never waits for the device
-    starts, counts = t[:, 0], t[:, 1]
-    first = torch.cumsum(counts, 0) - counts  # row index where each run begins
-    return torch.repeat_interleave(starts - first, counts, output_size=total) + \
-        torch.arange(total, device=device)
+    first = np.cumsum(counts) - counts  # row index where each run begins
+    table = np.ascontiguousarray(np.stack([pairs[:, 0], first, counts], axis=1), np.int64)
+    return expand_runs(to_device(torch.from_numpy(table), device), total, int(counts.max()))
 
 
 def _head_rows(attn: Any) -> list[torch.Tensor]:
@@ -132,8 +176,8 @@ def install_heads(attn: Any, plan: SwitchPlan, received: torch.Tensor,
         attn.use(new)
         return
     lo, hi = max(old.start, new.start), min(old.stop, new.stop)
-    dst = torch.tensor([h - new.start for h in received_heads], dtype=torch.long,
-                       device=received.device)
+    dst = to_device(torch.tensor([h - new.start for h in received_heads], dtype=torch.long),
+                    received.device)
     if len(received_heads) + max(hi - lo, 0) != len(new):
         raise RuntimeError(f"heads {list(new)} are neither kept nor received "
                            f"(kept {lo}..{hi}, received {received_heads})")
@@ -210,11 +254,11 @@ class _Transfer:
         """The rows this rank sends for ``layers``: every slot pool of every layer side by side
         (byte columns), one row per sent slot, peers in order."""
         m = self.moves
-        layout, width = _row_layout([p for i in layers for p in self.store.slot_pools(i)])
+        layout, width = _row_layout(self.store.slot_kinds(layers))
         send = torch.empty((len(m.send_slots), width), dtype=torch.uint8, device=self.device)
         if m.send_slots.numel():
-            for rows, col, _ in layout:
-                _pack(rows, m.send_slots, send, col)
+            for block in layout:
+                _pack(block, m.send_slots, send)
         return send
 
     def pack_heads(self, layers: list[int]) -> torch.Tensor:
@@ -228,8 +272,8 @@ class _Transfer:
         for i in layers:
             start = self.attns[i].head_start
             if start not in index:  # one host-to-device copy for every layer alike
-                index[start] = torch.tensor([h - start for h in m.sent_heads], dtype=torch.long,
-                                            device=self.device)
+                index[start] = to_device(torch.tensor([h - start for h in m.sent_heads],
+                                                      dtype=torch.long), self.device)
             idx = index[start]
             for t in parts[i]:
                 gather_rows(t, idx, out=send[:, col:col + t.shape[1]])
@@ -255,12 +299,12 @@ class _Transfer:
         m = self.moves
         heads: dict[int, torch.Tensor] = {}
         if g.kv is not None:
-            pools = [p for layer in g.layers for p in self.store.slot_pools(layer)]
-            layout = _row_layout(pools)[0]
+            layout = _row_layout(self.store.slot_kinds(g.layers))[0]
             if m.recv_slots.numel():
-                for rows, col, _ in layout:
-                    _unpack(rows, m.recv_slots, g.kv, col)
-            self.kv_bytes += g.kv.shape[0] * sum(w for _, _, w in layout)  # payload, no padding
+                for block in layout:
+                    _unpack(block, m.recv_slots, g.kv)
+            # payload, no padding
+            self.kv_bytes += g.kv.shape[0] * sum(b.width * b.rows.shape[0] for b in layout)
         if g.heads is not None:
             width = g.heads.shape[1] // len(g.layers)
             for j, layer in enumerate(g.layers):

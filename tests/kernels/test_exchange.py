@@ -6,10 +6,15 @@ import pytest
 import torch
 
 from splash.kernels_triton import (
+    expand_runs,
+    expand_runs_ref,
+    gather_layer_rows,
+    gather_layer_rows_ref,
     gather_rows,
     gather_rows_ref,
     merge_heads_from_ranks,
     merge_heads_from_ranks_ref,
+    scatter_layer_rows,
     scatter_rows,
     scatter_rows_ref,
     split_heads_to_ranks,
@@ -79,6 +84,47 @@ def test_split_and_merge_heads(device, dtype, T):
     assert _same(split, split_heads_to_ranks_ref(x, T))
     assert _same(merge_heads_from_ranks(split, T), merge_heads_from_ranks_ref(split, T))
     assert _same(merge_heads_from_ranks(split, T), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.uint8], ids=["fp32", "bytes"])
+def test_layer_rows_pack_every_layer_at_once(device, dtype):
+    """Three layers' pools stacked at one stride (every other layer of a stack of six, as a
+    group takes consecutive layers of a strided view): the same rows of each land in
+    per-layer column blocks of a packed buffer (blocks padded, a column slice of a wider
+    row), and scatter back into a fresh stack bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    stack = (torch.rand(6, 10, 4, 5, generator=g) * 250).to(dtype).to(device)
+    x = stack[::2].reshape(3, 40, 5)  # (L, N rows, W): a strided layer dim
+    index = torch.tensor([7, 0, 39, 12], device=device)
+    buf = torch.zeros(4, 2 + 3 * 8, dtype=dtype, device=device)  # 8 = the padded block
+    out = buf[:, 2:].view(4, 3, 8)[:, :, :5]
+    gather_layer_rows(x, index, out)
+    assert torch.equal(out, gather_layer_rows_ref(x, index))
+    assert not buf[:, :2].any() and not buf[:, 2:].view(4, 3, 8)[:, :, 5:].any()
+    fresh = torch.zeros_like(stack)
+    target = fresh[::2].reshape(3, 40, 5)
+    scatter_layer_rows(target, index, out)
+    assert torch.equal(target[:, index], x[:, index])
+    assert int((target != 0).sum()) == int((x[:, index] != 0).sum())
+    with pytest.raises(ValueError, match="rows have shape"):
+        gather_layer_rows(x, index, buf[:, :10].view(4, 2, 5))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_expand_runs(device, seed):
+    """Runs of 1 to 600 rows (several programs per run) at scattered starts, in any order:
+    every row's index, runs back to back."""
+    g = torch.Generator().manual_seed(seed)
+    n = torch.randint(1, 600, (9,), generator=g)
+    start = torch.randperm(10_000, generator=g)[:9] * 7
+    first = torch.cumsum(n, 0) - n
+    runs = torch.stack([start, first, n], 1).to(device)
+    total = int(n.sum())
+    out = expand_runs(runs, total, int(n.max()))
+    assert torch.equal(out.cpu(), expand_runs_ref(runs, total).cpu())
+    assert expand_runs(runs[:0], 0, 0).shape == (0,)
+    with pytest.raises(ValueError, match="expected \\(R, 3\\)"):
+        expand_runs(runs[:, :2].contiguous(), total, int(n.max()))
 
 
 def test_empty_exchange(device):
