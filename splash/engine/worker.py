@@ -230,21 +230,30 @@ class Worker:
                                 self.cfg.resident_heads)
         before = torch.cuda.memory_reserved(self.device)
         t0 = time.perf_counter()
+        start = self.held(self.cfg.layout)
+        # the start layout's placement first; each layout with its own placement (resident
+        # projections hold them all), so a replay reads the heads that layout computes with
+        names.sort(key=lambda name: self.held(name) != start)
         n = 0
         try:
             with torch.inference_mode():  # as the steps that replay them
-                for name in names:  # each with its layout's placement (resident: all held)
+                for name in names:
                     self._use_heads(self.held(name))
                     keys = startup_graph_keys([name], self.graphs.buckets, [width],
                                               self.cfg.world)
                     n = self.graphs.capture_keys(keys, self.layouts)
         except torch.OutOfMemoryError as e:
-            raise RuntimeError(
-                f"capturing the start-up CUDA graphs ran out of memory beyond their reserve "
-                f"({e}): lower max_num_seqs (the largest graph batch), raise memory_fraction "
-                "or set enforce_eager") from e
+            if self.held(name) == start:
+                raise RuntimeError(
+                    f"capturing the start-up CUDA graphs ran out of memory beyond their "
+                    f"reserve ({e}): lower max_num_seqs (the largest graph batch), raise "
+                    "memory_fraction or set enforce_eager") from e
+            torch.cuda.empty_cache()  # the other placement's graphs come when first needed
+            logger.warning("rank %d: no memory left for the start-up graphs of layout %s (%s);"
+                           " they are captured when a step first needs them", self.cfg.rank,
+                           name, e)
         finally:
-            self._use_heads(self.held(self.cfg.layout))
+            self._use_heads(start)
         secs = time.perf_counter() - t0
         used = torch.cuda.memory_reserved(self.device) - before
         logger.info("rank %d: captured %d CUDA graphs for layouts %s in %.1f s, %.0f MiB",
