@@ -45,8 +45,9 @@ def test_ctrl_c_stops_serve_during_a_stream(tmp_path: Path) -> None:
 def test_ctrl_c_stops_generate() -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "splash.cli", "generate", "--model", checkpoint("v3"), *CPU_TP2,
-         "--prompt-ids", "2,7", "--max-tokens", "500"],  # long: a loaded machine may read
-        # the log late, and the run must still be generating when the signal comes
+         "--prompt-ids", *[f"{i},7" for i in range(2, 10)], "--max-tokens", "250"],
+        # long (the model's limit is 256 tokens): a loaded machine may read the log late, and
+        # the run must still be generating when the signal comes
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True, env={**os.environ, "SPLASH_LOG_LEVEL": "DEBUG"})
     assert proc.stderr is not None
