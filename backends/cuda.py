@@ -22,6 +22,9 @@ class CUDABackend(BaseBackend):
         # 64 x 4K for tokens-on-M) with 32-token tiles and 2 stages (0.965 vs 1.31 ms at
         # 64 x 32K), 2 programs per SM in the wave model (it then picks the measured-best split
         # at all six anchor shapes).
+        # Many heads at short contexts: 64-token splits (benchmarks/results/h200/
+        # decode_splits.json, 64 heads, 1 x 1K: 16 splits 13.8 us vs 4 splits 21.8 us; the
+        # wave model then picks the measured-best split at 1-16 x 1K and keeps it elsewhere).
         # fp8 KV: "fp8_fp16" runs the products on fp16 operands (native fp8 -> fp16
         # conversion; q clamped to fp16's range), off for many heads (0.61 vs 0.75 ms with it:
         # compute-bound, where the fp16 casts cost more than they save).
@@ -32,7 +35,7 @@ class CUDABackend(BaseBackend):
                 "split_overhead_tokens": 512, "min_split_tokens": 256,
                 "many_heads": {"transposed": False, "BLOCK_H": 64, "BLOCK_N": 64,
                                "num_warps": 8, "num_stages": 2, "programs_per_sm": 1,
-                               "split_overhead_tokens": 64},
+                               "split_overhead_tokens": 64, "min_split_tokens": 64},
                 "fp8": {"transposed": False, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2,
                         "programs_per_sm": 2, "split_overhead_tokens": 64, "fp8_fp16": True,
                         "many_heads": {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2,
