@@ -209,18 +209,27 @@ class MPExecutor(_Executor):
         """One message per rank, in each rank's order (a rank's messages for a later step,
         arriving before a slower peer's for this one, wait for the next gather)."""
         got: dict[int, object] = {r: q.popleft() for r, q in self._early.items() if q}
+        try:
+            return self._gather_into(got, timeout_s, what)
+        except BaseException:  # Ctrl-C or a timeout: what came stays for the next gather
+            for rank, msg in got.items():
+                self._early.setdefault(rank, collections.deque()).appendleft(msg)
+            raise
+
+    def _gather_into(self, got: dict[int, object], timeout_s: float, what: str) -> list:
         if any(_fatal(m) for m in got.values()):
             return [*(m for m in got.values() if _fatal(m)), *self._errors_within(0.5)]
         deadline = time.monotonic() + timeout_s
         while len(got) < self.world:
             if self.sock.poll(200):
-                ident, payload = self.sock.recv_multipart()
-                rank = int(ident.decode().split("-")[1])
-                if rank in got:
-                    self._early.setdefault(rank, collections.deque()).append(
-                        decode_result(payload))
-                    continue
-                msg = got[rank] = decode_result(payload)
+                with _sigint_deferred():  # a message taken off the socket is always kept
+                    ident, payload = self.sock.recv_multipart()
+                    rank = int(ident.decode().split("-")[1])
+                    msg = decode_result(payload)
+                    if rank in got:
+                        self._early.setdefault(rank, collections.deque()).append(msg)
+                        continue
+                    got[rank] = msg
                 if _fatal(msg):
                     # its peers may wait in a collective for it: stop here, with the errors
                     # that arrive meanwhile (a peer's may come first and only echo this one)
