@@ -222,7 +222,7 @@ class MPExecutor(_Executor):
         deadline = time.monotonic() + timeout_s
         while len(got) < self.world:
             if self.sock.poll(200):
-                with _sigint_deferred():  # a message taken off the socket is always kept
+                with sigint_deferred():  # a message taken off the socket is always kept
                     ident, payload = self.sock.recv_multipart()
                     rank = int(ident.decode().split("-")[1])
                     msg = decode_result(payload)
@@ -287,7 +287,7 @@ class MPExecutor(_Executor):
                 shutil.rmtree(tmp, ignore_errors=True)
 
     def submit(self, plans: list[StepPlan]) -> None:
-        with _sigint_deferred():  # every rank gets the step or none does (Ctrl-C mid-send left
+        with sigint_deferred():  # every rank gets the step or none does (Ctrl-C mid-send left
             self._send(plans)  # one rank waiting in a collective for a peer that never came)
 
     def collect(self, plans: list[StepPlan],
@@ -333,7 +333,7 @@ class MPExecutor(_Executor):
 
 
 @contextlib.contextmanager
-def _sigint_deferred():
+def sigint_deferred():
     """SIGINT held back (delivered on exit) where the platform allows it."""
     block = getattr(signal, "pthread_sigmask", None)
     if block is None:

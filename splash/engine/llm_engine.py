@@ -36,7 +36,7 @@ from splash.core.protocol import StepPlan, StepResult
 from splash.core.request import Request, SampleGroup, Status
 from splash.engine.auto_layout import AutoLayout
 from splash.engine.config import EngineConfig
-from splash.engine.executor import start_executor
+from splash.engine.executor import sigint_deferred, start_executor
 from splash.engine.graphs import startup_layouts
 from splash.engine.output_processor import OutputProcessor
 from splash.engine.plans import build_plans
@@ -132,9 +132,11 @@ class LLMEngine:
                 raise
         # what start-up built lives as long as the engine: out of the collector's sight, its
         # full passes stop walking it (a pass over the weights' and pools' Python objects cost
-        # up to a millisecond at random steps and switches)
-        gc.collect()
-        gc.freeze()
+        # up to a millisecond at random steps and switches). A Ctrl-C meanwhile waits until
+        # it is done: raised inside a finalizer the collection runs, it would be swallowed
+        with sigint_deferred():
+            gc.collect()
+            gc.freeze()
 
     @classmethod
     def from_args(cls, **kwargs: Any) -> LLMEngine:
