@@ -42,7 +42,9 @@ def test_ctrl_c_stops_serve_during_a_stream(tmp_path: Path) -> None:
         server.stop()
 
 
-def test_ctrl_c_stops_generate() -> None:
+def _interrupted_generate() -> tuple[subprocess.Popen, str, bool]:
+    """Run `splash generate`, Ctrl-C it once its workers are ready; (process, its stderr,
+    whether it was still running when the signal went out)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "splash.cli", "generate", "--model", checkpoint("v3"), *CPU_TP2,
          "--prompt-ids", "2,7", "--max-tokens", "250"],  # the model's limit is 256 tokens
@@ -54,16 +56,26 @@ def test_ctrl_c_stops_generate() -> None:
         seen.append(line)
         if "workers ready" in line:
             break
+    running = proc.poll() is None
     os.killpg(proc.pid, signal.SIGINT)
     try:
         out, err = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:  # say which: the command, or a child holding the pipes
-        running = proc.poll() is None
+        still = proc.poll() is None
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate(timeout=30)
-        who = "the command still ran" if running else "the command exited, a child held its pipes"
+        who = "the command still ran" if still else "the command exited, a child held its pipes"
         pytest.fail(f"no exit 120 s after Ctrl-C: {who}\n" + ("".join(seen) + err)[-3000:])
-    log = "".join(seen) + err
+    return proc, "".join(seen) + err, running
+
+
+def test_ctrl_c_stops_generate() -> None:
+    for _ in range(3):  # a loaded machine may read the log only after the run has ended
+        proc, log, running = _interrupted_generate()
+        if running:
+            break
+    assert running, "the command ended before the test could interrupt it, three times"
     assert proc.returncode == 130, log[-3000:]
     _clean(log)
-    assert err.strip().splitlines()[-1] == "splash generate: interrupted"
+    # its last word (extensions may still report leaks at interpreter exit, after it)
+    assert "splash generate: interrupted" in log.splitlines(), log[-3000:]
