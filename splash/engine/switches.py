@@ -185,7 +185,7 @@ class SwitchController:
                                   setup.model_cfg.num_attention_heads, cached=cached or None,
                                   resident_heads=setup.resident_heads)
         mode = self._mode(manifest, step_ms_ema) if manifest is not None else ""
-        if mode == "background" and cached:
+        if manifest is not None and mode == "background" and cached:
             manifest.give_back(alloc)
             manifest = build_manifest(src, dst, running, alloc, setup.world, setup.page_size,
                                       setup.model_cfg.num_attention_heads,

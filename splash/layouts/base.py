@@ -174,9 +174,10 @@ class KVStore:
     def slot_kinds(self, layers: list[int]) -> list[list[torch.Tensor]]:
         """``slot_pools`` of ``layers`` kind by kind: the latent rows, fp8 scales, indexer keys
         and their scales of every layer that has them (a switch packs a kind at once)."""
-        kinds = [self.caches, self.scales or [None] * len(self.caches), self.index_caches,
-                 self.index_scales]
-        return [[k[i] for i in layers if k[i] is not None] for k in kinds]
+        none: list[torch.Tensor | None] = [None] * len(self.caches)
+        kinds: list[list[torch.Tensor] | list[torch.Tensor | None]] = [
+            self.caches, self.scales or none, self.index_caches, self.index_scales]
+        return [[t for t in (k[i] for i in layers) if t is not None] for k in kinds]
 
     def copy_pages(self, pairs: list[list[int]], layers: range | None = None) -> None:
         """Copy whole pages of every slot pool (rows, fp8 scales, indexer keys; bit-exact) of
