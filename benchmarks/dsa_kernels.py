@@ -63,7 +63,7 @@ def _record(name: str, times: dict[str, Any], nbytes: int, ceil: dict[str, float
 
 
 def _shape_records(dev, gen, ceil, kind: str, heads: int, batch: int,
-                   context: int) -> list[dict]:
+                   context: int, configs: dict | None = None) -> list[dict]:
     kv, scale, keys, key_scale, table = _pools(batch, context, kind, dev, gen)
     iq = torch.randn(batch, INDEX_HEADS, INDEX_DIM, device=dev, dtype=torch.bfloat16,
                      generator=gen)
@@ -73,15 +73,19 @@ def _shape_records(dev, gen, ceil, kind: str, heads: int, batch: int,
     starts = torch.arange(batch + 1, dtype=torch.int32, device=dev)
     width = table.shape[1] * PAGE
 
+    configs = configs or {}
+
     def scores():
         return K.index_scores(iq, w, keys, table, lens, starts, INDEX_DIM ** -0.5, width,
-                              index_scale=key_scale)
+                              index_scale=key_scale, config=configs.get("index_scores"))
 
     def topk(s):
-        return K.topk_rows(s, TOPK, block_table=table, page_size=PAGE)[1]
+        return K.topk_rows(s, TOPK, block_table=table, page_size=PAGE,
+                           config=configs.get("topk"))[1]
 
     def sparse(slots):
-        return K.mla_sparse(q, kv, slots, SM_SCALE, L, kv_scale=scale)
+        return K.mla_sparse(q, kv, slots, SM_SCALE, L, kv_scale=scale,
+                            config=configs.get("mla_sparse"))
 
     s = scores()
     slots = topk(s)
@@ -92,6 +96,8 @@ def _shape_records(dev, gen, ceil, kind: str, heads: int, batch: int,
     tag = {"heads": heads, "batch": batch, "context": context, "index_topk": TOPK,
            "index_heads": INDEX_HEADS, "index_dim": INDEX_DIM, "kv_dtype": kind,
            "index_dtype": "fp8", "verified_topk": same}
+    if configs:
+        tag["configs"] = configs
     runs = [("dsa_index_scores", scores, key_bytes + batch * width * 4),
             ("dsa_topk", lambda: topk(s), batch * width * 4),
             ("dsa_sparse_mla", lambda: sparse(slots), sel_bytes),
@@ -104,14 +110,16 @@ def _shape_records(dev, gen, ceil, kind: str, heads: int, batch: int,
     return out
 
 
-def dsa_records(dev: torch.device, ceil: dict[str, float], kinds=("bf16", "fp8")) -> list[dict]:
+def dsa_records(dev: torch.device, ceil: dict[str, float], kinds=("bf16", "fp8"),
+                configs=None) -> list[dict]:
     """Records per (KV kind, heads, context): index_scores, topk_rows (winners checked against
-    torch.topk of the same scores), mla_sparse, and the pipeline (``dsa_decode``)."""
+    torch.topk of the same scores), mla_sparse, and the pipeline (``dsa_decode``); ``configs``
+    (kernel -> launch config, e.g. a sweep's winners) overrides the tuning tables."""
     out = []
     gen = torch.Generator(device=dev).manual_seed(0)
     for kind in kinds:
         for heads, batch, context in SHAPES:
-            out += _shape_records(dev, gen, ceil, kind, heads, batch, context)
+            out += _shape_records(dev, gen, ceil, kind, heads, batch, context, configs)
             torch.cuda.empty_cache()
     return out
 

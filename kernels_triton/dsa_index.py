@@ -92,26 +92,36 @@ def _index_scores_kernel(
         pos = seq_len - n_rows + rows  # (BLOCK_M,) absolute positions
         bt_row = bt_ptr + pid_b * stride_btn
         out_rows = out_ptr + (row_start + rows).to(tl.int64)[:, None] * stride_on
-        for j in range(TILES):
-            offs_t = (pid_t * TILES + j) * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_lo = pid_t * (TILES * BLOCK_T)
+        t_hi = tl.minimum(t_lo + TILES * BLOCK_T, T)
+        # tiles holding keys: a loop with bounds, which the compiler pipelines
+        t_keys = tl.maximum(tl.minimum(t_hi, seq_len) - t_lo, 0)
+        t_mid = t_lo + tl.cdiv(t_keys, BLOCK_T) * BLOCK_T
+        for t0 in range(t_lo, t_mid, BLOCK_T):
+            offs_t = t0 + tl.arange(0, BLOCK_T)
             mask_t = offs_t < seq_len
-            if (pid_t * TILES + j) * BLOCK_T < seq_len:
-                page = tl.load(bt_row + (offs_t // PAGE_SIZE) * stride_btp, mask=mask_t, other=0)
-                row_off = page.to(tl.int64) * stride_kp + (offs_t % PAGE_SIZE) * stride_ks
-                k = tl.load(k_ptr + row_off[:, None] + offs_i[None, :] * stride_kd,
-                            mask=mask_t[:, None] & (offs_i < I)[None, :], other=0.0)
-                col = tl.full((BLOCK_T,), 1.0, tl.float32) * softmax_scale
-                if IS_FP8:
-                    k = k.to(q.dtype)  # exact: fp8 values fit fp16 / bf16 / fp32
-                    col = col * tl.load(ks_ptr + page.to(tl.int64) * stride_sp
-                                        + (offs_t % PAGE_SIZE) * stride_ss, mask=mask_t, other=0.0)
-                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BM*BH, BLOCK_T)
-                s = tl.maximum(s * col[None, :], 0.0) * w[:, None]
-                score = tl.sum(tl.reshape(s, (BLOCK_M, BLOCK_H, BLOCK_T)), axis=1)
+            page = tl.load(bt_row + (offs_t // PAGE_SIZE) * stride_btp, mask=mask_t, other=0)
+            row_off = page.to(tl.int64) * stride_kp + (offs_t % PAGE_SIZE) * stride_ks
+            k = tl.load(k_ptr + row_off[:, None] + offs_i[None, :] * stride_kd,
+                        mask=mask_t[:, None] & (offs_i < I)[None, :], other=0.0)
+            col = tl.full((BLOCK_T,), 1.0, tl.float32) * softmax_scale
+            if IS_FP8:
+                k = k.to(q.dtype)  # exact: fp8 values fit fp16 / bf16 / fp32
+                col = col * tl.load(ks_ptr + page.to(tl.int64) * stride_sp
+                                    + (offs_t % PAGE_SIZE) * stride_ss, mask=mask_t, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BM*BH, BLOCK_T)
+            s = tl.maximum(s * col[None, :], 0.0) * w[:, None]
+            if BLOCK_M == 1:  # decode: fold the heads without a reshape
+                score = tl.sum(s, axis=0)[None, :]
             else:
-                score = tl.zeros((BLOCK_M, BLOCK_T), tl.float32)
+                score = tl.sum(tl.reshape(s, (BLOCK_M, BLOCK_H, BLOCK_T)), axis=1)
             score = tl.where(offs_t[None, :] <= pos[:, None], score, float("-inf"))
             tl.store(out_rows + offs_t[None, :] * stride_ot, score,
+                     mask=mask_m[:, None] & (offs_t < T)[None, :])
+        for t0 in range(t_mid, t_hi, BLOCK_T):  # columns past the history
+            offs_t = t0 + tl.arange(0, BLOCK_T)
+            tl.store(out_rows + offs_t[None, :] * stride_ot,
+                     tl.full((BLOCK_M, BLOCK_T), float("-inf"), tl.float32),
                      mask=mask_m[:, None] & (offs_t < T)[None, :])
 
 

@@ -1,0 +1,132 @@
+"""Launch-parameter sweep of the DSA decode kernels on the GPU, then the ``dsa_kernels.py``
+records with each kernel's winner.
+
+Swept at batch 16, DeepSeek-V3.2 dims (see ``dsa_kernels.py``), eager medians:
+- ``index_scores`` (fp8 keys): BLOCK_T × TILES × num_warps × num_stages at 32K and 128K;
+- ``topk_rows`` at 32K and 128K: the chunked passes (CHUNK × num_warps) and the one-pass row
+  kernel (ROW_TILE × row_warps);
+- ``mla_sparse`` over 2,048 selected slots, 16 and 128 heads, bf16 and fp8 KV: BLOCK_N ×
+  num_warps × num_stages.
+A config is the winner of a kernel when its summed time over the swept shapes is lowest
+(configs that fail to compile or give wrong results are reported and skipped). The records then
+run with the winners: ``python benchmarks/dsa_sweep.py --out sweep.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+
+import torch
+import triton
+from _results import save_json  # noqa: E402  (benchmarks/ is on sys.path)
+from _timing import bench, ceilings  # noqa: E402
+from dsa_kernels import INDEX_DIM, INDEX_HEADS, PAGE, SM_SCALE, TOPK, D, L, _pools, dsa_records
+
+import splash.kernels_triton as K
+
+BATCH = 16
+INDEX_SPACE = [{"BLOCK_T": t, "TILES": n, "num_warps": w, "num_stages": st}
+               for t, n, w, st in itertools.product((64, 128, 256), (4, 16), (4, 8), (2, 4))]
+TOPK_SPACE = ([{"CHUNK": c, "num_warps": w} for c, w in itertools.product((8192, 16384),
+                                                                          (8, 16, 32))]
+              + [{"ROW_TILE": t, "row_warps": w, "ROW_MIN_COLS": 1}
+                 for t, w in itertools.product((2048, 4096, 8192), (8, 16, 32))])
+SPARSE_SPACE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
+                for n, w, st in itertools.product((16, 32, 64), (4, 8), (1, 2))]
+
+
+def _time(fn, check) -> float | str:
+    try:
+        out = fn()
+        if not check(out):
+            return "wrong result"
+        return round(bench(fn, rep=20, warmup=5), 4)
+    except Exception as exc:  # noqa: BLE001 - a config that does not build is reported
+        torch.cuda.synchronize()
+        return repr(exc)[:160]
+
+
+def _sweep(name: str, space: list[dict], shapes: dict[str, tuple]) -> dict:
+    """Times every config of ``space`` on every shape (``tag -> (fn(config), check)``)."""
+    rows, best, best_ms = [], None, float("inf")
+    for cfg in space:
+        times = {tag: _time(lambda fn=fn, cfg=cfg: fn(cfg), check)
+                 for tag, (fn, check) in shapes.items()}
+        rows.append({"config": cfg, "ms": times})
+        print(name, json.dumps(rows[-1]), flush=True)
+        if all(isinstance(t, float) for t in times.values()) and sum(times.values()) < best_ms:
+            best, best_ms = cfg, sum(times.values())
+    return {"rows": rows, "best": best, "best_total_ms": round(best_ms, 4)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--only", default="index_scores,topk,mla_sparse")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/dsa_sweep.py needs a GPU")
+    K.set_value_checks(False)
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    index_shapes, topk_shapes, sparse_shapes = {}, {}, {}
+    for context in (32768, 131072):
+        kv, scale, keys, key_scale, table = _pools(BATCH, context, "fp8", dev, gen)
+        iq = torch.randn(BATCH, INDEX_HEADS, INDEX_DIM, device=dev, dtype=torch.bfloat16,
+                         generator=gen)
+        w = torch.randn(BATCH, INDEX_HEADS, device=dev, generator=gen) * INDEX_HEADS ** -0.5
+        lens = torch.full((BATCH,), context, dtype=torch.int32, device=dev)
+        starts = torch.arange(BATCH + 1, dtype=torch.int32, device=dev)
+        width = table.shape[1] * PAGE
+        ref = K.index_scores(iq, w, keys, table, lens, starts, INDEX_DIM ** -0.5, width,
+                             index_scale=key_scale)
+        want = K.topk_rows_ref(ref, TOPK, block_table=table, page_size=PAGE)[1].sort(1).values
+
+        def scores(cfg, iq=iq, w=w, keys=keys, table=table, lens=lens, starts=starts,
+                   width=width, key_scale=key_scale):
+            return K.index_scores(iq, w, keys, table, lens, starts, INDEX_DIM ** -0.5, width,
+                                  index_scale=key_scale, config=cfg)
+
+        def topk(cfg, ref=ref, table=table):
+            return K.topk_rows(ref, TOPK, block_table=table, page_size=PAGE, config=cfg)[1]
+
+        index_shapes[f"{context}"] = (scores, lambda out, ref=ref: bool(
+            torch.allclose(out, ref, rtol=1e-3, atol=1e-3, equal_nan=True)))
+        topk_shapes[f"{context}"] = (topk, lambda out, want=want: bool(
+            (out.sort(1).values == want).all()))
+        if context == 32768:
+            slots = topk(None)
+            for heads, kind in itertools.product((16, 128), ("bf16", "fp8")):
+                q = torch.randn(BATCH, heads, D, device=dev, dtype=torch.bfloat16, generator=gen)
+                kvk, sck = (kv, scale) if kind == "fp8" else _pools(BATCH, context, kind, dev,
+                                                                    gen)[:2]
+                base = K.mla_sparse(q, kvk, slots, SM_SCALE, L, kv_scale=sck)[0]
+
+                def sparse(cfg, q=q, kvk=kvk, sck=sck, slots=slots):
+                    return K.mla_sparse(q, kvk, slots, SM_SCALE, L, kv_scale=sck, config=cfg)[0]
+
+                sparse_shapes[f"{heads}h-{kind}"] = (sparse, lambda out, base=base: bool(
+                    torch.allclose(out.float(), base.float(), rtol=2e-2, atol=2e-2)))
+    only = args.only.split(",")
+    result: dict = {"triton": triton.__version__, "batch": BATCH, "sweeps": {}}
+    for name, space, shapes in (("index_scores", INDEX_SPACE, index_shapes),
+                                ("topk", TOPK_SPACE, topk_shapes),
+                                ("mla_sparse", SPARSE_SPACE, sparse_shapes)):
+        if name in only:
+            result["sweeps"][name] = _sweep(name, space, shapes)
+            save_json(args.out, result)
+    del index_shapes, topk_shapes, sparse_shapes
+    torch.cuda.empty_cache()
+    winners = {n: s["best"] for n, s in result["sweeps"].items() if s["best"]}
+    ceil = ceilings(dev)
+    result["ceilings"] = ceil
+    result["records"] = dsa_records(dev, ceil, configs=winners)
+    save_json(args.out, result)
+    print("winners", json.dumps(winners))
+
+
+if __name__ == "__main__":
+    main()
