@@ -1,10 +1,10 @@
 """Launch-parameter sweep of the DSA decode kernels on the GPU, then the ``dsa_kernels.py``
 records with each kernel's winner.
 
-Swept at batch 16, DeepSeek-V3.2 dims (see ``dsa_kernels.py``), eager medians:
+Swept at batch 16, DeepSeek-V3.2 dims (see ``dsa_kernels.py``), CUDA-graph medians (eager
+times carry the launches' host cost, which decides nothing about a graph-replayed step):
 - ``index_scores`` (fp8 keys): BLOCK_T × TILES × num_warps × num_stages at 32K and 128K;
-- ``topk_rows`` at 32K and 128K: the chunked passes (CHUNK × num_warps) and the one-pass row
-  kernel (ROW_TILE × row_warps);
+- ``topk_rows`` at 32K and 128K: CHUNK × num_warps;
 - ``mla_sparse`` over 2,048 selected slots, 16 and 128 heads, bf16 and fp8 KV: BLOCK_N ×
   num_warps × num_stages.
 A config is the winner of a kernel when its summed time over the swept shapes is lowest
@@ -22,18 +22,17 @@ import sys
 import torch
 import triton
 from _results import save_json  # noqa: E402  (benchmarks/ is on sys.path)
-from _timing import bench, ceilings  # noqa: E402
+from _timing import ceilings  # noqa: E402
 from dsa_kernels import INDEX_DIM, INDEX_HEADS, PAGE, SM_SCALE, TOPK, D, L, _pools, dsa_records
+from triton.testing import do_bench_cudagraph
 
 import splash.kernels_triton as K
 
 BATCH = 16
 INDEX_SPACE = [{"BLOCK_T": t, "TILES": n, "num_warps": w, "num_stages": st}
                for t, n, w, st in itertools.product((64, 128, 256), (4, 16), (4, 8), (2, 4))]
-TOPK_SPACE = ([{"CHUNK": c, "num_warps": w} for c, w in itertools.product((8192, 16384),
-                                                                          (8, 16, 32))]
-              + [{"ROW_TILE": t, "row_warps": w, "ROW_MIN_COLS": 1}
-                 for t, w in itertools.product((2048, 4096, 8192), (8, 16, 32))])
+TOPK_SPACE = [{"CHUNK": c, "num_warps": w} for c, w in itertools.product((8192, 16384),
+                                                                         (8, 16, 32))]
 SPARSE_SPACE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
                 for n, w, st in itertools.product((16, 32, 64), (4, 8), (1, 2))]
 
@@ -43,7 +42,7 @@ def _time(fn, check) -> float | str:
         out = fn()
         if not check(out):
             return "wrong result"
-        return round(bench(fn, rep=20, warmup=5), 4)
+        return round(float(do_bench_cudagraph(fn, rep=20, return_mode="median")), 4)
     except Exception as exc:  # noqa: BLE001 - a config that does not build is reported
         torch.cuda.synchronize()
         return repr(exc)[:160]

@@ -128,7 +128,8 @@ def _index_scores_kernel(
 # ---------------------------------------------------------------------------------------------
 # launcher
 
-_GPU_DEFAULTS: dict[str, Any] = {"BLOCK_T": 64, "TILES": 8, "BLOCK_M_EXTEND": 4, "num_warps": 4,
+# GPU: the best of benchmarks/dsa_sweep.py on an H200 (batch 16 decode rows, 32K and 128K)
+_GPU_DEFAULTS: dict[str, Any] = {"BLOCK_T": 128, "TILES": 4, "BLOCK_M_EXTEND": 4, "num_warps": 4,
                                  "num_stages": 2, "fp8_fp16": True}
 _CPU_DEFAULTS: dict[str, Any] = {"BLOCK_T": 128, "TILES": 1, "BLOCK_M_EXTEND": 16, "num_warps": 4,
                                  "num_stages": 1, "fp8_fp16": False}

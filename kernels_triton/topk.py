@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from splash.kernels_triton import _validate as V
-from splash.kernels_triton.topk_row import _KEY_MIN, _keys, _to_slots, topk_by_row
+
+_KEY_MIN = tl.constexpr(-2147483648)  # below every finite value's key (and -inf's): "never chosen"
 
 
 @triton.jit
@@ -94,7 +95,9 @@ def _topk_chunk_kernel(
                       mask=inside, other=-1)
     else:
         idx = tl.zeros((ROWS, CHUNK), tl.int32) + cols[None, :]
-    key = _keys(v)  # signed order = float order
+    bits = v.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed order = float order
+    key = tl.where(v > float("-inf"), key, _KEY_MIN)
     thr = _kth_largest(key, K, ROWS, CHUNK)  # (ROWS,)
     above = key > thr[:, None]
     ties = (key == thr[:, None]).to(tl.int32)
@@ -108,8 +111,11 @@ def _topk_chunk_kernel(
             req = tl.load(row_req_ptr + rows * stride_rr, mask=mask_r, other=0).to(tl.int64)
         else:
             req = rows
-        idx = _to_slots(idx, take & mask_r[:, None], bt_ptr, req[:, None], stride_btn, stride_btp,
-                        PAGE_SIZE)
+        has_pos = chosen & (idx >= 0)
+        pos = tl.where(has_pos, idx, 0)
+        page = tl.load(bt_ptr + req[:, None] * stride_btn + (pos // PAGE_SIZE) * stride_btp,
+                       mask=take & has_pos & mask_r[:, None], other=0)
+        idx = tl.where(has_pos, page * PAGE_SIZE + pos % PAGE_SIZE, -1)
     out_col = pid_c * K + dst
     store = take & mask_r[:, None]
     tl.store(out_v_ptr + rows[:, None] * stride_ovn + out_col * stride_ovk,
@@ -121,19 +127,15 @@ def _topk_chunk_kernel(
 # ---------------------------------------------------------------------------------------------
 # launcher
 
-# ROWS: rows per program (the interpreter pays per program, a GPU per register). Rows of at
-# least ROW_MIN_COLS entries, when there are at most ROW_MAX_ROWS of them, go to the one-pass
-# row kernel (ROW_TILE entries a step; 0: never).
-_GPU_DEFAULTS: dict[str, Any] = {"CHUNK": 8192, "ROWS": 1, "num_warps": 16, "ROW_TILE": 0,
-                                 "ROW_MIN_COLS": 16384, "ROW_MAX_ROWS": 256, "row_warps": 16}
-_CPU_DEFAULTS: dict[str, Any] = {"CHUNK": 256, "ROWS": 32, "num_warps": 4, "ROW_TILE": 0,
-                                 "ROW_MIN_COLS": 1024, "ROW_MAX_ROWS": 256, "row_warps": 4}
+# ROWS: rows per program (the interpreter pays per program, a GPU per register)
+_GPU_DEFAULTS: dict[str, Any] = {"CHUNK": 8192, "ROWS": 1, "num_warps": 16}
+_CPU_DEFAULTS: dict[str, Any] = {"CHUNK": 256, "ROWS": 32, "num_warps": 4}
 
 
 def topk_config(device: torch.device, k: int, config: dict | None) -> dict[str, Any]:
     cfg = dict(_GPU_DEFAULTS if device.type == "cuda" else _CPU_DEFAULTS)
     cfg.update(config or {})
-    for key, low in (("CHUNK", 16), ("ROWS", 1), ("ROW_TILE", 0)):
+    for key, low in (("CHUNK", 16), ("ROWS", 1)):
         value = cfg[key]
         if not isinstance(value, int) or value < low or value & (value - 1):
             raise ValueError(f"config {key}={value!r} must be a power of two >= {low}")
@@ -176,9 +178,6 @@ def topk_rows(
     elif row_req is not None:
         raise ValueError("row_req needs a block_table")
     cfg = topk_config(dev, k, config)
-    if cfg["ROW_TILE"] and M >= max(k, cfg["ROW_MIN_COLS"]) and N <= cfg["ROW_MAX_ROWS"]:
-        return topk_by_row(v, k, index, block_table, row_req, page_size, cfg["ROW_TILE"],
-                           cfg["row_warps"])
     chunk = cfg["CHUNK"]
     idx = index
     while True:
