@@ -3,7 +3,8 @@ records with each kernel's winner.
 
 Swept at batch 16, DeepSeek-V3.2 dims (see ``dsa_kernels.py``), CUDA-graph medians (eager
 times carry the launches' host cost, which decides nothing about a graph-replayed step):
-- ``index_scores`` (fp8 keys): BLOCK_T × TILES × num_warps × num_stages at 32K and 128K;
+- ``index_scores`` (fp8 keys): fp16 or e4m3 products × BLOCK_T × TILES × num_warps ×
+  num_stages at 32K and 128K;
 - ``topk_rows`` at 32K and 128K: CHUNK × num_warps;
 - ``mla_sparse`` over 2,048 selected slots, 16 and 128 heads, bf16 and fp8 KV: BLOCK_N ×
   num_warps × num_stages.
@@ -29,12 +30,22 @@ from triton.testing import do_bench_cudagraph
 import splash.kernels_triton as K
 
 BATCH = 16
-INDEX_SPACE = [{"BLOCK_T": t, "TILES": n, "num_warps": w, "num_stages": st}
-               for t, n, w, st in itertools.product((64, 128, 256), (4, 16), (4, 8), (2, 4))]
+INDEX_SPACE = [{"BLOCK_T": t, "TILES": n, "num_warps": w, "num_stages": st, "fp8_dot": e4m3}
+               for e4m3, t, n, w, st in itertools.product((False, True), (64, 128, 256), (4, 16),
+                                                          (4, 8), (2, 4))]
 TOPK_SPACE = [{"CHUNK": c, "num_warps": w} for c, w in itertools.product((8192, 16384),
                                                                          (8, 16, 32))]
 SPARSE_SPACE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
                 for n, w, st in itertools.product((16, 32, 64), (4, 8), (1, 2))]
+
+
+def _close_scores(out: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Same unseen pattern, finite scores within 5% of the largest (e4m3 queries round each
+    query entry to 3 mantissa bits; fp16 ones agree to ~1e-3)."""
+    seen = torch.isfinite(ref)
+    if not torch.equal(seen, torch.isfinite(out)):
+        return False
+    return bool((out[seen] - ref[seen]).abs().max() <= 0.05 * ref[seen].abs().max())
 
 
 def _time(fn, check) -> float | str:
@@ -92,8 +103,7 @@ def main() -> None:
         def topk(cfg, ref=ref, table=table):
             return K.topk_rows(ref, TOPK, block_table=table, page_size=PAGE, config=cfg)[1]
 
-        index_shapes[f"{context}"] = (scores, lambda out, ref=ref: bool(
-            torch.allclose(out, ref, rtol=1e-3, atol=1e-3, equal_nan=True)))
+        index_shapes[f"{context}"] = (scores, lambda out, ref=ref: _close_scores(out, ref))
         topk_shapes[f"{context}"] = (topk, lambda out, want=want: bool(
             (out.sort(1).values == want).all()))
         if context == 32768:

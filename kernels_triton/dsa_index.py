@@ -19,7 +19,10 @@ tensor-core dot, then the head-weighted relu sum folds the heads away. The keys 
 history are read once per row block, which is the kernel's whole memory traffic (decode rows
 are memory bound; prefill row blocks share each key tile). fp8 keys widen exactly to the dot's
 operand dtype (fp16 with ``config["fp8_fp16"]``, the CUDA default: q is clamped to fp16's range
-and cast once) and the token's scale multiplies its score column.
+and cast once) and the token's scale multiplies its score column. With ``config["fp8_dot"]``
+(fp8 keys, NVIDIA sm_89+) the products run on e4m3 operands instead, as the reference
+implementations' indexers do: each (row, head) query is scaled to e4m3's range (amax / 448) and
+rounded once, and since that scale is positive it moves through the relu into the head weight.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ def _index_scores_kernel(
     TILES: tl.constexpr,
     IS_FP8: tl.constexpr,
     FP8_FP16: tl.constexpr,
+    FP8_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
@@ -84,9 +88,15 @@ def _index_scores_kernel(
             + head[:, None] * stride_qh + offs_i[None, :] * stride_qd,
             mask=mask_mh[:, None] & (offs_i < I)[None, :], other=0.0,
         )  # (BLOCK_M * BLOCK_H, BLOCK_I)
-        q = _q_operand(q, IS_FP8, FP8_FP16)
         w = tl.load(w_ptr + (row_start + row_mh).to(tl.int64) * stride_wn + head * stride_wh,
                     mask=mask_mh, other=0.0)  # (BLOCK_M * BLOCK_H,)
+        if FP8_DOT:  # q to e4m3 per (row, head); its scale (> 0) passes relu into the weight
+            q = q.to(tl.float32)
+            q_scale = tl.maximum(tl.max(tl.abs(q), axis=1), 1e-30) / 448.0
+            q = (q / q_scale[:, None]).to(tl.float8e4nv)
+            w = w * q_scale
+        else:
+            q = _q_operand(q, IS_FP8, FP8_FP16)
         rows = m0 + tl.arange(0, BLOCK_M)
         mask_m = rows < n_rows
         pos = seq_len - n_rows + rows  # (BLOCK_M,) absolute positions
@@ -106,7 +116,8 @@ def _index_scores_kernel(
                         mask=mask_t[:, None] & (offs_i < I)[None, :], other=0.0)
             col = tl.full((BLOCK_T,), 1.0, tl.float32) * softmax_scale
             if IS_FP8:
-                k = k.to(q.dtype)  # exact: fp8 values fit fp16 / bf16 / fp32
+                if not FP8_DOT:
+                    k = k.to(q.dtype)  # exact: fp8 values fit fp16 / bf16 / fp32
                 col = col * tl.load(ks_ptr + page.to(tl.int64) * stride_sp
                                     + (offs_t % PAGE_SIZE) * stride_ss, mask=mask_t, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BM*BH, BLOCK_T)
@@ -130,9 +141,9 @@ def _index_scores_kernel(
 
 # GPU: the best of benchmarks/dsa_sweep.py on an H200 (batch 16 decode rows, 32K and 128K)
 _GPU_DEFAULTS: dict[str, Any] = {"BLOCK_T": 128, "TILES": 4, "BLOCK_M_EXTEND": 4, "num_warps": 4,
-                                 "num_stages": 2, "fp8_fp16": True}
+                                 "num_stages": 2, "fp8_fp16": True, "fp8_dot": False}
 _CPU_DEFAULTS: dict[str, Any] = {"BLOCK_T": 128, "TILES": 1, "BLOCK_M_EXTEND": 16, "num_warps": 4,
-                                 "num_stages": 1, "fp8_fp16": False}
+                                 "num_stages": 1, "fp8_fp16": False, "fp8_dot": False}
 
 
 def index_config(device: torch.device, config: dict | None) -> dict[str, Any]:
@@ -140,6 +151,9 @@ def index_config(device: torch.device, config: dict | None) -> dict[str, Any]:
     if device.type == "cuda" and torch.version.hip is not None:
         cfg["fp8_fp16"] = False  # measured on CUDA only
     cfg.update(config or {})
+    if cfg["fp8_dot"] and device.type == "cuda" and (
+            torch.version.hip is not None or torch.cuda.get_device_capability(device) < (8, 9)):
+        cfg["fp8_dot"] = False  # e4m3 tensor-core products: NVIDIA sm_89 and later
     for key, low in (("BLOCK_T", 16), ("TILES", 1), ("BLOCK_M_EXTEND", 1)):
         value = cfg[key]
         if not isinstance(value, int) or value < low or value & (value - 1):
@@ -213,6 +227,7 @@ def index_scores(
         *block_table.stride(), seq_lens.stride(0), q_start_loc.stride(0), *out.stride(),
         HI=HI, I=I, PAGE_SIZE=PS, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_I=V.next_pow2(I),
         BLOCK_T=cfg["BLOCK_T"], TILES=cfg["TILES"], IS_FP8=fp8, FP8_FP16=fp16,
+        FP8_DOT=fp8 and bool(cfg["fp8_dot"]),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 and not fp16 else None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

@@ -83,6 +83,51 @@ def test_index_scores_fp8_fp16_products(device):
     _assert_scores(out, ref, 2e-3)
 
 
+def _e4m3_query(q: torch.Tensor) -> torch.Tensor:
+    """``q`` rounded as the e4m3 products round it: per (row, head) scaled by amax / 448."""
+    q_scale = q.abs().amax(dim=2, keepdim=True).clamp(min=1e-30) / 448.0
+    return (q / q_scale).to(torch.float8_e4m3fn).float() * q_scale
+
+
+def test_index_scores_fp8_products(device):
+    """e4m3 products (``fp8_dot``): the per-(row, head) query scale moves through the relu into
+    the head weight. The queries here are e4m3 values times a power of two with 448 at the top,
+    so the kernel's rounding is exact: the interpreter rounds fp32 -> e4m3 wrongly when the
+    mantissa carries (7.9 -> 4.0), which the GPU test below covers with random queries."""
+    if device.type == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("e4m3 products need sm_89+")
+    setting = make_setting("fp16-fp8kv")
+    q, w, keys, scale, table, lens, starts, T = _index_inputs(setting, *INDEX_CASES["extend-p16"],
+                                                              seed=3)
+    gen = torch.Generator().manual_seed(9)
+    q8 = torch.randint(0, 0x7E, q.shape, generator=gen, dtype=torch.uint8)
+    q8 = q8.view(torch.float8_e4m3fn).float() * torch.where(torch.rand(q.shape, generator=gen)
+                                                             < 0.5, -1.0, 1.0)
+    q8[..., 0] = 448.0
+    q = (q8 * 2.0 ** torch.randint(-8, 3, q.shape[:2], generator=gen)[..., None]).to(q.device)
+    out = index_scores(q, w, keys, table, lens, starts, 0.2, T, index_scale=scale,
+                       config={"fp8_dot": True})
+    assert torch.equal(_e4m3_query(q), q)
+    ref = index_scores_ref(q, w, keys, table, lens, starts, 0.2, T, index_scale=scale)
+    _assert_scores(out, ref, 1e-4)
+
+
+@pytest.mark.gpu
+def test_index_scores_fp8_products_round_random_queries(gpu_device):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("e4m3 products need sm_89+")
+    setting = make_setting("bf16-fp8kv")
+    q, w, keys, scale, table, lens, starts, T = _index_inputs(setting, 64, 128, 64, [1, 1, 1],
+                                                              [4999, 2999, 69], seed=4)
+    out = index_scores(q, w, keys, table, lens, starts, 128 ** -0.5, T, index_scale=scale,
+                       config={"fp8_dot": True})
+    ref = index_scores_ref(_e4m3_query(q.float()), w, keys, table, lens, starts, 128 ** -0.5, T,
+                           index_scale=scale)
+    finite = torch.isfinite(ref)
+    err = (out[finite] - ref[finite]).abs().max() / ref[finite].abs().max()
+    assert err < 1e-4, err
+
+
 def _same_sets(index, ref_index):
     for row, ref_row in zip(index.cpu().tolist(), ref_index.cpu().tolist()):
         assert sorted(row) == sorted(ref_row)
