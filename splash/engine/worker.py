@@ -234,10 +234,15 @@ class Worker:
         # the start layout's placement first; each layout with its own placement (resident
         # projections hold them all), so a replay reads the heads that layout computes with
         names.sort(key=lambda name: self.held(name) != start)
-        n = 0
+        n, name, room = 0, self.cfg.layout, None
         try:
             with torch.inference_mode():  # as the steps that replay them
                 for name in names:
+                    if self.held(name) != start:
+                        if room is None:
+                            room = self._room_for_other_placement(names, before, start)
+                        if not room:
+                            break
                     self._use_heads(self.held(name))
                     keys = startup_graph_keys([name], self.graphs.buckets, [width],
                                               self.cfg.world)
@@ -259,6 +264,25 @@ class Worker:
         logger.info("rank %d: captured %d CUDA graphs for layouts %s in %.1f s, %.0f MiB",
                     self.cfg.rank, n, names, secs, used / 2**20)
         return msgspec.structs.replace(ready, graphs=n, graph_s=secs, graph_bytes=used)
+
+    def _room_for_other_placement(self, names: list[str], before: int, start: range) -> bool:
+        """Whether every rank has room for the graphs of the layouts computing with the other
+        projection placement: free memory of at least 1.25 × what the start placement's graphs
+        took per layout. Decided together (one all-reduce): a rank that ran out alone in the
+        middle of a capture would leave its peers waiting in the capture's collectives."""
+        same = sum(self.held(n) == start for n in names)
+        per_layout = (torch.cuda.memory_reserved(self.device) - before) / max(same, 1)
+        need = 1.25 * per_layout * (len(names) - same)
+        free = torch.cuda.mem_get_info(self.device)[0] + (
+            torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device))
+        room = self.comm.all_agree(free >= need, self.device)
+        if not room:
+            logger.warning("rank %d: start-up graphs of layouts %s skipped (they need about "
+                           "%.0f MiB; %.0f MiB free here, or less on a peer); captured when a "
+                           "step first needs them", self.cfg.rank,
+                           [n for n in names if self.held(n) != start], need / 2**20,
+                           free / 2**20)
+        return room
 
     def _use_heads(self, heads: range) -> None:
         """Compute with the held placement of ``heads`` (a no-op where it is the current)."""

@@ -141,3 +141,33 @@ def test_ghost_steps_have_the_structure_of_real_ones(layout):
         assert {k: getattr(v, "shape", v) for k, v in a.items()} == \
             {k: getattr(v, "shape", v) for k, v in b.items()}
         assert fake.write_slots(LAYOUTS[layout], list(range(len(ghost.request_ids)))).eq(-1).all()
+
+
+@pytest.mark.parametrize("free_mib, peer_ok, want", [(400, True, True), (200, True, False),
+                                                     (400, False, False)])
+def test_other_placement_graphs_need_room_on_every_rank(monkeypatch, free_mib, peer_ok, want):
+    """Start-up graphs of the other projection placement are captured only when every rank has
+    1.25 × the start placement's per-layout graph memory free for each of them (here 2 layouts
+    of 100 MiB each took 200 MiB, so 2 more need 250 MiB); a peer short of it stops all."""
+    from types import SimpleNamespace
+
+    from splash.engine.worker import Worker
+
+    mib = 2**20
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 1000 * mib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1000 * mib)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free_mib * mib, 0))
+    sharded, full = range(0, 2), range(0, 4)
+    held = {"tp": sharded, "dop": sharded, "dp": full, "cp": full}
+    votes = []
+
+    def all_agree(ok, device):
+        votes.append(ok)
+        return ok and peer_ok
+
+    fake = SimpleNamespace(held=held.__getitem__, device=torch.device("cpu"),
+                           comm=SimpleNamespace(all_agree=all_agree),
+                           cfg=SimpleNamespace(rank=0))
+    room = Worker._room_for_other_placement(fake, ["tp", "dop", "dp", "cp"], 800 * mib, sharded)
+    assert room is want
+    assert votes == [free_mib >= 250]
