@@ -5,7 +5,7 @@ Swept at batch 16, DeepSeek-V3.2 dims (see ``dsa_kernels.py``), CUDA-graph media
 times carry the launches' host cost, which decides nothing about a graph-replayed step):
 - ``index_scores`` (fp8 keys): fp16 or e4m3 products × BLOCK_T × TILES × num_warps ×
   num_stages at 32K and 128K;
-- ``topk_rows`` at 32K and 128K: CHUNK × num_warps;
+- ``topk_rows`` at 32K and 128K: RADIX_BITS × CHUNK × num_warps;
 - ``mla_sparse`` over 2,048 selected slots, 16 and 128 heads, bf16 and fp8 KV: BLOCK_N ×
   num_warps × num_stages.
 A config is the winner of a kernel when its summed time over the swept shapes is lowest
@@ -33,8 +33,8 @@ BATCH = 16
 INDEX_SPACE = [{"BLOCK_T": t, "TILES": n, "num_warps": w, "num_stages": st, "fp8_dot": e4m3}
                for e4m3, t, n, w, st in itertools.product((False, True), (64, 128, 256), (4, 16),
                                                           (4, 8), (2, 4))]
-TOPK_SPACE = [{"CHUNK": c, "num_warps": w} for c, w in itertools.product((8192, 16384),
-                                                                         (8, 16, 32))]
+TOPK_SPACE = [{"CHUNK": c, "num_warps": w, "RADIX_BITS": b}
+              for b, c, w in itertools.product((8, 4), (8192, 16384), (8, 16, 32))]
 SPARSE_SPACE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
                 for n, w, st in itertools.product((16, 32, 64), (4, 8), (1, 2))]
 

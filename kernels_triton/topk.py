@@ -10,8 +10,8 @@ Chunked selection: a program takes ``CHUNK`` (>= 2k) entries of ``ROWS`` rows (o
 and keeps each row's k largest, so a pass shrinks a row of M entries to ceil(M / CHUNK) · k
 candidates; passes repeat until one chunk remains (128K scores, k = 2048, CHUNK = 8192:
 128K -> 32K -> 8K -> 2K). Inside a program the k-th largest value is found exactly by a radix
-select over the order-preserving integer image of the fp32 values (four rounds of a 256-bin
-histogram); the winners are then compacted with a prefix sum.
+select over the order-preserving integer image of the fp32 values (rounds of a 256-bin or a
+16-bin histogram); the winners are then compacted with a prefix sum.
 
 ``block_table`` (B, W) with ``row_req`` (N,) (request of each row; None: row n is request n)
 turns the final winners' columns, token positions in the row's paged history, into KV slots
@@ -32,25 +32,29 @@ _KEY_MIN = tl.constexpr(-2147483648)  # below every finite value's key (and -inf
 
 
 @triton.jit
-def _kth_largest(key, K: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr):
+def _kth_largest(key, K: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
+                 BITS: tl.constexpr):
     """Each row's K-th largest of ``key`` (ROWS, CHUNK) int32, exactly: a radix select over the
-    keys' unsigned images, 8 bits a round (a 256-bin histogram of the keys that share the
-    digits chosen so far, then the digit where the count from the top reaches what is left)."""
+    keys' unsigned images, ``BITS`` bits a round (a 2^BITS-bin histogram of the keys that share
+    the digits chosen so far, then the digit where the count from the top reaches what is
+    left). A GPU histogram costs about its bin count per element (ballots per bin bit, then
+    a population count per bin a lane owns), so fewer bits a round trade rounds for bins."""
+    BINS: tl.constexpr = 1 << BITS
     ukey = (key ^ _KEY_MIN).to(tl.uint32, bitcast=True)  # unsigned order = signed order
-    digits = tl.arange(0, 256)
-    row_bins = tl.arange(0, ROWS)[:, None] * 256
+    digits = tl.arange(0, BINS)
+    row_bins = tl.arange(0, ROWS)[:, None] * BINS
     prefix = tl.zeros((ROWS,), tl.uint32)
     need = tl.full((ROWS,), K, tl.int32)  # winners still to place at or below the prefix
-    for r in tl.static_range(4):
-        shift = 24 - 8 * r
-        digit = ((ukey >> shift) & 255).to(tl.int32)
+    for r in tl.static_range(32 // BITS):
+        shift = 32 - BITS * (r + 1)
+        digit = ((ukey >> shift) & (BINS - 1)).to(tl.int32)
         if r == 0:
             match = digit >= 0
         else:
-            match = (ukey >> (shift + 8)) == (prefix >> (shift + 8))[:, None]
-        hist = tl.histogram(tl.reshape(row_bins + digit, (ROWS * CHUNK,)), ROWS * 256,
+            match = (ukey >> (shift + BITS)) == (prefix >> (shift + BITS))[:, None]
+        hist = tl.histogram(tl.reshape(row_bins + digit, (ROWS * CHUNK,)), ROWS * BINS,
                             mask=tl.reshape(match, (ROWS * CHUNK,)))
-        hist = tl.reshape(hist, (ROWS, 256))
+        hist = tl.reshape(hist, (ROWS, BINS))
         at_least = tl.sum(hist, 1)[:, None] - tl.cumsum(hist, 1) + hist  # count >= digit
         d = tl.max(tl.where(at_least >= need[:, None], digits[None, :], -1), 1)
         need -= tl.sum(tl.where(digits[None, :] == d[:, None], at_least - hist, 0), 1)
@@ -77,6 +81,7 @@ def _topk_chunk_kernel(
     K: tl.constexpr,
     CHUNK: tl.constexpr,
     ROWS: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     HAS_INDEX: tl.constexpr,
     TO_SLOTS: tl.constexpr,
@@ -98,7 +103,7 @@ def _topk_chunk_kernel(
     bits = v.to(tl.int32, bitcast=True)
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed order = float order
     key = tl.where(v > float("-inf"), key, _KEY_MIN)
-    thr = _kth_largest(key, K, ROWS, CHUNK)  # (ROWS,)
+    thr = _kth_largest(key, K, ROWS, CHUNK, RADIX_BITS)  # (ROWS,)
     above = key > thr[:, None]
     ties = (key == thr[:, None]).to(tl.int32)
     room = K - tl.sum(above.to(tl.int32), 1)  # ties to take, in column order
@@ -128,8 +133,9 @@ def _topk_chunk_kernel(
 # launcher
 
 # ROWS: rows per program (the interpreter pays per program, a GPU per register)
-_GPU_DEFAULTS: dict[str, Any] = {"CHUNK": 8192, "ROWS": 1, "num_warps": 16}
-_CPU_DEFAULTS: dict[str, Any] = {"CHUNK": 256, "ROWS": 32, "num_warps": 4}
+# RADIX_BITS: digit width of the radix select (4 or 8: rounds of 16 or 256 bins)
+_GPU_DEFAULTS: dict[str, Any] = {"CHUNK": 8192, "ROWS": 1, "num_warps": 16, "RADIX_BITS": 8}
+_CPU_DEFAULTS: dict[str, Any] = {"CHUNK": 256, "ROWS": 32, "num_warps": 4, "RADIX_BITS": 8}
 
 
 def topk_config(device: torch.device, k: int, config: dict | None) -> dict[str, Any]:
@@ -139,6 +145,8 @@ def topk_config(device: torch.device, k: int, config: dict | None) -> dict[str, 
         value = cfg[key]
         if not isinstance(value, int) or value < low or value & (value - 1):
             raise ValueError(f"config {key}={value!r} must be a power of two >= {low}")
+    if cfg["RADIX_BITS"] not in (2, 4, 8):
+        raise ValueError(f"config RADIX_BITS={cfg['RADIX_BITS']!r} must be 2, 4 or 8")
     chunk = cfg["CHUNK"]
     cfg["CHUNK"] = max(chunk, V.next_pow2(2 * k))  # each pass must at least halve a row
     return cfg
@@ -195,7 +203,7 @@ def topk_rows(
                 v, idx_arg, out_v, out_i, bt, rr, N, M,
                 *v.stride(), *idx_arg.stride(), *out_v.stride(), *out_i.stride(),
                 *bt.stride(), rr.stride(0),
-                K=k, CHUNK=chunk, ROWS=rows, PAGE_SIZE=page_size, HAS_INDEX=idx is not None,
+                K=k, CHUNK=chunk, ROWS=rows, RADIX_BITS=cfg["RADIX_BITS"], PAGE_SIZE=page_size, HAS_INDEX=idx is not None,
                 TO_SLOTS=to_slots, HAS_ROW_REQ=row_req is not None,
                 num_warps=cfg["num_warps"],
             )
