@@ -3,8 +3,8 @@ records with each kernel's winner.
 
 Swept at batch 16, DeepSeek-V3.2 dims (see ``dsa_kernels.py``), CUDA-graph medians (eager
 times carry the launches' host cost, which decides nothing about a graph-replayed step):
-- ``index_scores`` (fp8 keys): fp16 or e4m3 products × BLOCK_T × TILES × num_warps ×
-  num_stages at 32K and 128K;
+- ``index_scores`` (fp8 keys): fp16 or e4m3 products × queries or keys on M × BLOCK_T ×
+  TILES × num_warps × num_stages at 32K and 128K;
 - ``topk_rows`` at 32K and 128K: RADIX_BITS × CHUNK × num_warps;
 - ``mla_sparse`` over 2,048 selected slots, 16 and 128 heads, bf16 and fp8 KV: BLOCK_N ×
   num_warps × num_stages.
@@ -30,9 +30,10 @@ from triton.testing import do_bench_cudagraph
 import splash.kernels_triton as K
 
 BATCH = 16
-INDEX_SPACE = [{"BLOCK_T": t, "TILES": n, "num_warps": w, "num_stages": st, "fp8_dot": e4m3}
-               for e4m3, t, n, w, st in itertools.product((False, True), (64, 128, 256), (4, 16),
-                                                          (4, 8), (2, 4))]
+INDEX_SPACE = [{"BLOCK_T": t, "TILES": n, "num_warps": w, "num_stages": st, "fp8_dot": e4m3,
+                "tokens_m": tm}
+               for e4m3, tm, t, n, w, st in itertools.product((False, True), (False, True),
+                                                              (128, 256), (4, 16), (4, 8), (2, 3))]
 TOPK_SPACE = [{"CHUNK": c, "num_warps": w, "RADIX_BITS": b}
               for b, c, w in itertools.product((8, 4), (8192, 16384), (8, 16, 32))]
 SPARSE_SPACE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st}

@@ -23,6 +23,9 @@ and cast once) and the token's scale multiplies its score column. With ``config[
 (fp8 keys, NVIDIA sm_89+) the products run on e4m3 operands instead, as the reference
 implementations' indexers do: each (row, head) query is scaled to e4m3's range (amax / 448) and
 rounded once, and since that scale is positive it moves through the relu into the head weight.
+``config["tokens_m"]`` puts the key tile on the product's M side instead of the queries (the
+head sum then stays within each thread's row of the accumulator, and the widened keys can
+feed the product from registers).
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ def _index_scores_kernel(
     IS_FP8: tl.constexpr,
     FP8_FP16: tl.constexpr,
     FP8_DOT: tl.constexpr,
+    TOKENS_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
@@ -120,12 +124,20 @@ def _index_scores_kernel(
                     k = k.to(q.dtype)  # exact: fp8 values fit fp16 / bf16 / fp32
                 col = col * tl.load(ks_ptr + page.to(tl.int64) * stride_sp
                                     + (offs_t % PAGE_SIZE) * stride_ss, mask=mask_t, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BM*BH, BLOCK_T)
-            s = tl.maximum(s * col[None, :], 0.0) * w[:, None]
-            if BLOCK_M == 1:  # decode: fold the heads without a reshape
-                score = tl.sum(s, axis=0)[None, :]
+            if TOKENS_M:  # tokens on the product's M side: heads fold within a thread's row
+                s = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_T, BM*BH)
+                s = tl.maximum(s * col[:, None], 0.0) * w[None, :]
+                if BLOCK_M == 1:
+                    score = tl.sum(s, axis=1)[None, :]
+                else:
+                    score = tl.trans(tl.sum(tl.reshape(s, (BLOCK_T, BLOCK_M, BLOCK_H)), axis=2))
             else:
-                score = tl.sum(tl.reshape(s, (BLOCK_M, BLOCK_H, BLOCK_T)), axis=1)
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BM*BH, BLOCK_T)
+                s = tl.maximum(s * col[None, :], 0.0) * w[:, None]
+                if BLOCK_M == 1:  # decode: fold the heads without a reshape
+                    score = tl.sum(s, axis=0)[None, :]
+                else:
+                    score = tl.sum(tl.reshape(s, (BLOCK_M, BLOCK_H, BLOCK_T)), axis=1)
             score = tl.where(offs_t[None, :] <= pos[:, None], score, float("-inf"))
             tl.store(out_rows + offs_t[None, :] * stride_ot, score,
                      mask=mask_m[:, None] & (offs_t < T)[None, :])
@@ -141,9 +153,11 @@ def _index_scores_kernel(
 
 # GPU: the best of benchmarks/dsa_sweep.py on an H200 (batch 16 decode rows, 32K and 128K)
 _GPU_DEFAULTS: dict[str, Any] = {"BLOCK_T": 128, "TILES": 4, "BLOCK_M_EXTEND": 4, "num_warps": 4,
-                                 "num_stages": 2, "fp8_fp16": True, "fp8_dot": False}
+                                 "num_stages": 2, "fp8_fp16": True, "fp8_dot": False,
+                                 "tokens_m": False}
 _CPU_DEFAULTS: dict[str, Any] = {"BLOCK_T": 128, "TILES": 1, "BLOCK_M_EXTEND": 16, "num_warps": 4,
-                                 "num_stages": 1, "fp8_fp16": False, "fp8_dot": False}
+                                 "num_stages": 1, "fp8_fp16": False, "fp8_dot": False,
+                                 "tokens_m": False}
 
 
 def index_config(device: torch.device, config: dict | None) -> dict[str, Any]:
@@ -227,7 +241,7 @@ def index_scores(
         *block_table.stride(), seq_lens.stride(0), q_start_loc.stride(0), *out.stride(),
         HI=HI, I=I, PAGE_SIZE=PS, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_I=V.next_pow2(I),
         BLOCK_T=cfg["BLOCK_T"], TILES=cfg["TILES"], IS_FP8=fp8, FP8_FP16=fp16,
-        FP8_DOT=fp8 and bool(cfg["fp8_dot"]),
+        FP8_DOT=fp8 and bool(cfg["fp8_dot"]), TOKENS_M=bool(cfg["tokens_m"]),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 and not fp16 else None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

@@ -61,7 +61,8 @@ def test_index_scores_match_reference(setting, case):
 
 
 @pytest.mark.parametrize("config", [{"BLOCK_T": 32, "TILES": 1}, {"BLOCK_M_EXTEND": 1},
-                                    {"BLOCK_M_EXTEND": 8, "TILES": 4}])
+                                    {"BLOCK_M_EXTEND": 8, "TILES": 4}, {"tokens_m": True},
+                                    {"tokens_m": True, "BLOCK_M_EXTEND": 1, "BLOCK_T": 16}])
 def test_index_scores_launch_variants(device, config):
     setting = make_setting("fp32")
     q, w, keys, scale, table, lens, starts, T = _index_inputs(setting, *INDEX_CASES["extend-p16"],
@@ -89,7 +90,8 @@ def _e4m3_query(q: torch.Tensor) -> torch.Tensor:
     return (q / q_scale).to(torch.float8_e4m3fn).float() * q_scale
 
 
-def test_index_scores_fp8_products(device):
+@pytest.mark.parametrize("tokens_m", [False, True])
+def test_index_scores_fp8_products(device, tokens_m):
     """e4m3 products (``fp8_dot``): the per-(row, head) query scale moves through the relu into
     the head weight. The queries here are e4m3 values times a power of two with 448 at the top,
     so the kernel's rounding is exact: the interpreter rounds fp32 -> e4m3 wrongly when the
@@ -106,21 +108,22 @@ def test_index_scores_fp8_products(device):
     q8[..., 0] = 448.0
     q = (q8 * 2.0 ** torch.randint(-8, 3, q.shape[:2], generator=gen)[..., None]).to(q.device)
     out = index_scores(q, w, keys, table, lens, starts, 0.2, T, index_scale=scale,
-                       config={"fp8_dot": True})
+                       config={"fp8_dot": True, "tokens_m": tokens_m})
     assert torch.equal(_e4m3_query(q), q)
     ref = index_scores_ref(q, w, keys, table, lens, starts, 0.2, T, index_scale=scale)
     _assert_scores(out, ref, 1e-4)
 
 
 @pytest.mark.gpu
-def test_index_scores_fp8_products_round_random_queries(gpu_device):
+@pytest.mark.parametrize("tokens_m", [False, True])
+def test_index_scores_fp8_products_round_random_queries(gpu_device, tokens_m):
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("e4m3 products need sm_89+")
     setting = make_setting("bf16-fp8kv")
     q, w, keys, scale, table, lens, starts, T = _index_inputs(setting, 64, 128, 64, [1, 1, 1],
                                                               [4999, 2999, 69], seed=4)
     out = index_scores(q, w, keys, table, lens, starts, 128 ** -0.5, T, index_scale=scale,
-                       config={"fp8_dot": True})
+                       config={"fp8_dot": True, "tokens_m": tokens_m})
     ref = index_scores_ref(_e4m3_query(q.float()), w, keys, table, lens, starts, 128 ** -0.5, T,
                            index_scale=scale)
     finite = torch.isfinite(ref)
