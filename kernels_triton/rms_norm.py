@@ -49,8 +49,8 @@ def _rms_norm_kernel(
     tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float,
-            residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+            out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     V.check_tensor("x", x, x.dim(), V.FLOAT_DTYPES)
     if x.dim() < 1:
         raise ValueError("x must have at least one dim")
@@ -69,8 +69,16 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float,
         res = residual.reshape(-1, d)
         if res.numel() and res.stride(-1) != 1:
             res = res.contiguous()
-    y = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype),
-                    device=x.device)
+    dtype = torch.promote_types(x.dtype, weight.dtype)
+    if out is None:
+        y = torch.empty(rows.shape, dtype=dtype, device=x.device)
+    else:  # a view to write into, e.g. a slice of a wider row (rows must stay a view)
+        V.check_tensor("out", out, x.dim(), (dtype,), x.device)
+        if out.shape != x.shape or (out.numel() and out.stride(-1) != 1):
+            raise ValueError(f"out must have x's shape {tuple(x.shape)} and unit last stride")
+        y = out.view(-1, d) if out.dim() <= 2 else out.reshape(-1, d)
+        if y.numel() and y.data_ptr() != out.data_ptr():
+            raise ValueError("out's rows must be addressable as one strided matrix")
     total = torch.empty_like(rows) if res is not None else None
     m = rows.shape[0]
     if m:
@@ -81,13 +89,15 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float,
             rows.stride(0), res.stride(0) if res is not None else 0, y.stride(0),
             total.stride(0) if total is not None else 0, float(eps),
             HAS_RES=res is not None, BLOCK=block, num_warps=8 if block >= 4096 else 4)
-    y = y.view(x.shape)
+    y = out if out is not None else y.view(x.shape)
     return y, total.view(x.shape) if total is not None else None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x (..., D), weight (D,) -> (..., D) normalised (see the module docstring)."""
-    return _launch(x, weight, eps, None)[0]
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., D), weight (D,) -> (..., D) normalised (see the module docstring), written into
+    ``out`` when given (x's shape, unit last stride: e.g. the first D columns of wider rows)."""
+    return _launch(x, weight, eps, None, out)[0]
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

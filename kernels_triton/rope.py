@@ -59,8 +59,10 @@ def _rope_kernel(
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float,
-         interleave: bool) -> torch.Tensor:
-    """x (N, ..., R) rotated by ``positions`` (N,) -> a new tensor of x's shape and dtype."""
+         interleave: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x (N, ..., R) rotated by ``positions`` (N,) -> a new tensor of x's shape and dtype, or
+    ``out`` (x's shape, any strides and float dtype: e.g. the rope columns of wider rows)
+    written in place."""
     V.check_tensor("x", x, x.dim(), V.FLOAT_DTYPES)
     if x.dim() < 2:
         raise ValueError(f"x must be (N, ..., R), got shape {tuple(x.shape)}")
@@ -72,17 +74,25 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale
         raise ValueError(f"inv_freq has {inv_freq.shape[0]} entries; x's last dim {r} needs "
                          f"{r // 2} (an even rope dim)")
     rows = x.reshape(n, -1, r)  # a view for the slices MLA passes (no copy)
-    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if out is None:
+        dst = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    else:
+        V.check_tensor("out", out, x.dim(), V.FLOAT_DTYPES, x.device)
+        if out.shape != x.shape:
+            raise ValueError(f"out has shape {tuple(out.shape)}; expected {tuple(x.shape)}")
+        dst = out.reshape(n, -1, r)
+        if dst.numel() and dst.data_ptr() != out.data_ptr():
+            raise ValueError("out must be viewable as (N, heads, R) without a copy")
     heads = rows.shape[1]
     if n and heads:
         block_h = min(V.next_pow2(heads, 1), 16)
         _rope_kernel[(n, triton.cdiv(heads, block_h))](
-            rows, positions, inv_freq, out, heads,
+            rows, positions, inv_freq, dst, heads,
             rows.stride(0), rows.stride(1), rows.stride(2),
-            out.stride(0), out.stride(1), out.stride(2), float(scale),
+            dst.stride(0), dst.stride(1), dst.stride(2), float(scale),
             HALF=r // 2, INTERLEAVE=bool(interleave), BLOCK_H=block_h,
             BLOCK_I=V.next_pow2(r // 2, 1), num_warps=2)
-    return out.view(x.shape)
+    return out if out is not None else dst.view(x.shape)
 
 
 def rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float,

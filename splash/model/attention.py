@@ -218,19 +218,26 @@ class MLAAttention:
             return x
         return rms_norm(x @ self.q_a_proj.t(), self.q_a_layernorm, LATENT_NORM_EPS)
 
+    # The norm, the rope and the absorbed product write straight into the row they belong to
+    # (no concatenation: one kernel fewer each, per layer and step).
     def latent(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         L = self.cfg.kv_lora_rank
         kv = x @ self.kv_a_proj.t()  # (N, L+R)
-        c_kv = rms_norm(kv[:, :L], self.kv_a_layernorm, LATENT_NORM_EPS)
-        return torch.cat((c_kv, self.rope(kv[:, L:], positions)), dim=-1)  # (N, L+R)
+        row = kv.new_empty(kv.shape, dtype=torch.promote_types(kv.dtype,
+                                                               self.kv_a_layernorm.dtype))
+        rms_norm(kv[:, :L], self.kv_a_layernorm, LATENT_NORM_EPS, out=row[:, :L])
+        self.rope(kv[:, L:], positions, out=row[:, L:])
+        return row  # (N, L+R): normalised c_kv ‖ roped k_rope
 
     def query(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         nope, h, n = self.cfg.qk_nope_head_dim, self.num_heads, x.shape[0]
+        L = self.cfg.kv_lora_rank
         q = self.q_input(x) @ self.q_b.reshape(h * self.cfg.qk_head_dim, -1).t()
         q = q.view(n, h, self.cfg.qk_head_dim)  # (N, h, nope+R)
-        q_nope = torch.bmm(q[..., :nope].transpose(0, 1), self.w_uk)  # (h, N, L)
-        q_rope = self.rope(q[..., nope:], positions)  # (N, h, R)
-        return torch.cat((q_nope.transpose(0, 1), q_rope), dim=-1)  # (N, h, L+R)
+        out = q.new_empty((n, h, L + self.cfg.qk_rope_head_dim))
+        torch.bmm(q[..., :nope].transpose(0, 1), self.w_uk, out=out.transpose(0, 1)[..., :L])
+        self.rope(q[..., nope:], positions, out=out[..., L:])
+        return out  # (N, h, L+R): absorbed q_nope·W_UK ‖ roped q_rope
 
     def output(self, o_latent: torch.Tensor) -> torch.Tensor:
         h, v = self.num_heads, self.cfg.v_head_dim

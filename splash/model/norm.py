@@ -21,9 +21,14 @@ def _kernel(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.version.hip is None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x (..., d), weight (d,) -> (..., d) in x.dtype (or the promoted weight dtype)."""
-    return _rms_norm_kernel(x, weight, eps) if _kernel(x) else rms_norm_ref(x, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., d), weight (d,) -> (..., d) in x.dtype (or the promoted weight dtype); written
+    into ``out`` (a view of x's shape, e.g. columns of wider rows) when given."""
+    if _kernel(x):
+        return _rms_norm_kernel(x, weight, eps, out=out)
+    y = rms_norm_ref(x, weight, eps)
+    return y if out is None else out.copy_(y)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

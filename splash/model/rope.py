@@ -51,11 +51,15 @@ class RotaryEmbedding:
         inv_freq, self.scale = inv_frequencies(self.dim, cfg.rope_theta, cfg.rope_scaling)
         self.inv_freq = inv_freq.to(device)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x (N, ..., R) -> rotated, same shape and dtype."""
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """x (N, ..., R) -> rotated, same shape and dtype; or written into ``out`` (a view of
+        x's shape, e.g. the rope columns of wider rows)."""
         inv_freq = self.inv_freq.to(positions.device)
-        fn = rope if _kernel(x) else rope_ref
-        return fn(x, positions, inv_freq, self.scale, self.interleave)
+        if _kernel(x):
+            return rope(x, positions, inv_freq, self.scale, self.interleave, out=out)
+        y = rope_ref(x, positions, inv_freq, self.scale, self.interleave)
+        return y if out is None else out.copy_(y)
 
 
 def _kernel(x: torch.Tensor) -> bool:

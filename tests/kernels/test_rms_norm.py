@@ -54,3 +54,18 @@ def test_bad_arguments_raise_clear_errors(device):
         add_rms_norm(x, torch.ones(3, 7, device=device), torch.ones(8, device=device), 1e-6)
     with pytest.raises(ValueError, match="dtype"):
         rms_norm(x.to(torch.int32), torch.ones(8, device=device), 1e-6)
+
+
+def test_rms_norm_writes_into_the_first_columns_of_wider_rows(device):
+    """``out``: the normalised rows land in a column slice of a wider buffer (MLA's latent
+    row: normalised c_kv then the roped key); the other columns are left as they were."""
+    gen = torch.Generator().manual_seed(4)
+    kv = torch.randn(5, 40, generator=gen).to(device)
+    w = torch.rand(32, generator=gen).to(device)
+    buf = torch.full((5, 40), 7.0, device=device)
+    got = rms_norm(kv[:, :32], w, 1e-6, out=buf[:, :32])
+    assert got.data_ptr() == buf.data_ptr()
+    assert_close(buf[:, :32], rms_norm_ref(kv[:, :32], w, 1e-6), 1e-5, 1e-5)
+    assert torch.all(buf[:, 32:].cpu() == 7.0)
+    with pytest.raises(ValueError, match="out"):
+        rms_norm(kv[:, :32], w, 1e-6, out=buf[:, :16])

@@ -43,3 +43,19 @@ def test_bad_arguments_raise_clear_errors(device):
     with pytest.raises(ValueError, match="inv_freq"):
         rope(x, torch.zeros(2, dtype=torch.long, device=device), torch.ones(3, device=device),
              1.0, True)
+
+
+def test_rope_writes_into_the_rope_columns_of_wider_rows(device):
+    """``out``: the roped part lands in the last R columns of each (row, head) of a wider
+    buffer (MLA's query and latent rows); the other columns are left as they were."""
+    gen = torch.Generator().manual_seed(3)
+    inv = (1.0 / 10000 ** (torch.arange(0, 8, 2) / 8)).float().to(device)
+    pos = torch.arange(4, device=device) * 5
+    q = torch.randn(4, 3, 24, generator=gen).to(device)
+    buf = torch.full((4, 3, 40), 7.0, device=device)
+    got = rope(q[..., 16:], pos, inv, 0.8, False, out=buf[..., 32:])
+    assert got.data_ptr() == buf[..., 32:].data_ptr()
+    assert_close(buf[..., 32:], rope_ref(q[..., 16:], pos, inv, 0.8, False), 1e-5, 1e-5)
+    assert torch.all(buf[..., :32].cpu() == 7.0)
+    with pytest.raises(ValueError, match="shape"):
+        rope(q[..., 16:], pos, inv, 0.8, False, out=buf[..., 30:])
