@@ -23,6 +23,9 @@ _DEFAULTS: dict[str, str] = {
     # "1": profiled steps (`LLMEngine.profile_steps`) also write torch's timeline of every
     # worker, host and device (a Chrome trace), as trace_rank<r>.json beside their summaries
     "SPLASH_PROFILE_TRACE": "",
+    # "1": a layer's independent pieces (latent row / query; shared / routed experts) run on
+    # two CUDA streams (splash/model/overlap.py); off by default until measured
+    "SPLASH_OVERLAP": "",
     "SPLASH_TOKEN": "",  # shared secret of `splash serve` and its clients (required off loopback)
 }
 

@@ -51,6 +51,7 @@ from splash.kernels_triton import set_value_checks
 from splash.layouts.base import AttentionLayout, KVStore, StepMeta
 from splash.layouts.registry import make_layouts
 from splash.logging_utils import get_logger
+from splash.model import overlap
 from splash.model.config import ModelConfig
 from splash.model.loader import CheckpointWeights
 from splash.model.mlp import MoE
@@ -113,6 +114,7 @@ class Worker:
             cfg.model, cfg.rank, cfg.world, heads.start, len(heads),
             dtype=torch_dtype(cfg.dtype), device=self.device,
             also_hold=sorted(others, key=lambda r: r.start))
+        overlap.enable(self.device)
         moe_config = self.backend.kernel_config("fused_moe") or None
         for layer in self.model.layers:
             if isinstance(layer.mlp, MoE):

@@ -19,6 +19,7 @@ from splash.core.ownership import LAYOUTS, cp_gather_map
 from splash.kernels_triton import kv_gather, lse_merge, mla_extend, mla_sparse
 from splash.layouts.base import AttentionLayout, StepMeta, attend, store_rows
 from splash.layouts.sparse import pick_slots_sharded, topk_indexed
+from splash.model import overlap
 
 
 class CPAttention(AttentionLayout):
@@ -34,13 +35,18 @@ class CPAttention(AttentionLayout):
 
     def forward(self, layer: int, attn: Any, h: torch.Tensor, meta: StepMeta) -> torch.Tensor:
         inp = meta.inputs(self)
-        store_rows(self.store, layer, attn, h, meta.positions, inp["slots"])  # holders only
+
+        def store() -> None:
+            store_rows(self.store, layer, attn, h, meta.positions, inp["slots"])  # holders only
+
         out = torch.zeros_like(h)
         pre = [b for b in range(meta.num_requests) if meta.plan.query_lens[b] > 1]
-        if "dec_rows" in inp:
+        if "dec_rows" not in inp:
+            store()
+        else:
             rows = inp["dec_rows"]
             hs, pos = h[rows], meta.positions[rows]
-            q = attn.query(hs, pos)  # (n, H, D), same on every rank
+            _, q = overlap.both(store, lambda: attn.query(hs, pos))  # (n, H, D), every rank
             slots = pick_slots_sharded(self.comm, self.store, layer, attn, hs, pos,
                                        inp["dec_args"], meta, "cp.dec")
             o, lse = attend(q, self.store, layer, inp["dec_args"], attn.sm_scale,

@@ -23,6 +23,7 @@ from splash.kernels_triton import (
 )
 from splash.layouts.base import AttentionLayout, StepMeta, attend, store_rows
 from splash.layouts.sparse import pick_slots
+from splash.model import overlap
 
 
 class DOPAttention(AttentionLayout):
@@ -36,15 +37,23 @@ class DOPAttention(AttentionLayout):
         inp = meta.inputs(self)
         counts = meta.owned_rows()
         perm = inp["perm"]
-        q = attn.query(h, meta.positions)  # (N, H/T, D)
-        send = gather_rows(q, perm)  # (N, H/T, D) grouped by owner
         n_own = counts[rank]
-        recv, _ = self.comm.all_to_all_rows(send, counts, [n_own] * world)  # (T*n_own, H/T, D)
-        q_own = merge_heads_from_ranks(recv.view(world, n_own, *q.shape[1:]), world)  # (n, H, D)
-        if n_own:
+
+        def exchange() -> tuple[torch.Tensor, torch.Tensor]:
+            q = attn.query(h, meta.positions)  # (N, H/T, D)
+            send = gather_rows(q, perm)  # (N, H/T, D) grouped by owner
+            recv, _ = self.comm.all_to_all_rows(send, counts, [n_own] * world)  # (T*n_own, ..)
+            return q, recv
+
+        if n_own:  # the owned rows' latent is written while the queries are exchanged
             rows = inp["rows"]
             hs, pos = h[rows], meta.positions[rows]
-            store_rows(self.store, layer, attn, hs, pos, inp["slots"])
+            _, (q, recv) = overlap.both(
+                lambda: store_rows(self.store, layer, attn, hs, pos, inp["slots"]), exchange)
+        else:
+            q, recv = exchange()
+        q_own = merge_heads_from_ranks(recv.view(world, n_own, *q.shape[1:]), world)  # (n, H, D)
+        if n_own:
             # DSA: the owner runs the (replicated) indexer for its rows
             slots = pick_slots(self.store, layer, attn, hs, pos, inp["args"], meta, "dop",
                                meta.host_lens(meta.owned(rank)))

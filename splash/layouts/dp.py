@@ -9,6 +9,7 @@ import torch
 from splash.core.ownership import LAYOUTS
 from splash.layouts.base import AttentionLayout, StepMeta, attend, store_rows
 from splash.layouts.sparse import pick_slots
+from splash.model import overlap
 
 
 class DPAttention(AttentionLayout):
@@ -22,8 +23,8 @@ class DPAttention(AttentionLayout):
         if "rows" in inp:
             rows = inp["rows"]
             hs, pos = h[rows], meta.positions[rows]
-            q = attn.query(hs, pos)  # (n, H, D)
-            store_rows(self.store, layer, attn, hs, pos, inp["slots"])
+            _, q = overlap.both(lambda: store_rows(self.store, layer, attn, hs, pos, inp["slots"]),
+                                lambda: attn.query(hs, pos))  # (n, H, D)
             slots = pick_slots(self.store, layer, attn, hs, pos, inp["args"], meta, "dp",
                                meta.host_lens(meta.owned(self.comm.rank)))
             o, _ = attend(q, self.store, layer, inp["args"], attn.sm_scale, self.kv_lora_rank,

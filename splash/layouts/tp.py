@@ -9,6 +9,7 @@ import torch
 from splash.core.ownership import LAYOUTS
 from splash.layouts.base import AttentionLayout, StepMeta, attend, store_rows
 from splash.layouts.sparse import pick_slots
+from splash.model import overlap
 
 
 class TPAttention(AttentionLayout):
@@ -21,8 +22,9 @@ class TPAttention(AttentionLayout):
 
     def forward(self, layer: int, attn: Any, h: torch.Tensor, meta: StepMeta) -> torch.Tensor:
         inp = meta.inputs(self)
-        q = attn.query(h, meta.positions)  # (N, H/T, D)
-        store_rows(self.store, layer, attn, h, meta.positions, inp["slots"])  # every rank, all
+        _, q = overlap.both(  # every rank writes all rows
+            lambda: store_rows(self.store, layer, attn, h, meta.positions, inp["slots"]),
+            lambda: attn.query(h, meta.positions))  # (N, H/T, D)
         # DSA: every rank picks the same positions for every row (replicated histories)
         slots = pick_slots(self.store, layer, attn, h, meta.positions, inp["args"], meta, "tp",
                            meta.host_lens(list(range(meta.num_requests))))

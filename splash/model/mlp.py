@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from splash.kernels_triton import fused_moe, moe_route, moe_route_ref
+from splash.model import overlap
 from splash.model.config import ModelConfig
 from splash.model.loader import take
 
@@ -189,14 +190,17 @@ class MoE:
         """x (N, hidden) -> (weights (N, k) fp32, ids (N, k)); identical on every rank."""
         return select_experts(x.float() @ self.router.t(), self.cfg, self.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
         if x.is_cuda and torch.version.hip is None:
-            out = fused_moe(x, self.w13, self.w2, weights, ids, self.kernel_config)
-        else:
-            out = routed_experts_torch(x, self.w13, self.w2, weights, ids)
-        if self.shared is not None:
-            out = out + self.shared(x)
-        return out
+            return fused_moe(x, self.w13, self.w2, weights, ids, self.kernel_config)
+        return routed_experts_torch(x, self.w13, self.w2, weights, ids)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shared is None:
+            return self.routed(x)
+        shared = self.shared
+        s, out = overlap.both(lambda: shared(x), lambda: self.routed(x))
+        return out + s
 
     __call__ = forward

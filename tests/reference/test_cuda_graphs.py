@@ -89,3 +89,17 @@ def test_graphs_stay_valid_across_a_weight_update():
     assert before == hf_greedy(path, prompts, MAX_NEW)
     assert after == hf_greedy(new, prompts, MAX_NEW)
     assert [c.token_ids for c in forked.outputs] == [after[2]] * 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("layout", ["tp", "cp", "dop"])
+def test_two_stream_layers_match_transformers(layout, monkeypatch):
+    """SPLASH_OVERLAP=1: the latent row / query and the shared / routed experts on two
+    streams, in graphs and eagerly; the tokens stay transformers'."""
+    monkeypatch.setenv("SPLASH_OVERLAP", "1")
+    path = checkpoint("v3")
+    prompts = mixed_prompts()
+    graphs, stats = _run(path, layout, prompts)
+    assert stats["graph_steps"] > 0
+    eager, _ = _run(path, layout, prompts, enforce_eager=True)
+    assert graphs == eager == hf_greedy(path, prompts, MAX_NEW)

@@ -1,0 +1,52 @@
+"""Two independent pieces of a layer's work on two CUDA streams (opt-in: ``SPLASH_OVERLAP=1``).
+
+At small decode batches a layer is a chain of launches that each leave most of the GPU idle:
+the latent row (kv_a projection, norm, rope, KV write) does not depend on the query (q_a
+projection, norm, q_b, absorbed product, rope), nor the shared experts on the routed ones. Run
+side by side on a second stream, the small kernels of one hide behind the other. `both` forks
+the side stream from the current one and joins it back before returning, so callers see plain
+sequential semantics; under CUDA-graph capture the fork and join become parallel branches of
+the graph (the side stream joins the capture). Off (the default), and everywhere but CUDA,
+`both` runs the two in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+from splash import envs
+from splash.logging_utils import get_logger
+
+logger = get_logger("splash.model")
+
+A = TypeVar("A")
+B = TypeVar("B")
+
+_side: torch.cuda.Stream | None = None
+
+
+def enable(device: torch.device) -> bool:
+    """Use a side stream on ``device`` when ``SPLASH_OVERLAP=1`` and it is a CUDA GPU."""
+    global _side
+    if envs.get("SPLASH_OVERLAP") == "1" and device.type == "cuda":
+        _side = torch.cuda.Stream(device)
+        logger.info("layer work overlaps on two streams (SPLASH_OVERLAP=1)")
+    else:
+        _side = None
+    return _side is not None
+
+
+def both(side: Callable[[], A], main: Callable[[], B]) -> tuple[A, B]:
+    """``(side(), main())``, the first on the side stream while the second runs here."""
+    if _side is None:
+        return side(), main()
+    here = torch.cuda.current_stream()
+    _side.wait_stream(here)
+    with torch.cuda.stream(_side):
+        a = side()
+    b = main()
+    here.wait_stream(_side)
+    return a, b
