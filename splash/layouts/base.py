@@ -194,6 +194,13 @@ class KVStore:
                 scatter_rows(pages, dst, gather_rows(pages, src))
 
 
+def query(attn: Any, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_input(x), query(x)): the absorbed queries of rows ``x`` and the normalised q_a latent
+    they came from, which a DSA layer's indexer reads too."""
+    q_in = attn.q_input(x)
+    return q_in, attn.query(x, positions, q_in)
+
+
 def store_rows(store: KVStore, layer: int, attn: Any, x: torch.Tensor, positions: torch.Tensor,
                slots: torch.Tensor) -> None:
     """Write the latent KV rows of rows ``x`` (n, hidden) at ``slots`` (-1 skips), and in a DSA

@@ -17,7 +17,7 @@ import torch
 
 from splash.core.ownership import LAYOUTS, cp_gather_map
 from splash.kernels_triton import kv_gather, lse_merge, mla_extend, mla_sparse
-from splash.layouts.base import AttentionLayout, StepMeta, attend, store_rows
+from splash.layouts.base import AttentionLayout, StepMeta, attend, query, store_rows
 from splash.layouts.sparse import pick_slots_sharded, topk_indexed
 from splash.model import overlap
 
@@ -46,9 +46,9 @@ class CPAttention(AttentionLayout):
         else:
             rows = inp["dec_rows"]
             hs, pos = h[rows], meta.positions[rows]
-            _, q = overlap.both(store, lambda: attn.query(hs, pos))  # (n, H, D), every rank
+            _, (q_in, q) = overlap.both(store, lambda: query(attn, hs, pos))  # q (n, H, D)
             slots = pick_slots_sharded(self.comm, self.store, layer, attn, hs, pos,
-                                       inp["dec_args"], meta, "cp.dec")
+                                       inp["dec_args"], meta, "cp.dec", q_in)
             o, lse = attend(q, self.store, layer, inp["dec_args"], attn.sm_scale,
                             self.kv_lora_rank, slots)
             o_all = self.comm.all_gather_same(o)  # (T, n, H, L)
@@ -89,12 +89,12 @@ class CPAttention(AttentionLayout):
         q_rows = plan["my_rows"]
         if q_rows.numel():
             hs, pos = h[q_rows], meta.positions[q_rows]
-            q = attn.query(hs, pos)  # (m, H, D)
+            q_in, q = query(attn, hs, pos)  # q (m, H, D)
             args = {k: plan[k] for k in ("block_table", "seq_lens", "q_start_loc", "row_req")}
             if keys is not None:
                 ix = attn.indexer
                 meta.selection["cp.pre"] = topk_indexed(
-                    ix.query(attn.q_input(hs), pos), ix.head_weights(hs), *keys, args,
+                    ix.query(q_in, pos), ix.head_weights(hs), *keys, args,
                     ix.softmax_scale, ix.topk, self.store.configs, plan["host_lens"])[1]
             if sparse:
                 o, _ = mla_sparse(q, transient, meta.selection["cp.pre"], attn.sm_scale,

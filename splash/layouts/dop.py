@@ -21,7 +21,7 @@ from splash.kernels_triton import (
     scatter_rows,
     split_heads_to_ranks,
 )
-from splash.layouts.base import AttentionLayout, StepMeta, attend, store_rows
+from splash.layouts.base import AttentionLayout, StepMeta, attend, query, store_rows
 from splash.layouts.sparse import pick_slots
 from splash.model import overlap
 
@@ -39,24 +39,24 @@ class DOPAttention(AttentionLayout):
         perm = inp["perm"]
         n_own = counts[rank]
 
-        def exchange() -> tuple[torch.Tensor, torch.Tensor]:
-            q = attn.query(h, meta.positions)  # (N, H/T, D)
+        def exchange() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            q_in, q = query(attn, h, meta.positions)  # q (N, H/T, D)
             send = gather_rows(q, perm)  # (N, H/T, D) grouped by owner
             recv, _ = self.comm.all_to_all_rows(send, counts, [n_own] * world)  # (T*n_own, ..)
-            return q, recv
+            return q_in, q, recv
 
         if n_own:  # the owned rows' latent is written while the queries are exchanged
             rows = inp["rows"]
             hs, pos = h[rows], meta.positions[rows]
-            _, (q, recv) = overlap.both(
+            _, (q_in, q, recv) = overlap.both(
                 lambda: store_rows(self.store, layer, attn, hs, pos, inp["slots"]), exchange)
         else:
-            q, recv = exchange()
+            q_in, q, recv = exchange()
         q_own = merge_heads_from_ranks(recv.view(world, n_own, *q.shape[1:]), world)  # (n, H, D)
         if n_own:
             # DSA: the owner runs the (replicated) indexer for its rows
             slots = pick_slots(self.store, layer, attn, hs, pos, inp["args"], meta, "dop",
-                               meta.host_lens(meta.owned(rank)))
+                               meta.host_lens(meta.owned(rank)), q_in[rows])
             o_own, _ = attend(q_own, self.store, layer, inp["args"], attn.sm_scale,
                               self.kv_lora_rank, slots)
         else:

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from splash.core.ownership import LAYOUTS
-from splash.layouts.base import AttentionLayout, StepMeta, attend, store_rows
+from splash.layouts.base import AttentionLayout, StepMeta, attend, query, store_rows
 from splash.layouts.sparse import pick_slots
 from splash.model import overlap
 
@@ -23,10 +23,11 @@ class DPAttention(AttentionLayout):
         if "rows" in inp:
             rows = inp["rows"]
             hs, pos = h[rows], meta.positions[rows]
-            _, q = overlap.both(lambda: store_rows(self.store, layer, attn, hs, pos, inp["slots"]),
-                                lambda: attn.query(hs, pos))  # (n, H, D)
+            _, (q_in, q) = overlap.both(
+                lambda: store_rows(self.store, layer, attn, hs, pos, inp["slots"]),
+                lambda: query(attn, hs, pos))  # q (n, H, D)
             slots = pick_slots(self.store, layer, attn, hs, pos, inp["args"], meta, "dp",
-                               meta.host_lens(meta.owned(self.comm.rank)))
+                               meta.host_lens(meta.owned(self.comm.rank)), q_in)
             o, _ = attend(q, self.store, layer, inp["args"], attn.sm_scale, self.kv_lora_rank,
                           slots)
             out = attn.output(o)  # (n, hidden), complete: all heads are here

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from splash.core.ownership import LAYOUTS
-from splash.layouts.base import AttentionLayout, StepMeta, attend, store_rows
+from splash.layouts.base import AttentionLayout, StepMeta, attend, query, store_rows
 from splash.layouts.sparse import pick_slots
 from splash.model import overlap
 
@@ -22,11 +22,11 @@ class TPAttention(AttentionLayout):
 
     def forward(self, layer: int, attn: Any, h: torch.Tensor, meta: StepMeta) -> torch.Tensor:
         inp = meta.inputs(self)
-        _, q = overlap.both(  # every rank writes all rows
+        _, (q_in, q) = overlap.both(  # every rank writes all rows
             lambda: store_rows(self.store, layer, attn, h, meta.positions, inp["slots"]),
-            lambda: attn.query(h, meta.positions))  # (N, H/T, D)
+            lambda: query(attn, h, meta.positions))  # q (N, H/T, D)
         # DSA: every rank picks the same positions for every row (replicated histories)
         slots = pick_slots(self.store, layer, attn, h, meta.positions, inp["args"], meta, "tp",
-                           meta.host_lens(list(range(meta.num_requests))))
+                           meta.host_lens(list(range(meta.num_requests))), q_in)
         o, _ = attend(q, self.store, layer, inp["args"], attn.sm_scale, self.kv_lora_rank, slots)
         return self.comm.all_reduce(attn.output(o))  # (N, hidden)

@@ -229,10 +229,14 @@ class MLAAttention:
         self.rope(kv[:, L:], positions, out=row[:, L:])
         return row  # (N, L+R): normalised c_kv ‖ roped k_rope
 
-    def query(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def query(self, x: torch.Tensor, positions: torch.Tensor,
+              q_in: torch.Tensor | None = None) -> torch.Tensor:
+        """``q_in``: ``q_input(x)`` when the caller already has it (a DSA layer's indexer
+        reads the same normalised q_a latent)."""
         nope, h, n = self.cfg.qk_nope_head_dim, self.num_heads, x.shape[0]
         L = self.cfg.kv_lora_rank
-        q = self.q_input(x) @ self.q_b.reshape(h * self.cfg.qk_head_dim, -1).t()
+        q_in = self.q_input(x) if q_in is None else q_in
+        q = q_in @ self.q_b.reshape(h * self.cfg.qk_head_dim, -1).t()
         q = q.view(n, h, self.cfg.qk_head_dim)  # (N, h, nope+R)
         out = q.new_empty((n, h, L + self.cfg.qk_rope_head_dim))
         torch.bmm(q[..., :nope].transpose(0, 1), self.w_uk, out=out.transpose(0, 1)[..., :L])
