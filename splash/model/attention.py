@@ -246,6 +246,6 @@ class MLAAttention:
     def output(self, o_latent: torch.Tensor) -> torch.Tensor:
         h, v = self.num_heads, self.cfg.v_head_dim
         o_latent = o_latent.to(self.w_uv.dtype)
-        o = torch.bmm(o_latent.transpose(0, 1), self.w_uv.transpose(1, 2))  # (h, N, v)
-        o = o.transpose(0, 1).reshape(-1, h * v)  # (N, h*v)
-        return o @ self.w_o.reshape(h * v, self.cfg.hidden_size)  # (N, hidden)
+        o = o_latent.new_empty((o_latent.shape[0], h, v))  # the product lands head-interleaved
+        torch.bmm(o_latent.transpose(0, 1), self.w_uv.transpose(1, 2), out=o.transpose(0, 1))
+        return o.view(-1, h * v) @ self.w_o.reshape(h * v, self.cfg.hidden_size)  # (N, hidden)
