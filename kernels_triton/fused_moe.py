@@ -219,6 +219,39 @@ def _moe_scatter_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, M, BLOCK: tl.conste
 
 
 @triton.jit
+def _moe_align_small_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, M, E, num_blocks,
+                            BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                            BLOCK_B: tl.constexpr):
+    """The three kernels above (and the buffers' fills) in one program, for the few pairs of a
+    decode step (M <= BLOCK): each pair's rank among its expert's pairs is counted against all
+    the others at once, so no atomics and no cursor are needed."""
+    offs = tl.arange(0, BLOCK)
+    ok = offs < M
+    e = tl.load(ids_ptr + offs, mask=ok, other=0)
+    for s0 in range(0, num_blocks * BLOCK_M, BLOCK_B):  # padding first
+        so = s0 + tl.arange(0, BLOCK_B)
+        tl.store(sorted_ids_ptr + so, tl.full((BLOCK_B,), 0, tl.int32) + M,
+                 mask=so < num_blocks * BLOCK_M)
+    tl.debug_barrier()
+    earlier = (e[:, None] == e[None, :]) & ok[None, :] & (offs[None, :] < offs[:, None])
+    rank = tl.sum(earlier.to(tl.int32), axis=1)  # earlier pairs of the same expert
+    offs_e = tl.arange(0, BLOCK_E)
+    e_ok = offs_e < E
+    mine = (offs_e[:, None] == e[None, :]) & ok[None, :]  # (BLOCK_E, BLOCK)
+    counts = tl.sum(mine.to(tl.int32), axis=1)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    run_end = tl.cumsum(padded, 0)
+    run_start = tl.sum(tl.where(mine, (run_end - padded)[:, None], 0), axis=0)  # (BLOCK,)
+    tl.store(sorted_ids_ptr + run_start + rank, offs, mask=ok)
+    for b0 in range(0, num_blocks, BLOCK_B):
+        offs_b = b0 + tl.arange(0, BLOCK_B)
+        before = (run_end[None, :] <= (offs_b * BLOCK_M)[:, None]) & e_ok[None, :]
+        expert = tl.sum(before.to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + offs_b, tl.where(expert < E, expert, -1),
+                 mask=offs_b < num_blocks)
+
+
+@triton.jit
 def _slot_sum_kernel(p_ptr, out_ptr, hidden, K_SLOTS: tl.constexpr, BLOCK: tl.constexpr):
     """out[t] = sum_j partial[t·k + j] in fp32 (one program per token and BLOCK columns)."""
     t = tl.program_id(0).to(tl.int64)
@@ -230,19 +263,34 @@ def _slot_sum_kernel(p_ptr, out_ptr, hidden, K_SLOTS: tl.constexpr, BLOCK: tl.co
     tl.store(out_ptr + t * hidden + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+SMALL_ALIGN = (128, 1 << 16)  # one-program alignment up to this many pairs and pairs × experts
+
+
 def moe_align(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, one_program: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort the N·k pairs by expert, each expert's run padded to a multiple of ``block_m``.
 
     Returns ``sorted_ids`` (num_blocks·block_m,) int32 (pair ids p = t·k + j, padding = N·k) and
     ``block_expert`` (num_blocks,) int32 (-1 for blocks past the last expert's run). Sized for
     the worst case, so no value is read back to the host. Three small Triton kernels (count,
-    runs, scatter); the order of pairs inside an expert's run is unspecified.
+    runs, scatter), or for a decode step's few pairs (``SMALL_ALIGN``; ``one_program`` forces
+    either) one program that does it all; the order of pairs inside an expert's run is
+    unspecified.
     """
     flat = topk_ids.reshape(-1).to(torch.int32)  # (M,)
     M, device = flat.numel(), flat.device
     num_blocks = triton.cdiv(M + min(num_experts, M) * (block_m - 1), block_m)
+    block, block_e = V.next_pow2(M, 16), V.next_pow2(num_experts, 16)
+    if one_program is None:
+        one_program = M <= SMALL_ALIGN[0] and block * block_e <= SMALL_ALIGN[1]
+    if one_program and M:
+        sorted_ids = torch.empty((num_blocks * block_m,), dtype=torch.int32, device=device)
+        block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
+        _moe_align_small_kernel[(1,)](flat, sorted_ids, block_expert, M, num_experts, num_blocks,
+                                      BLOCK=block, BLOCK_M=block_m, BLOCK_E=block_e,
+                                      BLOCK_B=64 if device.type == "cuda" else 16, num_warps=4)
+        return sorted_ids, block_expert
     state = torch.zeros(2 * num_experts, dtype=torch.int32, device=device)  # counts, cursor
     counts, cursor = state[:num_experts], state[num_experts:]
     sorted_ids = torch.full((num_blocks * block_m,), M, dtype=torch.int32, device=device)

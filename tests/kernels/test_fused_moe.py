@@ -78,9 +78,10 @@ def test_zero_tokens(device):
     assert out.shape == (0, 64) and out.dtype == torch.float32
 
 
-def test_align_groups_pairs_by_expert(device):
+@pytest.mark.parametrize("one_program", [False, True])
+def test_align_groups_pairs_by_expert(device, one_program):
     ids = torch.tensor([[2, 0], [2, 3], [0, 2]], device=device)  # pairs 0..5; expert 1 empty
-    sorted_ids, block_expert = moe_align(ids, 4, 2)
+    sorted_ids, block_expert = moe_align(ids, 4, 2, one_program)
     M = 6
     runs = {e: [] for e in range(4)}
     for b, e in enumerate(block_expert.tolist()):
@@ -158,13 +159,16 @@ def test_moe_layer_uses_kernel_on_cuda(gpu_device):
     torch.testing.assert_close(moe(x).float(), loop.float(), atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.parametrize("E, block_m, N, k", [(8, 16, 50, 3), (5, 4, 7, 2), (64, 128, 33, 6)])
-def test_align_matches_a_stable_sort(device, E, block_m, N, k):
+@pytest.mark.parametrize("one_program", [False, True])
+@pytest.mark.parametrize("E, block_m, N, k", [(8, 16, 50, 3), (5, 4, 7, 2), (64, 128, 33, 6),
+                                               (256, 16, 1, 8)])
+def test_align_matches_a_stable_sort(device, E, block_m, N, k, one_program):
     """Against torch's stable sort: per expert, its block range holds exactly its pairs; runs are
-    padded to block_m in expert order; blocks past the last run are -1."""
+    padded to block_m in expert order; blocks past the last run are -1. Both the three-kernel
+    alignment and the one program of decode-sized steps."""
     gen = torch.Generator(device=device).manual_seed(N)
     ids = torch.rand(N, E, generator=gen, device=device).argsort(-1)[:, :k]
-    sorted_ids, block_expert = moe_align(ids, E, block_m)
+    sorted_ids, block_expert = moe_align(ids, E, block_m, one_program)
     flat = ids.reshape(-1).cpu()
     M = flat.numel()
     blocks, got = block_expert.cpu().tolist(), sorted_ids.cpu().view(-1, block_m).tolist()
