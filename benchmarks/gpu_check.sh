@@ -8,7 +8,9 @@
 # gloo), engine (bf16 / fp8 KV vs fp32 transformers), kernels (benchmarks/kernel_bench.py, no sweep),
 # moe (fused MoE, default config), offline (throughput vs transformers), profile (ncu),
 # prefix (prefix caching and n samples on GRPO and agent traces, V2-Lite dims), small (the fused
-# norm, rope and routing kernels against the torch ops they replace).
+# norm, rope and routing kernels against the torch ops they replace), dsa (launch sweep of the
+# DSA kernels, then their records), gemms (the dense products of a decode step vs their bytes),
+# overlap (T=1 decode steps with and without two streams per layer, V3-shaped, 8 layers).
 # Default: tests engine kernels moe offline (about 8 minutes on an H200).
 set -uo pipefail
 PARTS=${*:-tests engine kernels moe offline}
@@ -46,6 +48,17 @@ for p in $PARTS; do
       --full-dims --layers 4 --prompts 64 --n 8 --template 1024 --question 512 --output 1024 \
       --page-size 64 --batch-tokens 8192 --sessions 32 --turns 6 --context 8192 --turn-len 1024 \
       --out "$OUT/prefix_cache.json" ;;
-    *) echo "unknown part $p (tests engine kernels moe offline profile prefix small)"; exit 2 ;;
+    dsa) part dsa 330 python3 benchmarks/dsa_sweep.py --out "$OUT/dsa_sweep.json" ;;
+    gemms) part gemms 120 python3 benchmarks/dense_gemms.py --out "$OUT/dense_gemms.json" ;;
+    overlap)
+      CKPT=/tmp/splash-v3-8l-o1
+      python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import multi_gpu; \
+multi_gpu.build('$CKPT', 8, 32)"
+      part step_one_stream 200 python3 benchmarks/step_roofline.py --tp 1 --model "$CKPT" \
+        --batches 1,16,64 --contexts 1024 --out "$OUT/step_one_stream.json"
+      part step_two_streams 200 env SPLASH_OVERLAP=1 python3 benchmarks/step_roofline.py --tp 1 \
+        --model "$CKPT" --batches 1,16,64 --contexts 1024 --out "$OUT/step_two_streams.json" ;;
+    *) echo "unknown part $p (tests engine kernels moe offline profile prefix small dsa gemms" \
+      "overlap)"; exit 2 ;;
   esac
 done
