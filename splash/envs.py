@@ -26,6 +26,9 @@ _DEFAULTS: dict[str, str] = {
     # "1": a layer's independent pieces (latent row / query; shared / routed experts) run on
     # two CUDA streams (splash/model/overlap.py); off by default until measured
     "SPLASH_OVERLAP": "",
+    # "1": at T > 1 on NVIDIA GPUs, layer outputs up to 2 MiB are summed by a one-shot
+    # all-reduce on symmetric memory instead of NCCL (splash/dist/comm.py); off until measured
+    "SPLASH_FAST_ALLREDUCE": "",
     "SPLASH_TOKEN": "",  # shared secret of `splash serve` and its clients (required off loopback)
 }
 

@@ -17,6 +17,11 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from splash import envs
+from splash.logging_utils import get_logger
+
+logger = get_logger("splash.dist")
+
 # torch >= 2.13 names it all_gather_single; older releases all_gather_into_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -30,6 +35,7 @@ class Comm:
             self.group = dist.group.WORLD
             self.xfer_group = dist.new_group(list(range(world)))
         self._graph_group = None
+        self._fast: tuple[torch.Tensor, str] | None = None  # `enable_fast_sum`'s buffer, group
 
     @property
     def stream_ordered(self) -> bool:
@@ -83,9 +89,53 @@ class Comm:
         return bool(flag.item())
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over the ranks in place (and return it)."""
         if self.world > 1:
             dist.all_reduce(t, group=self.group)
         return t
+
+    def sum_partials(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum over the ranks of their partials ``t`` (a layer's output shares): a new
+        tensor from the one-shot all-reduce on symmetric memory when it is on and ``t`` fits
+        its buffer, else ``t`` summed in place over the group."""
+        fast = self._fast
+        if fast is not None and t.dtype == fast[0].dtype and t.numel() <= fast[0].numel() \
+                and t.is_contiguous():
+            buf = fast[0][: t.numel()].view(t.shape)
+            return torch.ops.symm_mem.one_shot_all_reduce_copy(buf, t, "sum", fast[1])
+        return self.all_reduce(t)
+
+    def enable_fast_sum(self, device: torch.device, dtype: torch.dtype,
+                        max_bytes: int = 2 << 20) -> bool:
+        """``sum_partials`` of tensors up to ``max_bytes`` through a one-shot all-reduce on
+        symmetric memory (each rank reads its peers' partials over NVLink in one kernel; no
+        NCCL launch, no ring) when ``SPLASH_FAST_ALLREDUCE=1``, on NVIDIA GPUs. Collective;
+        every rank ends with the same choice (a failed set-up anywhere keeps NCCL)."""
+        self._fast = None
+        if self.world == 1 or self.group is None or device.type != "cuda" \
+                or torch.version.hip is not None or envs.get("SPLASH_FAST_ALLREDUCE") != "1":
+            return False
+        ok, state, error = True, None, ""
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            name = self.group.group_name
+            buf = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
+            symm_mem.rendezvous(buf, name)
+            probe = torch.ones(8, dtype=dtype, device=device)
+            got = torch.ops.symm_mem.one_shot_all_reduce_copy(buf[:8], probe, "sum", name)
+            ok = bool((got == self.world).all())
+            state = (buf, name)
+        except Exception as e:  # noqa: BLE001 - an optional fast path: NCCL stays
+            ok, error = False, f"{type(e).__name__}: {e}"
+        if not self.all_agree(ok, device):
+            logger.warning("one-shot all-reduce on symmetric memory unavailable (%s); layer "
+                           "outputs are summed by NCCL", error or "on another rank")
+            return False
+        self._fast = state
+        logger.info("layer outputs up to %d KiB are summed by a one-shot all-reduce on "
+                    "symmetric memory (SPLASH_FAST_ALLREDUCE=1)", max_bytes >> 10)
+        return True
 
     def all_gather_same(self, t: torch.Tensor) -> torch.Tensor:
         """(…) on every rank → (T, …), rank order."""

@@ -101,6 +101,7 @@ class Worker:
                                     rank=cfg.rank, world_size=cfg.world)
         self.comm = Comm(cfg.rank, cfg.world)
         self.comm.connect(self.device)
+        self.comm.enable_fast_sum(self.device, torch_dtype(cfg.dtype))
         num_heads = ModelConfig.from_hf(cfg.model).num_attention_heads
 
         def held(layout: str) -> range:
@@ -445,7 +446,7 @@ class Worker:
                 self.store.copy_pages(meta.plan.page_copies, range(layer, layer + 1))
             return impl.forward(layer, attn, h, meta)
 
-        return self.model.forward(ids, meta.positions, attn_fn, self.comm.all_reduce)
+        return self.model.forward(ids, meta.positions, attn_fn, self.comm.sum_partials)
 
     def _forward(self, plan: StepPlan, switch: SwitchExecutor | None, graphs: bool = True
                  ) -> tuple[torch.Tensor | None, list[TokenLogprobs], list[list[TokenLogprobs]]]:

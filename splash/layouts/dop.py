@@ -66,4 +66,4 @@ class DOPAttention(AttentionLayout):
         o_rows, _ = self.comm.all_to_all_rows(back, [n_own] * world, counts)  # (N, H/T, L)
         o = torch.empty_like(o_rows)
         scatter_rows(o, perm, o_rows)  # back to step row order
-        return self.comm.all_reduce(attn.output(o))  # (N, hidden)
+        return self.comm.sum_partials(attn.output(o))  # (N, hidden)

@@ -29,4 +29,4 @@ class TPAttention(AttentionLayout):
         slots = pick_slots(self.store, layer, attn, h, meta.positions, inp["args"], meta, "tp",
                            meta.host_lens(list(range(meta.num_requests))), q_in)
         o, _ = attend(q, self.store, layer, inp["args"], attn.sm_scale, self.kv_lora_rank, slots)
-        return self.comm.all_reduce(attn.output(o))  # (N, hidden)
+        return self.comm.sum_partials(attn.output(o))  # (N, hidden)
