@@ -27,6 +27,7 @@ L2. Both GEMMs use the one BLOCK_M of the alignment; the other tile sizes may di
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -252,15 +253,21 @@ def _moe_align_small_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, M, E, num
 
 
 @triton.jit
-def _slot_sum_kernel(p_ptr, out_ptr, hidden, K_SLOTS: tl.constexpr, BLOCK: tl.constexpr):
-    """out[t] = sum_j partial[t·k + j] in fp32 (one program per token and BLOCK columns)."""
+def _slot_sum_kernel(p_ptr, add_ptr, out_ptr, hidden, K_SLOTS: tl.constexpr,
+                     HAS_ADD: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t] = sum_j partial[t·k + j] in fp32 (one program per token and BLOCK columns), then
+    with HAS_ADD rounded and added to add[t] as torch adds two tensors of out's dtype."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < hidden
     acc = tl.zeros((BLOCK,), tl.float32)
     for j in range(K_SLOTS):
         acc += tl.load(p_ptr + (t * K_SLOTS + j) * hidden + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * hidden + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    out = acc.to(out_ptr.dtype.element_ty)
+    if HAS_ADD:
+        extra = tl.load(add_ptr + t * hidden + offs, mask=ok, other=0.0)
+        out = (out.to(tl.float32) + extra.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * hidden + offs, out, mask=ok)
 
 
 SMALL_ALIGN = (128, 1 << 16)  # one-program alignment up to this many pairs and pairs × experts
@@ -308,14 +315,20 @@ def moe_align(
     return sorted_ids, block_expert
 
 
-def slot_sum(partial: torch.Tensor, k: int) -> torch.Tensor:
-    """(N·k, hidden) -> (N, hidden): the k slots of each token added in fp32."""
+def slot_sum(partial: torch.Tensor, k: int, add: torch.Tensor | None = None) -> torch.Tensor:
+    """(N·k, hidden) -> (N, hidden): the k slots of each token added in fp32, rounded, then
+    ``add`` (N, hidden) added (exactly ``slot_sum(partial, k) + add``, one kernel)."""
     N, hidden = partial.shape[0] // k, partial.shape[1]
     out = torch.empty((N, hidden), dtype=partial.dtype, device=partial.device)
+    if add is not None:
+        V.check_tensor("add", add, 2, (partial.dtype,), partial.device)
+        if tuple(add.shape) != (N, hidden) or not add.is_contiguous():
+            raise ValueError(f"add must be a contiguous {(N, hidden)}; got {tuple(add.shape)}")
     if N:
         block = 1024 if partial.is_cuda else 64
-        _slot_sum_kernel[(N, triton.cdiv(hidden, block))](partial, out, hidden, K_SLOTS=k,
-                                                          BLOCK=block)
+        _slot_sum_kernel[(N, triton.cdiv(hidden, block))](
+            partial, add if add is not None else out, out, hidden, K_SLOTS=k,
+            HAS_ADD=add is not None, BLOCK=block)
     return out
 
 
@@ -367,15 +380,18 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: dict | None = None,
+    add: Callable[[], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Routed SwiGLU experts: x (N, hidden), w_gate_up (E, 2I, hidden) gate rows then up rows,
     w_down (E, hidden, I), topk_weights (N, k) fp32, topk_ids (N, k) int in [0, E) ->
-    (N, hidden) in x's dtype: sum_j topk_weights[:, j] · down_e(silu(gate_e(x)) · up_e(x))."""
+    (N, hidden) in x's dtype: sum_j topk_weights[:, j] · down_e(silu(gate_e(x)) · up_e(x)),
+    plus ``add()`` (N, hidden) in the final sum's kernel when given (the shared experts'
+    output: called just before that kernel, so it may join work that ran beside this)."""
     _check_inputs(x, w_gate_up, w_down, topk_weights, topk_ids)
     N, hidden = x.shape
     E, I, k = w_gate_up.shape[0], w_down.shape[2], topk_ids.shape[1]
     if N == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if add is None else add().clone()
     cfgs = _gemm_configs(config, x.device, fp32=x.dtype == torch.float32, tokens=N)
     M = N * k
     sorted_ids, block_expert = moe_align(topk_ids, E, cfgs["gate_up"]["BLOCK_M"])
@@ -386,7 +402,7 @@ def fused_moe(
                  cfgs["gate_up"])
     _launch_gemm(inter, w_down, partial, sorted_ids, block_expert, weights, M, 1, hidden, I,
                  False, cfgs["down"])
-    return slot_sum(partial, k)  # (N, hidden)
+    return slot_sum(partial, k, add() if add is not None else None)  # (N, hidden)
 
 
 def fused_moe_ref(

@@ -190,17 +190,16 @@ class MoE:
         """x (N, hidden) -> (weights (N, k) fp32, ids (N, k)); identical on every rank."""
         return select_experts(x.float() @ self.router.t(), self.cfg, self.bias)
 
-    def routed(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self.shared
+        # the shared experts run beside the router and the routed experts (two streams under
+        # SPLASH_OVERLAP=1) and are added in the routed experts' final sum
+        pending = overlap.start(lambda: shared(x)) if shared is not None else None
         weights, ids = self.route(x)
         if x.is_cuda and torch.version.hip is None:
-            return fused_moe(x, self.w13, self.w2, weights, ids, self.kernel_config)
-        return routed_experts_torch(x, self.w13, self.w2, weights, ids)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.shared is None:
-            return self.routed(x)
-        shared = self.shared
-        s, out = overlap.both(lambda: shared(x), lambda: self.routed(x))
-        return out + s
+            return fused_moe(x, self.w13, self.w2, weights, ids, self.kernel_config,
+                             add=pending.result if pending is not None else None)
+        out = routed_experts_torch(x, self.w13, self.w2, weights, ids)
+        return out if pending is None else out + pending.result()
 
     __call__ = forward

@@ -13,7 +13,7 @@ the graph (the side stream joins the capture). Off (the default), and everywhere
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import torch
 
@@ -39,14 +39,33 @@ def enable(device: torch.device) -> bool:
     return _side is not None
 
 
+class Pending(Generic[A]):
+    """What `start` returns: ``result()`` joins the side stream into the current one (once,
+    before anything reads the value) and returns the value."""
+
+    def __init__(self, value: A, side: torch.cuda.Stream | None) -> None:
+        self._value, self._side = value, side
+
+    def result(self) -> A:
+        if self._side is not None:
+            torch.cuda.current_stream().wait_stream(self._side)
+            self._side = None
+        return self._value
+
+
+def start(side: Callable[[], A]) -> Pending[A]:
+    """Run ``side()`` on the side stream (forked from the current one), or right here when the
+    overlap is off; the caller must call ``result()`` on what this returns."""
+    if _side is None:
+        return Pending(side(), None)
+    _side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(_side):
+        value = side()
+    return Pending(value, _side)
+
+
 def both(side: Callable[[], A], main: Callable[[], B]) -> tuple[A, B]:
     """``(side(), main())``, the first on the side stream while the second runs here."""
-    if _side is None:
-        return side(), main()
-    here = torch.cuda.current_stream()
-    _side.wait_stream(here)
-    with torch.cuda.stream(_side):
-        a = side()
+    pending = start(side)
     b = main()
-    here.wait_stream(_side)
-    return a, b
+    return pending.result(), b

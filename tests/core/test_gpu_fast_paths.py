@@ -22,6 +22,8 @@ def test_both_runs_side_then_main_when_off():
     order: list[str] = []
     a, b = overlap.both(lambda: order.append("side") or 1, lambda: order.append("main") or 2)
     assert (a, b) == (1, 2) and order == ["side", "main"]
+    pending = overlap.start(lambda: order.append("started") or 3)
+    assert order[-1] == "started" and pending.result() == 3 and pending.result() == 3
 
 
 def test_partials_are_summed_by_nccl_or_gloo_unless_the_fast_path_is_on(monkeypatch):

@@ -181,3 +181,22 @@ def test_align_matches_a_stable_sort(device, E, block_m, N, k, one_program):
         assert sorted(p for p in run if p < M) == mine and run.count(M) == len(run) - len(mine)
         start += n_blocks
     assert set(blocks[start:]) <= {-1} and all(p == M for row in got[start:] for p in row)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_shared_output_added_in_the_final_sum(device, dtype):
+    """``add``: the shared experts' output joins the slots' sum in its kernel, exactly as
+    adding it afterwards (the sum rounded to x's dtype first, as torch stores it)."""
+    args = _problem(5, 8, 64, 32, 2, dtype, device, 5)
+    shared = torch.randn(5, 64, generator=torch.Generator().manual_seed(1)).to(dtype).to(device)
+    calls = []
+
+    def add():
+        calls.append(1)
+        return shared
+
+    got = fused_moe(*args, add=add)
+    assert calls == [1]
+    assert torch.equal(got.cpu(), (fused_moe(*args) + shared).cpu())
+    with pytest.raises(ValueError, match="add must be"):
+        fused_moe(*args, add=lambda: shared[:, :32])
