@@ -5,7 +5,8 @@ Swept at batch 16, DeepSeek-V3.2 dims (see ``dsa_kernels.py``), CUDA-graph media
 times carry the launches' host cost, which decides nothing about a graph-replayed step):
 - ``index_scores`` (fp8 keys): fp16 or e4m3 products × queries or keys on M × BLOCK_T ×
   TILES × num_warps × num_stages at 32K and 128K;
-- ``topk_rows`` at 32K and 128K: RADIX_BITS × CHUNK × num_warps;
+- ``topk_rows`` at 32K and 128K: bins counted by tl.histogram or atomics × RADIX_BITS ×
+  CHUNK × num_warps;
 - ``mla_sparse`` over 2,048 selected slots, 16 and 128 heads, bf16 and fp8 KV: BLOCK_N ×
   num_warps × num_stages.
 A config is the winner of a kernel when its summed time over the swept shapes is lowest
@@ -34,8 +35,9 @@ INDEX_SPACE = [{"BLOCK_T": t, "TILES": n, "num_warps": w, "num_stages": st, "fp8
                 "tokens_m": tm}
                for e4m3, tm, t, n, w, st in itertools.product((False, True), (False, True),
                                                               (128, 256), (4, 16), (4, 8), (2, 3))]
-TOPK_SPACE = [{"CHUNK": c, "num_warps": w, "RADIX_BITS": b}
-              for b, c, w in itertools.product((8, 4), (8192, 16384), (8, 16, 32))]
+TOPK_SPACE = [{"CHUNK": c, "num_warps": w, "RADIX_BITS": b, "atomic_hist": a}
+              for a, b, c, w in itertools.product((False, True), (8, 4), (8192, 16384),
+                                                  (8, 16, 32))]
 SPARSE_SPACE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
                 for n, w, st in itertools.product((16, 32, 64), (4, 8), (1, 2))]
 

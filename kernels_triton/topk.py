@@ -33,12 +33,15 @@ _KEY_MIN = tl.constexpr(-2147483648)  # below every finite value's key (and -inf
 
 @triton.jit
 def _kth_largest(key, K: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
-                 BITS: tl.constexpr):
+                 BITS: tl.constexpr, hist_ptr, ATOMIC_HIST: tl.constexpr):
     """Each row's K-th largest of ``key`` (ROWS, CHUNK) int32, exactly: a radix select over the
     keys' unsigned images, ``BITS`` bits a round (a 2^BITS-bin histogram of the keys that share
     the digits chosen so far, then the digit where the count from the top reaches what is
-    left). A GPU histogram costs about its bin count per element (ballots per bin bit, then
-    a population count per bin a lane owns), so fewer bits a round trade rounds for bins."""
+    left). ``tl.histogram`` costs about its bin count per element on a GPU (ballots per bin
+    bit, then a population count per bin a lane owns), so fewer bits a round trade rounds for
+    bins; with ATOMIC_HIST each key instead adds one to its bin in the program's zeroed
+    scratch at ``hist_ptr`` ((32 / BITS) rounds × ROWS × 2^BITS int32), read back after a
+    barrier, as the serving engines' radix top-k kernels count."""
     BINS: tl.constexpr = 1 << BITS
     ukey = (key ^ _KEY_MIN).to(tl.uint32, bitcast=True)  # unsigned order = signed order
     digits = tl.arange(0, BINS)
@@ -52,9 +55,16 @@ def _kth_largest(key, K: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
             match = digit >= 0
         else:
             match = (ukey >> (shift + BITS)) == (prefix >> (shift + BITS))[:, None]
-        hist = tl.histogram(tl.reshape(row_bins + digit, (ROWS * CHUNK,)), ROWS * BINS,
-                            mask=tl.reshape(match, (ROWS * CHUNK,)))
-        hist = tl.reshape(hist, (ROWS, BINS))
+        if ATOMIC_HIST:
+            bins = hist_ptr + r * ROWS * BINS
+            tl.atomic_add(bins + row_bins + digit, tl.full(digit.shape, 1, tl.int32),
+                          mask=match, sem="relaxed", scope="cta")
+            tl.debug_barrier()
+            hist = tl.load(bins + row_bins + digits[None, :], cache_modifier=".cg")
+        else:
+            hist = tl.histogram(tl.reshape(row_bins + digit, (ROWS * CHUNK,)), ROWS * BINS,
+                                mask=tl.reshape(match, (ROWS * CHUNK,)))
+            hist = tl.reshape(hist, (ROWS, BINS))
         at_least = tl.sum(hist, 1)[:, None] - tl.cumsum(hist, 1) + hist  # count >= digit
         d = tl.max(tl.where(at_least >= need[:, None], digits[None, :], -1), 1)
         need -= tl.sum(tl.where(digits[None, :] == d[:, None], at_least - hist, 0), 1)
@@ -70,6 +80,7 @@ def _topk_chunk_kernel(
     out_i_ptr,  # (N, num_chunks * K) int32
     bt_ptr,  # (B, W) int (TO_SLOTS)
     row_req_ptr,  # (N,) int (TO_SLOTS and HAS_ROW_REQ)
+    hist_ptr,  # zeroed int32 scratch per program (ATOMIC_HIST)
     N,
     M,
     stride_vn, stride_vm,
@@ -82,6 +93,7 @@ def _topk_chunk_kernel(
     CHUNK: tl.constexpr,
     ROWS: tl.constexpr,
     RADIX_BITS: tl.constexpr,
+    ATOMIC_HIST: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     HAS_INDEX: tl.constexpr,
     TO_SLOTS: tl.constexpr,
@@ -103,7 +115,9 @@ def _topk_chunk_kernel(
     bits = v.to(tl.int32, bitcast=True)
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed order = float order
     key = tl.where(v > float("-inf"), key, _KEY_MIN)
-    thr = _kth_largest(key, K, ROWS, CHUNK, RADIX_BITS)  # (ROWS,)
+    program = (tl.program_id(1) * tl.num_programs(0) + pid_c).to(tl.int64)
+    hist_ptr = hist_ptr + program * ((32 // RADIX_BITS) * ROWS * (1 << RADIX_BITS))
+    thr = _kth_largest(key, K, ROWS, CHUNK, RADIX_BITS, hist_ptr, ATOMIC_HIST)  # (ROWS,)
     above = key > thr[:, None]
     ties = (key == thr[:, None]).to(tl.int32)
     room = K - tl.sum(above.to(tl.int32), 1)  # ties to take, in column order
@@ -133,9 +147,12 @@ def _topk_chunk_kernel(
 # launcher
 
 # ROWS: rows per program (the interpreter pays per program, a GPU per register)
-# RADIX_BITS: digit width of the radix select (4 or 8: rounds of 16 or 256 bins)
-_GPU_DEFAULTS: dict[str, Any] = {"CHUNK": 8192, "ROWS": 1, "num_warps": 16, "RADIX_BITS": 8}
-_CPU_DEFAULTS: dict[str, Any] = {"CHUNK": 256, "ROWS": 32, "num_warps": 4, "RADIX_BITS": 8}
+# RADIX_BITS: digit width of the radix select (2, 4 or 8: rounds of 4, 16 or 256 bins);
+# atomic_hist: count the bins with atomics in scratch instead of tl.histogram
+_GPU_DEFAULTS: dict[str, Any] = {"CHUNK": 8192, "ROWS": 1, "num_warps": 16, "RADIX_BITS": 8,
+                                 "atomic_hist": False}
+_CPU_DEFAULTS: dict[str, Any] = {"CHUNK": 256, "ROWS": 32, "num_warps": 4, "RADIX_BITS": 8,
+                                 "atomic_hist": False}
 
 
 def topk_config(device: torch.device, k: int, config: dict | None) -> dict[str, Any]:
@@ -199,13 +216,17 @@ def topk_rows(
             bt = block_table if block_table is not None and last else out_i
             rr = row_req if to_slots and row_req is not None else out_i
             rows = min(cfg["ROWS"], V.next_pow2(N, 1))
-            _topk_chunk_kernel[(num_chunks, triton.cdiv(N, rows))](
-                v, idx_arg, out_v, out_i, bt, rr, N, M,
+            grid = (num_chunks, triton.cdiv(N, rows))
+            bits, atomic = cfg["RADIX_BITS"], bool(cfg["atomic_hist"])
+            hist = torch.zeros(grid[0] * grid[1] * (32 // bits) * rows << bits if atomic else 1,
+                               dtype=torch.int32, device=dev)
+            _topk_chunk_kernel[grid](
+                v, idx_arg, out_v, out_i, bt, rr, hist, N, M,
                 *v.stride(), *idx_arg.stride(), *out_v.stride(), *out_i.stride(),
                 *bt.stride(), rr.stride(0),
-                K=k, CHUNK=chunk, ROWS=rows, RADIX_BITS=cfg["RADIX_BITS"], PAGE_SIZE=page_size, HAS_INDEX=idx is not None,
-                TO_SLOTS=to_slots, HAS_ROW_REQ=row_req is not None,
-                num_warps=cfg["num_warps"],
+                K=k, CHUNK=chunk, ROWS=rows, RADIX_BITS=bits, ATOMIC_HIST=atomic,
+                PAGE_SIZE=page_size, HAS_INDEX=idx is not None, TO_SLOTS=to_slots,
+                HAS_ROW_REQ=row_req is not None, num_warps=cfg["num_warps"],
             )
         if last:
             return out_v, out_i

@@ -136,11 +136,12 @@ def _same_sets(index, ref_index):
         assert sorted(row) == sorted(ref_row)
 
 
+@pytest.mark.parametrize("atomic", [False, True])
 @pytest.mark.parametrize("bits", [8, 4, 2])
 @pytest.mark.parametrize("chunk", [16, 64])
-def test_topk_matches_torch(device, chunk, bits):
+def test_topk_matches_torch(device, chunk, bits, atomic):
     """Rows longer than a chunk (several passes), rows with fewer finite entries than k, a row
-    with none; radix digits of 8, 4 and 2 bits."""
+    with none; radix digits of 8, 4 and 2 bits, counted by tl.histogram or by atomics."""
     gen = torch.Generator().manual_seed(3)
     values = torch.randn(4, 300, generator=gen)
     values[1, 20:] = float("-inf")  # 20 finite: all of them, then -1
@@ -148,18 +149,19 @@ def test_topk_matches_torch(device, chunk, bits):
     values[3, ::2] = float("-inf")
     values = values.to(device)
     k = 8 if chunk == 16 else 24
-    v, i = topk_rows(values, k, config={"CHUNK": chunk, "RADIX_BITS": bits})
+    v, i = topk_rows(values, k, config={"CHUNK": chunk, "RADIX_BITS": bits,
+                                        "atomic_hist": atomic})
     ref_v, ref_i = topk_rows_ref(values, k)
     assert v.shape == i.shape == (4, k) and i.dtype == torch.int32
     _same_sets(i, ref_i)
     torch.testing.assert_close(v.sort(dim=1, descending=True).values.cpu(), ref_v.cpu())
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_topk_ties_in_column_order(device, bits):
+@pytest.mark.parametrize("bits,atomic", [(8, False), (4, False), (4, True)])
+def test_topk_ties_in_column_order(device, bits, atomic):
     values = torch.zeros(2, 200, device=device)
     values[1, 150:] = 1.0
-    _, i = topk_rows(values, 5, config={"CHUNK": 16, "RADIX_BITS": bits})
+    _, i = topk_rows(values, 5, config={"CHUNK": 16, "RADIX_BITS": bits, "atomic_hist": atomic})
     assert sorted(i[0].tolist()) == [0, 1, 2, 3, 4]
     assert sorted(i[1].tolist()) == [150, 151, 152, 153, 154]
 
