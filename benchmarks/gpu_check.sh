@@ -48,7 +48,7 @@ for p in $PARTS; do
       --full-dims --layers 4 --prompts 64 --n 8 --template 1024 --question 512 --output 1024 \
       --page-size 64 --batch-tokens 8192 --sessions 32 --turns 6 --context 8192 --turn-len 1024 \
       --out "$OUT/prefix_cache.json" ;;
-    dsa) part dsa 330 python3 benchmarks/dsa_sweep.py --out "$OUT/dsa_sweep.json" ;;
+    dsa) part dsa 540 python3 benchmarks/dsa_sweep.py --out "$OUT/dsa_sweep.json" ;;
     gemms) part gemms 120 python3 benchmarks/dense_gemms.py --out "$OUT/dense_gemms.json" ;;
     overlap)
       CKPT=/tmp/splash-v3-8l-o1
