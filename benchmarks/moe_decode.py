@@ -29,7 +29,8 @@ from _timing import ceilings  # noqa: E402  (benchmarks/ on sys.path)
 from triton.testing import do_bench_cudagraph
 
 import splash.kernels_triton as K
-from splash.kernels_triton.fused_moe import _gemm_configs, _launch_gemm, fused_moe_ref, moe_align
+from splash.kernels_triton.fused_moe import _gemm_configs, _launch_gemm, fused_moe_ref
+from splash.kernels_triton.moe_align import moe_align
 
 HIDDEN, TOPK = 7168, 8
 # (experts, I, tokens)

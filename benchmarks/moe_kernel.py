@@ -33,7 +33,8 @@ from _timing import matmul_peak
 from triton.testing import do_bench_cudagraph
 
 import splash.kernels_triton as K
-from splash.kernels_triton.fused_moe import _gemm_configs, _launch_gemm, moe_align, slot_sum
+from splash.kernels_triton.fused_moe import _gemm_configs, _launch_gemm, slot_sum
+from splash.kernels_triton.moe_align import moe_align
 from splash.model.mlp import routed_experts_torch
 
 E, HIDDEN, I, TOPK, N = 64, 2048, 1408, 6, 4096

@@ -22,7 +22,7 @@ from splash.kernels_triton.exchange import (
     split_heads_to_ranks,
     split_heads_to_ranks_ref,
 )
-from splash.kernels_triton.fused_moe import fused_moe, fused_moe_ref, moe_align
+from splash.kernels_triton.fused_moe import fused_moe, fused_moe_ref
 from splash.kernels_triton.kv_cache_ops import (
     kv_gather,
     kv_gather_ref,
@@ -34,6 +34,7 @@ from splash.kernels_triton.lse_merge import lse_merge, lse_merge_ref
 from splash.kernels_triton.mla_decode import choose_num_splits, mla_decode, mla_decode_ref
 from splash.kernels_triton.mla_extend import mla_extend, mla_extend_ref
 from splash.kernels_triton.mla_sparse import mla_sparse, mla_sparse_ref
+from splash.kernels_triton.moe_align import moe_align
 from splash.kernels_triton.moe_route import moe_route, moe_route_ref
 from splash.kernels_triton.rms_norm import (
     add_rms_norm,
