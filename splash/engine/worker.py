@@ -31,7 +31,7 @@ from splash.core.protocol import (
 )
 from splash.dist.comm import Comm
 from splash.dist.host_copy import to_device
-from splash.engine.graphs import DecodeGraphs, graph_width, startup_graph_keys, startup_layouts
+from splash.engine.graphs import DecodeGraphs, graph_width, startup_layouts
 from splash.engine.profiling import (
     PROFILE_PAGES,
     profile_context,
@@ -45,6 +45,7 @@ from splash.engine.sampling import (
     sample_step,
     split_greedy,
 )
+from splash.engine.startup_graphs import capture_startup
 from splash.engine.step_profile import StepProfiler
 from splash.engine.worker_config import WorkerConfig
 from splash.kernels_triton import set_value_checks
@@ -231,61 +232,10 @@ class Worker:
             return ready
         names = startup_layouts(self.cfg.graph_layouts, self.cfg.layout, self.cfg.world,
                                 self.cfg.resident_heads)
-        before = torch.cuda.memory_reserved(self.device)
-        t0 = time.perf_counter()
-        start = self.held(self.cfg.layout)
-        # the start layout's placement first; each layout with its own placement (resident
-        # projections hold them all), so a replay reads the heads that layout computes with
-        names.sort(key=lambda name: self.held(name) != start)
-        n, name, room = 0, self.cfg.layout, None
-        try:
-            with torch.inference_mode():  # as the steps that replay them
-                for name in names:
-                    if self.held(name) != start:
-                        if room is None:
-                            room = self._room_for_other_placement(names, before, start)
-                        if not room:
-                            break
-                    self._use_heads(self.held(name))
-                    keys = startup_graph_keys([name], self.graphs.buckets, [width],
-                                              self.cfg.world)
-                    n = self.graphs.capture_keys(keys, self.layouts)
-        except torch.OutOfMemoryError as e:
-            if self.held(name) == start:
-                raise RuntimeError(
-                    f"capturing the start-up CUDA graphs ran out of memory beyond their "
-                    f"reserve ({e}): lower max_num_seqs (the largest graph batch), raise "
-                    "memory_fraction or set enforce_eager") from e
-            torch.cuda.empty_cache()  # the other placement's graphs come when first needed
-            logger.warning("rank %d: no memory left for the start-up graphs of layout %s (%s);"
-                           " they are captured when a step first needs them", self.cfg.rank,
-                           name, e)
-        finally:
-            self._use_heads(start)
-        secs = time.perf_counter() - t0
-        used = torch.cuda.memory_reserved(self.device) - before
-        logger.info("rank %d: captured %d CUDA graphs for layouts %s in %.1f s, %.0f MiB",
-                    self.cfg.rank, n, names, secs, used / 2**20)
+        n, secs, used = capture_startup(self.graphs, self.layouts, self.comm, self.device,
+                                        self.cfg.rank, self.cfg.world, names, width, self.held,
+                                        self._use_heads, self.held(self.cfg.layout))
         return msgspec.structs.replace(ready, graphs=n, graph_s=secs, graph_bytes=used)
-
-    def _room_for_other_placement(self, names: list[str], before: int, start: range) -> bool:
-        """Whether every rank has room for the graphs of the layouts computing with the other
-        projection placement: free memory of at least 1.25 × what the start placement's graphs
-        took per layout. Decided together (one all-reduce): a rank that ran out alone in the
-        middle of a capture would leave its peers waiting in the capture's collectives."""
-        same = sum(self.held(n) == start for n in names)
-        per_layout = (torch.cuda.memory_reserved(self.device) - before) / max(same, 1)
-        need = 1.25 * per_layout * (len(names) - same)
-        free = torch.cuda.mem_get_info(self.device)[0] + (
-            torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device))
-        room = self.comm.all_agree(free >= need, self.device)
-        if not room:
-            logger.warning("rank %d: start-up graphs of layouts %s skipped (they need about "
-                           "%.0f MiB; %.0f MiB free here, or less on a peer); captured when a "
-                           "step first needs them", self.cfg.rank,
-                           [n for n in names if self.held(n) != start], need / 2**20,
-                           free / 2**20)
-        return room
 
     def _use_heads(self, heads: range) -> None:
         """Compute with the held placement of ``heads`` (a no-op where it is the current)."""

@@ -151,7 +151,7 @@ def test_other_placement_graphs_need_room_on_every_rank(monkeypatch, free_mib, p
     of 100 MiB each took 200 MiB, so 2 more need 250 MiB); a peer short of it stops all."""
     from types import SimpleNamespace
 
-    from splash.engine.worker import Worker
+    from splash.engine.startup_graphs import room_for_other_placement
 
     mib = 2**20
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 1000 * mib)
@@ -165,9 +165,8 @@ def test_other_placement_graphs_need_room_on_every_rank(monkeypatch, free_mib, p
         votes.append(ok)
         return ok and peer_ok
 
-    fake = SimpleNamespace(held=held.__getitem__, device=torch.device("cpu"),
-                           comm=SimpleNamespace(all_agree=all_agree),
-                           cfg=SimpleNamespace(rank=0))
-    room = Worker._room_for_other_placement(fake, ["tp", "dop", "dp", "cp"], 800 * mib, sharded)
+    room = room_for_other_placement(SimpleNamespace(all_agree=all_agree), torch.device("cpu"),
+                                    0, ["tp", "dop", "dp", "cp"], held.__getitem__, sharded,
+                                    800 * mib)
     assert room is want
     assert votes == [free_mib >= 250]
