@@ -312,7 +312,6 @@ def expand_runs_ref(runs: torch.Tensor, total: int) -> torch.Tensor:
     return out
 
 
-
 def gather_layer_rows_ref(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x[:, index.long()].transpose(0, 1)
 

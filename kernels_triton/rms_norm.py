@@ -76,7 +76,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
         V.check_tensor("out", out, x.dim(), (dtype,), x.device)
         if out.shape != x.shape or (out.numel() and out.stride(-1) != 1):
             raise ValueError(f"out must have x's shape {tuple(x.shape)} and unit last stride")
-        y = out.view(-1, d) if out.dim() <= 2 else out.reshape(-1, d)
+        y = out.reshape(-1, d)
         if y.numel() and y.data_ptr() != out.data_ptr():
             raise ValueError("out's rows must be addressable as one strided matrix")
     total = torch.empty_like(rows) if res is not None else None

@@ -218,8 +218,9 @@ def topk_rows(
             rows = min(cfg["ROWS"], V.next_pow2(N, 1))
             grid = (num_chunks, triton.cdiv(N, rows))
             bits, atomic = cfg["RADIX_BITS"], bool(cfg["atomic_hist"])
-            hist = torch.zeros(grid[0] * grid[1] * (32 // bits) * rows << bits if atomic else 1,
-                               dtype=torch.int32, device=dev)
+            # the atomic counts' zeroed scratch (never read otherwise: no allocation then)
+            hist = torch.zeros(grid[0] * grid[1] * (32 // bits) * rows << bits,
+                               dtype=torch.int32, device=dev) if atomic else out_i
             _topk_chunk_kernel[grid](
                 v, idx_arg, out_v, out_i, bt, rr, hist, N, M,
                 *v.stride(), *idx_arg.stride(), *out_v.stride(), *out_i.stride(),

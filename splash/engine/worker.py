@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import msgspec
@@ -283,9 +284,9 @@ class Worker:
         if plan.profile or self.profiler.prof is not None:
             self.profiler.before(plan)
         try:
-            if self.profiler.prof is None:
-                return self._launch(plan)
-            with record_function(f"step {plan.step} launch"):  # labels the profile's timeline
+            label = (record_function(f"step {plan.step} launch")  # the profile's timeline
+                     if self.profiler.prof is not None else nullcontext())
+            with label:
                 return self._launch(plan)
         except Exception:
             self.samples, self.failed_step = None, plan.step
