@@ -42,6 +42,11 @@ class CUDABackend(BaseBackend):
                                        "programs_per_sm": 1, "fp8_fp16": False}},
             },
         },
+        # mla_sparse (benchmarks/results/h200/dsa_sweep.json, batch 16 x 2,048 selected rows):
+        # over mla_decode's entry, 64-token tiles on 8 warps, 2 stages at every head count and
+        # KV dtype swept (16 heads bf16 0.022 ms vs 0.029 with decode's 32-token tiles; 128
+        # heads bf16 0.057 ms)
+        "mla_sparse": {"default": {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2}},
         # mla_extend: 64-token KV tiles (298 vs 199 TFLOP/s); compute-bound, so fp8 KV keeps
         # bf16 products (185 vs 145 TFLOP/s with fp16 products)
         "mla_extend": {"default": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2,

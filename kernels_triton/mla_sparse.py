@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from splash.backends import device_tuning
 from splash.kernels_triton import _validate as V
 from splash.kernels_triton.lse_merge import _merge_into
 from splash.kernels_triton.mla_decode import choose_num_splits, decode_config
@@ -140,7 +141,8 @@ def mla_sparse(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse absorbed MLA: ``q`` (N, H, L+R), ``kv_cache`` (P, PS, L+R), ``slots`` (N, K) int
     (-1 skipped) -> ``(out (N, H, L) in q.dtype, lse (N, H) fp32)``. Launch parameters follow
-    ``mla_decode``'s heads-on-M kernel (``config``: its tuning table); ``num_splits=None`` picks
+    ``mla_decode``'s heads-on-M kernel (its tuning table, then the backend's ``mla_sparse``
+    entry, then ``config``); ``num_splits=None`` picks
     the split of each row's K slots from N and the device's SM count."""
     V.check_tensor("q", q, 3, V.FLOAT_DTYPES)
     dev = q.device
@@ -164,6 +166,7 @@ def mla_sparse(
     if N > 65535:
         raise ValueError(f"mla_sparse takes at most 65535 rows per launch, got N={N}")
     fp8 = V.is_fp8(kv.dtype)
+    config = {**device_tuning(dev, "mla_sparse"), **(config or {})}
     cfg: dict[str, Any] = decode_config(H, dev, config, fp8=fp8, fp32_q=q.dtype == torch.float32)
     block_h, block_n = cfg["BLOCK_H"], cfg["BLOCK_N"]
     head_groups = triton.cdiv(H, block_h)

@@ -128,7 +128,10 @@ def test_index_scores_fp8_products_round_random_queries(gpu_device, tokens_m):
                            index_scale=scale)
     finite = torch.isfinite(ref)
     err = (out[finite] - ref[finite]).abs().max() / ref[finite].abs().max()
-    assert err < 1e-4, err
+    # the kernel's fp32 division is Triton's approximate one, so a query element on an e4m3
+    # rounding boundary can round the other way (2e-4 on an H200); unrounded queries differ
+    # from rounded ones by 2e-2 here
+    assert err < 1e-3, err
 
 
 def _same_sets(index, ref_index):
