@@ -10,7 +10,7 @@
 # prefix (prefix caching and n samples on GRPO and agent traces, V2-Lite dims), small (the fused
 # norm, rope and routing kernels against the torch ops they replace), dsa (launch sweep of the
 # DSA kernels, then their records), gemms (the dense products of a decode step vs their bytes),
-# overlap (T=1 decode steps with and without two streams per layer, V3-shaped, 8 layers).
+# overlap (T=1 decode steps with one and with two streams per layer, V3-shaped, 8 layers).
 # Default: tests engine kernels moe offline (about 8 minutes on an H200).
 set -uo pipefail
 PARTS=${*:-tests engine kernels moe offline}
@@ -54,9 +54,9 @@ for p in $PARTS; do
       CKPT=/tmp/splash-v3-8l-o1
       python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import multi_gpu; \
 multi_gpu.build('$CKPT', 8, 32)"
-      part step_one_stream 200 python3 benchmarks/step_roofline.py --tp 1 --model "$CKPT" \
-        --batches 1,16,64 --contexts 1024 --out "$OUT/step_one_stream.json"
-      part step_two_streams 200 env SPLASH_OVERLAP=1 python3 benchmarks/step_roofline.py --tp 1 \
+      part step_one_stream 200 env SPLASH_OVERLAP=0 python3 benchmarks/step_roofline.py --tp 1 \
+        --model "$CKPT" --batches 1,16,64 --contexts 1024 --out "$OUT/step_one_stream.json"
+      part step_two_streams 200 python3 benchmarks/step_roofline.py --tp 1 \
         --model "$CKPT" --batches 1,16,64 --contexts 1024 --out "$OUT/step_two_streams.json" ;;
     *) echo "unknown part $p (tests engine kernels moe offline profile prefix small dsa gemms" \
       "overlap)"; exit 2 ;;

@@ -233,7 +233,7 @@ def main() -> int:
                 rec = {"tp": tp, "layout": layout, "batch": batch, "context": context,
                        "graphs": bool(eng.setup.cuda_graphs),
                        "async_scheduling": not args.sync,
-                       "overlap": os.environ.get("SPLASH_OVERLAP") == "1"}
+                       "overlap": os.environ.get("SPLASH_OVERLAP") != "0"}
                 try:
                     rec.update(measure(llm, batch, context, args.steps, args.warmup,
                                        cfg.vocab_size, seed=i,

@@ -23,8 +23,8 @@ _DEFAULTS: dict[str, str] = {
     # "1": profiled steps (`LLMEngine.profile_steps`) also write torch's timeline of every
     # worker, host and device (a Chrome trace), as trace_rank<r>.json beside their summaries
     "SPLASH_PROFILE_TRACE": "",
-    # "1": a layer's independent pieces (latent row / query; shared / routed experts) run on
-    # two CUDA streams (splash/model/overlap.py); off by default until measured
+    # "0": a layer's independent pieces (latent row / query; shared / routed experts) run in
+    # order on one CUDA stream instead of two (splash/model/overlap.py)
     "SPLASH_OVERLAP": "",
     # "1": at T > 1 on NVIDIA GPUs, layer outputs up to 2 MiB are summed by a one-shot
     # all-reduce on symmetric memory instead of NCCL (splash/dist/comm.py); off until measured

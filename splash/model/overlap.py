@@ -1,4 +1,5 @@
-"""Two independent pieces of a layer's work on two CUDA streams (opt-in: ``SPLASH_OVERLAP=1``).
+"""Two independent pieces of a layer's work on two CUDA streams (on by default on CUDA;
+``SPLASH_OVERLAP=0`` turns it off).
 
 At small decode batches a layer is a chain of launches that each leave most of the GPU idle:
 the latent row (kv_a projection, norm, rope, KV write) does not depend on the query (q_a
@@ -6,8 +7,9 @@ projection, norm, q_b, absorbed product, rope), nor the shared experts on the ro
 side by side on a second stream, the small kernels of one hide behind the other. `both` forks
 the side stream from the current one and joins it back before returning, so callers see plain
 sequential semantics; under CUDA-graph capture the fork and join become parallel branches of
-the graph (the side stream joins the capture). Off (the default), and everywhere but CUDA,
-`both` runs the two in order.
+the graph (the side stream joins the capture). Off, and everywhere but CUDA, `both` runs the
+two in order. Measured on one H200 (V3-shaped, 8 layers, graphs): decode steps 0.9% (batch 1)
+to 1.9% (batch 16) shorter than on one stream.
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ _side: torch.cuda.Stream | None = None
 
 
 def enable(device: torch.device) -> bool:
-    """Use a side stream on ``device`` when ``SPLASH_OVERLAP=1`` and it is a CUDA GPU."""
+    """Use a side stream on ``device`` when it is a CUDA GPU, unless ``SPLASH_OVERLAP=0``."""
     global _side
-    if envs.get("SPLASH_OVERLAP") == "1" and device.type == "cuda":
+    if envs.get("SPLASH_OVERLAP") != "0" and device.type == "cuda":
         _side = torch.cuda.Stream(device)
-        logger.info("layer work overlaps on two streams (SPLASH_OVERLAP=1)")
+        logger.info("layer work overlaps on two streams (SPLASH_OVERLAP=0 turns this off)")
     else:
         _side = None
     return _side is not None

@@ -1,5 +1,5 @@
-"""The opt-in GPU fast paths off their hardware: `splash.model.overlap` (off unless asked for on
-a CUDA device; when off, `both` runs its two pieces in order on the current stream) and
+"""The GPU fast paths off their hardware: `splash.model.overlap` (on only on a CUDA device, and
+there unless SPLASH_OVERLAP=0; when off, `both` runs its two pieces in order on the current stream) and
 `Comm.sum_partials` (NCCL / gloo unless the symmetric-memory all-reduce is on). The GPU tier
 checks the two-stream engine's tokens in tests/reference/test_cuda_graphs.py."""
 
@@ -11,10 +11,9 @@ from splash.model import overlap
 
 
 def test_overlap_needs_cuda_and_the_switch(monkeypatch):
-    monkeypatch.setenv("SPLASH_OVERLAP", "1")
-    assert not overlap.enable(torch.device("cpu"))
-    monkeypatch.setenv("SPLASH_OVERLAP", "")
-    assert not overlap.enable(torch.device("cpu"))
+    for value in ("", "1", "0"):
+        monkeypatch.setenv("SPLASH_OVERLAP", value)
+        assert not overlap.enable(torch.device("cpu"))
 
 
 def test_both_runs_side_then_main_when_off():

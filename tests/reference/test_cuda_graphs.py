@@ -94,9 +94,9 @@ def test_graphs_stay_valid_across_a_weight_update():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("layout", ["tp", "cp", "dop"])
 def test_two_stream_layers_match_transformers(layout, monkeypatch):
-    """SPLASH_OVERLAP=1: the latent row / query and the shared / routed experts on two
-    streams, in graphs and eagerly; the tokens stay transformers'."""
-    monkeypatch.setenv("SPLASH_OVERLAP", "1")
+    """Two streams (the CUDA default): the latent row / query and the shared / routed experts
+    on two streams, in graphs and eagerly; the tokens stay transformers'."""
+    monkeypatch.setenv("SPLASH_OVERLAP", "")
     path = checkpoint("v3")
     prompts = mixed_prompts()
     graphs, stats = _run(path, layout, prompts)
