@@ -22,12 +22,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import datetime
 import gc
 import multiprocessing as mp
 import os
 import shutil
 import signal
-import socket
 import tempfile
 import threading
 import time
@@ -36,6 +36,7 @@ from dataclasses import replace
 
 import msgspec
 import torch
+import torch.distributed as dist
 import zmq
 from safetensors.torch import save_file
 
@@ -145,12 +146,6 @@ class InprocExecutor(_Executor):
             torch.cuda.empty_cache()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class MPExecutor(_Executor):
     """T spawned worker processes; ROUTER here, one DEALER per worker."""
 
@@ -162,13 +157,19 @@ class MPExecutor(_Executor):
         self.sock.setsockopt(zmq.LINGER, 0)
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         addr = f"tcp://127.0.0.1:{port}"
-        dist_port = envs.get_int("SPLASH_MASTER_PORT") or _free_port()
+        # the rendezvous store lives here, bound before any worker starts: a port picked free and
+        # bound later by rank 0 can be taken meanwhile by another engine on the machine
+        self.store = dist.TCPStore("127.0.0.1", envs.get_int("SPLASH_MASTER_PORT"),
+                                   is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=start_timeout_s)) \
+            if cfg.world > 1 else None
+        dist_init = f"store://127.0.0.1:{self.store.port}" if self.store is not None else ""
         spawn = mp.get_context("spawn")
         self.procs = []
         env = {"TRITON_INTERPRET": "1"} if cfg.backend == "cpu" else {}
         with _child_environment(env), _sigint_ignored():
             for rank in range(cfg.world):
-                wcfg = replace(cfg, rank=rank, dist_init=f"tcp://127.0.0.1:{dist_port}")
+                wcfg = replace(cfg, rank=rank, dist_init=dist_init)
                 proc = spawn.Process(target=worker_main, args=(wcfg, addr), daemon=True,
                                      name=f"splash-worker-{rank}")
                 proc.start()
@@ -328,6 +329,7 @@ class MPExecutor(_Executor):
             if proc.is_alive():
                 proc.kill()
                 proc.join(1)
+        self.store = None  # the rendezvous port is free again
         self.sock.close()
         self.ctx.term()
 
