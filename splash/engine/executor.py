@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import datetime
 import gc
 import multiprocessing as mp
 import os
@@ -36,7 +35,6 @@ from dataclasses import replace
 
 import msgspec
 import torch
-import torch.distributed as dist
 import zmq
 from safetensors.torch import save_file
 
@@ -53,6 +51,7 @@ from splash.core.protocol import (
     decode_result,
     encode,
 )
+from splash.dist.rendezvous import host_store
 from splash.engine.worker import Launched, Worker, recoverable
 from splash.engine.worker_config import WorkerConfig
 from splash.engine.worker_loop import worker_main
@@ -157,13 +156,11 @@ class MPExecutor(_Executor):
         self.sock.setsockopt(zmq.LINGER, 0)
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         addr = f"tcp://127.0.0.1:{port}"
-        # the rendezvous store lives here, bound before any worker starts: a port picked free and
-        # bound later by rank 0 can be taken meanwhile by another engine on the machine
-        self.store = dist.TCPStore("127.0.0.1", envs.get_int("SPLASH_MASTER_PORT"),
-                                   is_master=True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=start_timeout_s)) \
-            if cfg.world > 1 else None
-        dist_init = f"store://127.0.0.1:{self.store.port}" if self.store is not None else ""
+        self.store: object | None = None  # the workers' rendezvous, bound before they start
+        dist_init = ""
+        if cfg.world > 1:
+            self.store, dist_init = host_store(envs.get_int("SPLASH_MASTER_PORT"),
+                                               start_timeout_s)
         spawn = mp.get_context("spawn")
         self.procs = []
         env = {"TRITON_INTERPRET": "1"} if cfg.backend == "cpu" else {}

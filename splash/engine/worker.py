@@ -7,7 +7,6 @@ Runs in-process (T=1) or as a spawned process talking to the controller over Zer
 
 from __future__ import annotations
 
-import datetime
 import os
 import time
 from collections.abc import Mapping
@@ -33,6 +32,7 @@ from splash.core.protocol import (
 )
 from splash.dist.comm import Comm
 from splash.dist.host_copy import to_device
+from splash.dist.rendezvous import join_group
 from splash.engine.graphs import DecodeGraphs, graph_width, startup_layouts
 from splash.engine.profiling import (
     PROFILE_PAGES,
@@ -85,19 +85,6 @@ class Launched:
         return self.result is not None or self.done is None or self.done.query()
 
 
-def _init_process_group(backend: str, cfg: WorkerConfig) -> None:
-    """Join the workers' process group: ``store://HOST:PORT`` is a rendezvous store the
-    controller already holds (its spawned workers), anything else a torch init method."""
-    if cfg.dist_init.startswith("store://"):
-        host, port = cfg.dist_init.removeprefix("store://").rsplit(":", 1)
-        store = dist.TCPStore(host, int(port), is_master=False,
-                              timeout=datetime.timedelta(seconds=600))
-        dist.init_process_group(backend, store=store, rank=cfg.rank, world_size=cfg.world)
-    else:
-        dist.init_process_group(backend, init_method=cfg.dist_init, rank=cfg.rank,
-                                world_size=cfg.world)
-
-
 class Worker:
     def __init__(self, cfg: WorkerConfig) -> None:
         self.cfg = cfg
@@ -112,8 +99,8 @@ class Worker:
             # liveness comes from the controller's step timeouts; torch's heartbeat monitor only
             # prints C++ stacks when rank 0 (the rendezvous store) exits first at shutdown
             os.environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "0")
-            _init_process_group(envs.get("SPLASH_DIST_BACKEND") or self.backend.dist_backend,
-                                cfg)
+            join_group(envs.get("SPLASH_DIST_BACKEND") or self.backend.dist_backend,
+                       cfg.dist_init, cfg.rank, cfg.world)
         self.comm = Comm(cfg.rank, cfg.world)
         self.comm.connect(self.device)
         self.comm.enable_fast_sum(self.device, torch_dtype(cfg.dtype))

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import torch
 
 from splash import envs
 from splash.backends import get_backend
+from splash.dist.rendezvous import host_store, join_group
 
 SIZES = {  # (matmul n, copy bytes, all-gather bytes per rank)
     "cuda": (8192, 1 << 30, (8 << 10, 4 << 20, 64 << 20)),
@@ -64,12 +64,11 @@ def measure_device(device: torch.device, quick: bool = False) -> dict[str, Any]:
             "copy_gbps": 2 * copy_bytes / t_cp / 1e9}
 
 
-def _collective_worker(rank: int, world: int, port: int, backend: str, sizes, quick: bool,
+def _collective_worker(rank: int, world: int, init: str, backend: str, sizes, quick: bool,
                        queue) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    join_group(backend, init, rank, world)
     try:
         device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
         if backend == "nccl":
@@ -99,13 +98,12 @@ def measure_collectives(world: int, backend: str, quick: bool = False) -> dict[s
     import torch.multiprocessing as mp
 
     sizes = SIZES["quick" if quick else ("cuda" if backend == "nccl" else "cpu")][2]
-    with socket.socket() as s:  # a free loopback port for the rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store, init = host_store()
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.start_processes(_collective_worker, args=(world, port, backend, sizes, quick, queue),
+    mp.start_processes(_collective_worker, args=(world, init, backend, sizes, quick, queue),
                        nprocs=world, join=True, start_method="spawn")
+    del store
     times = queue.get()
     busbw = max((world - 1) / world * world * n / t / 1e9 for n, t in times.items())
     return {"allgather_busbw_gbps": busbw, "allgather_latency_us": times[min(times)] * 1e6,
