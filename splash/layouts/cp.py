@@ -47,8 +47,8 @@ class CPAttention(AttentionLayout):
             rows = inp["dec_rows"]
             hs, pos = h[rows], meta.positions[rows]
             _, (q_in, q) = overlap.both(store, lambda: query(attn, hs, pos))  # q (n, H, D)
-            slots = pick_slots_sharded(self.comm, self.store, layer, attn, hs, pos,
-                                       inp["dec_args"], meta, "cp.dec", q_in)
+            slots = pick_slots_sharded(self.comm, self.store, layer, attn, hs, q_in, pos,
+                                       inp["dec_args"], meta, "cp.dec")
             o, lse = attend(q, self.store, layer, inp["dec_args"], attn.sm_scale,
                             self.kv_lora_rank, slots)
             o_all = self.comm.all_gather_same(o)  # (T, n, H, L)

@@ -55,8 +55,8 @@ class DOPAttention(AttentionLayout):
         q_own = merge_heads_from_ranks(recv.view(world, n_own, *q.shape[1:]), world)  # (n, H, D)
         if n_own:
             # DSA: the owner runs the (replicated) indexer for its rows
-            slots = pick_slots(self.store, layer, attn, hs, pos, inp["args"], meta, "dop",
-                               meta.host_lens(meta.owned(rank)), q_in[rows])
+            slots = pick_slots(self.store, layer, attn, hs, q_in[rows], pos, inp["args"], meta,
+                               "dop", meta.host_lens(meta.owned(rank)))
             o_own, _ = attend(q_own, self.store, layer, inp["args"], attn.sm_scale,
                               self.kv_lora_rank, slots)
         else:

@@ -26,8 +26,8 @@ class DPAttention(AttentionLayout):
             _, (q_in, q) = overlap.both(
                 lambda: store_rows(self.store, layer, attn, hs, pos, inp["slots"]),
                 lambda: query(attn, hs, pos))  # q (n, H, D)
-            slots = pick_slots(self.store, layer, attn, hs, pos, inp["args"], meta, "dp",
-                               meta.host_lens(meta.owned(self.comm.rank)), q_in)
+            slots = pick_slots(self.store, layer, attn, hs, q_in, pos, inp["args"], meta, "dp",
+                               meta.host_lens(meta.owned(self.comm.rank)))
             o, _ = attend(q, self.store, layer, inp["args"], attn.sm_scale, self.kv_lora_rank,
                           slots)
             out = attn.output(o)  # (n, hidden), complete: all heads are here

@@ -32,23 +32,22 @@ SCORE_BUDGET = 1 << 26  # fp32 scores (256 MiB) one index_scores call may write;
 # that run in pieces (long prefill chunks over long histories)
 
 
-def pick_slots(store: KVStore, layer: int, attn: Any, x: torch.Tensor, positions: torch.Tensor,
-               args: dict, meta: StepMeta, site: str,
-               lens: tuple[list[int], list[int]] | None = None,
-               q_in: torch.Tensor | None = None) -> torch.Tensor | None:
+def pick_slots(store: KVStore, layer: int, attn: Any, x: torch.Tensor, q_in: torch.Tensor,
+               positions: torch.Tensor, args: dict, meta: StepMeta, site: str,
+               lens: tuple[list[int], list[int]] | None = None) -> torch.Tensor | None:
     """The (n, index_topk) KV slots (-1: none) rows ``x`` (n, hidden) attend in this layer, or
-    None where attention is dense (not DSA, or every context within index_topk). ``args``:
-    the rows' paged kernel arguments (``StepMeta.kernel_args``); ``site`` names the call site
-    for the next shared layer; ``lens`` (rows per request, history per request) on the host
-    lets a long prefill run in pieces; ``q_in``: the rows' ``attn.q_input(x)`` when the caller
-    computed it for the query already."""
+    None where attention is dense (not DSA, or every context within index_topk). ``q_in``: the
+    rows' ``attn.q_input(x)``, computed for their queries already; ``args``: the rows' paged
+    kernel arguments (``StepMeta.kernel_args``); ``site`` names the call site for the next
+    shared layer; ``lens`` (rows per request, history per request) on the host lets a long
+    prefill run in pieces."""
     if not attn.is_sparse or meta.within_topk(attn.cfg.index_topk):
         return None
     ix = attn.indexer
     if ix is None:
         return meta.selection[site]
     keys, key_scale = store.index_layer(layer)
-    q = ix.query(attn.q_input(x) if q_in is None else q_in, positions)  # (n, HI, I)
+    q = ix.query(q_in, positions)  # (n, HI, I)
     slots = topk_indexed(q, ix.head_weights(x), keys, key_scale, args, ix.softmax_scale,
                          ix.topk, store.configs, lens)[1]
     meta.selection[site] = slots
@@ -110,8 +109,8 @@ def _pieces(q_lens: list[int], kv_lens: list[int], max_rows: int):
 
 
 def pick_slots_sharded(comm: Comm, store: KVStore, layer: int, attn: Any, x: torch.Tensor,
-                       positions: torch.Tensor, args: dict, meta: StepMeta,
-                       site: str, q_in: torch.Tensor | None = None) -> torch.Tensor | None:
+                       q_in: torch.Tensor, positions: torch.Tensor, args: dict, meta: StepMeta,
+                       site: str) -> torch.Tensor | None:
     """``pick_slots`` for decode rows over position-sharded histories (CP): this rank's local
     slots among the global winners (-1 elsewhere). Every rank calls it with the same rows."""
     if not attn.is_sparse or meta.within_topk(attn.cfg.index_topk):
@@ -120,7 +119,7 @@ def pick_slots_sharded(comm: Comm, store: KVStore, layer: int, attn: Any, x: tor
     if ix is None:
         return meta.selection[site]
     keys, key_scale = store.index_layer(layer)
-    q = ix.query(attn.q_input(x) if q_in is None else q_in, positions)
+    q = ix.query(q_in, positions)
     values, local = topk_indexed(q, ix.head_weights(x), keys, key_scale, args, ix.softmax_scale,
                                  ix.topk, store.configs)  # (n, k) each
     n, k, world = values.shape[0], values.shape[1], comm.world

@@ -26,7 +26,7 @@ class TPAttention(AttentionLayout):
             lambda: store_rows(self.store, layer, attn, h, meta.positions, inp["slots"]),
             lambda: query(attn, h, meta.positions))  # q (N, H/T, D)
         # DSA: every rank picks the same positions for every row (replicated histories)
-        slots = pick_slots(self.store, layer, attn, h, meta.positions, inp["args"], meta, "tp",
-                           meta.host_lens(list(range(meta.num_requests))), q_in)
+        slots = pick_slots(self.store, layer, attn, h, q_in, meta.positions, inp["args"], meta,
+                           "tp", meta.host_lens(list(range(meta.num_requests))))
         o, _ = attend(q, self.store, layer, inp["args"], attn.sm_scale, self.kv_lora_rank, slots)
         return self.comm.sum_partials(attn.output(o))  # (N, hidden)

@@ -192,8 +192,8 @@ class MoE:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = self.shared
-        # the shared experts run beside the router and the routed experts (two streams under
-        # SPLASH_OVERLAP=1) and are added in the routed experts' final sum
+        # the shared experts run beside the router and the routed experts (on a second CUDA
+        # stream unless SPLASH_OVERLAP=0) and are added in the routed experts' final sum
         pending = overlap.start(lambda: shared(x)) if shared is not None else None
         weights, ids = self.route(x)
         if x.is_cuda and torch.version.hip is None:
