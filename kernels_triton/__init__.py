@@ -3,6 +3,14 @@
 Every launcher validates its arguments (``ValueError`` with a clear message), allocates outputs and
 computes its grid; every kernel has a torch reference ``*_ref`` beside it. Launch parameters come
 from the backend's tuning table (``config``) or fall back to per-device defaults.
+
+Triton compiles one binary per class of each integer argument (equal to 1, a multiple of 16,
+other). Integers that change from step to step without steering vectorisation (a block table's
+row stride, row and split counts) are marked ``do_not_specialize``, so a kernel compiled by the
+engine's start-up warm-up serves every later step: a new prompt length or table width never
+compiles mid-serving. Bounds that are always multiples of 16 (history lengths in whole pages)
+keep their specialisation. What a step's shape still selects, a constexpr, is compiled ahead by
+``warm_selection`` (DSA's tiles per program and top-k passes).
 """
 
 from splash.kernels_triton._validate import set_value_checks, value_checks_enabled

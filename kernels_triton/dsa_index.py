@@ -40,7 +40,11 @@ from splash.kernels_triton import _validate as V
 from splash.kernels_triton.mla_decode_kernels import _q_operand
 
 
-@triton.jit
+# ints that vary by step: one binary for all (tests check the warm-up against them)
+SHAPE_INTS = ["stride_btn"]
+
+
+@triton.jit(do_not_specialize=SHAPE_INTS)
 def _index_scores_kernel(
     q_ptr,  # (Nq, HI, I)
     w_ptr,  # (Nq, HI) fp32
@@ -193,6 +197,15 @@ def _auto_tiles(max_len: int, block_t: int, row_blocks: int) -> int:
            and triton.cdiv(max_len, block_t * tiles * 2) * row_blocks >= _PROGRAMS):
         tiles *= 2
     return tiles
+
+
+def tile_counts(device: torch.device, config: dict | None) -> list[int]:
+    """Every ``TILES`` an ``index_scores`` launch can take: the configured count, or each
+    power of two ``_auto_tiles`` may pick (it grows with the history and with the rows)."""
+    cfg = index_config(device, config)
+    if cfg["TILES"]:
+        return [int(cfg["TILES"])]
+    return [1 << i for i in range(_MAX_TILES.bit_length())]
 
 
 def index_scores(

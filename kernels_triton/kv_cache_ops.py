@@ -25,7 +25,7 @@ from splash.kernels_triton import _validate as V
 _MODE_COPY, _MODE_QUANTISE, _MODE_RAW_FP8 = 0, 1, 2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # ints that vary by step: one binary for all
 def _kv_write_kernel(
     kv_ptr,  # (P, PS, D)
     scale_ptr,  # (P, PS) fp32 (fp8 caches)
@@ -72,7 +72,7 @@ def _kv_write_kernel(
             tl.store(scale_ptr + page * stride_sp + in_page * stride_ss, scale, mask=mask_m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # ints that vary by step: one binary for all
 def _kv_gather_kernel(
     kv_ptr,  # (P, PS, D)
     scale_ptr,  # (P, PS) fp32 (fp8 caches)

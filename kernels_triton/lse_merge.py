@@ -20,7 +20,7 @@ import triton.language as tl
 from splash.kernels_triton import _validate as V
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])  # ints that vary by step: one binary for all
 def _lse_merge_kernel(
     o_ptr,  # (S, N, H, L) partial outputs
     lse_ptr,  # (S, N, H) fp32 partial lse (natural log)

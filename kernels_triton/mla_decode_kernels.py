@@ -179,7 +179,7 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_btn"])  # ints that vary by step: one binary for all
 def _mla_decode_kernel(
     q_ptr,  # (N, H, D)
     kv_ptr,  # (P, PS, D)

@@ -102,7 +102,7 @@ def _attend_tile_tokens_m(
     return m_new, l_i, acc_t
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_btn"])  # ints that vary by step: one binary for all
 def _mla_decode_tokens_m_kernel(
     q_ptr, kv_ptr, scale_ptr, bt_ptr, seq_lens_ptr, o_ptr, lse_ptr,
     qk_scale,

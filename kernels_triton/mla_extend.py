@@ -35,7 +35,7 @@ from splash.kernels_triton.mla_decode import paged_rows_ref
 from splash.kernels_triton.mla_decode_kernels import _LOG2E, _attend_tile, _q_operand
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_m_blocks", "stride_btn"])  # ints that vary by step: one binary for all
 def _mla_extend_kernel(
     q_ptr,  # (Nq, H, D)
     kv_ptr,  # (P, PS, D)

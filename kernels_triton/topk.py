@@ -77,7 +77,11 @@ def _kth_largest(key, K: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
     return prefix.to(tl.int32, bitcast=True) ^ _KEY_MIN
 
 
-@triton.jit
+# ints that vary by step: one binary for all (tests check the warm-up against them)
+SHAPE_INTS = ["N", "stride_btn"]
+
+
+@triton.jit(do_not_specialize=SHAPE_INTS)
 def _topk_chunk_kernel(
     vals_ptr,  # (N, M) fp32
     idx_ptr,  # (N, M) int32 (HAS_INDEX)

@@ -91,6 +91,7 @@ class EngineSetup:
                             graph_max_batch=self.graph_max_batch,
                             graph_layouts=self.fitting,
                             graph_context=min(self.max_model_len, _GRAPH_CONTEXT),
+                            max_model_len=self.max_model_len,
                             profile_prefill_rows=lim.prefill_rows,
                             profile_decode_rows=lim.decode_rows, profile_context=lim.context)
 

@@ -53,6 +53,7 @@ from splash.engine.worker_config import WorkerConfig
 from splash.kernels_triton import set_value_checks
 from splash.layouts.base import AttentionLayout, KVStore, StepMeta
 from splash.layouts.registry import make_layouts
+from splash.layouts.sparse import warm_selection
 from splash.logging_utils import get_logger
 from splash.model import overlap
 from splash.model.config import ModelConfig
@@ -222,6 +223,15 @@ class Worker:
     def allocate(self, num_pages: int) -> WorkerReady:
         """Allocate the KV pool the controller sized, then capture the start-up CUDA graphs."""
         self._build_store(num_pages)
+        if self.device.type == "cuda":  # DSA: compile for every history now, not mid-serving
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                n = warm_selection(self.store, self.model.attn_layers, self.cfg.max_model_len,
+                                   self.cfg.world)
+            if n:
+                logger.info("rank %d: DSA selection kernels ready for histories up to %d tokens "
+                            "(%d launches, %.1f s)", self.cfg.rank, self.cfg.max_model_len, n,
+                            time.perf_counter() - t0)
         ready = WorkerReady(self.cfg.rank, os.getpid(), num_pages, str(self.device))
         if not (self.capture or envs.get("SPLASH_PAD_DECODE") == "1"):
             return ready

@@ -22,6 +22,7 @@ class WorkerConfig:
     graph_max_batch: int = 256  # largest padded decode batch (per rank for DP/DOP) captured
     graph_layouts: tuple[str, ...] = ()  # layouts whose graphs are captured at start-up
     graph_context: int = 1024  # start-up graphs cover decode steps up to this context
+    max_model_len: int = 0  # longest history a step may attend (DSA kernels compile up to it)
     # the profiling steps run before the KV pool is sized (splash/engine/memory_plan.py):
     # a prefill of profile_prefill_rows rows and a decode of profile_decode_rows rows (each
     # sampled), both at context profile_context

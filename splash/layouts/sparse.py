@@ -26,6 +26,7 @@ import torch
 
 from splash.dist.comm import Comm
 from splash.kernels_triton import index_scores, topk_rows
+from splash.kernels_triton.dsa_index import tile_counts
 from splash.layouts.base import KVStore, StepMeta
 
 SCORE_BUDGET = 1 << 26  # fp32 scores (256 MiB) one index_scores call may write; rows beyond
@@ -130,3 +131,47 @@ def pick_slots_sharded(comm: Comm, store: KVStore, layer: int, attn: Any, x: tor
                       config=store.configs.get("topk") or None)[1]
     meta.selection[site] = slots
     return slots
+
+
+def warm_selection(store: KVStore, attn_layers: list, max_len: int, world: int) -> int:
+    """Compile ahead the launch variants of the selection kernels that histories of up to
+    ``max_len`` tokens reach, so that the first long request does not compile them
+    mid-serving. A step's shape picks ``index_scores``' tiles per program (for decode rows and
+    for prefill rows) and ``topk_rows``' passes (one chunk; the first, middle and last of
+    several; CP's merge of the ranks' candidates); each runs once here on a one-page history,
+    with the pools of the first indexer layer. Returns the number of launches (0: no indexer,
+    or every history within ``index_topk``, where attention stays dense)."""
+    layer = next((i for i, a in enumerate(attn_layers) if a.indexer is not None), None)
+    if layer is None or max_len <= attn_layers[layer].indexer.topk:
+        return 0
+    ix = attn_layers[layer].indexer
+    keys, key_scale = store.index_layer(layer)
+    dev, k = keys.device, ix.topk
+    score_cfg, topk_cfg = store.configs.get("index_scores") or {}, store.configs.get("topk")
+    q = torch.zeros((2, ix.num_heads, ix.head_dim), dtype=ix.wq_b.dtype, device=dev)
+    weights = torch.zeros((2, ix.num_heads), dtype=torch.float32, device=dev)
+    one = torch.ones(1, dtype=torch.int32, device=dev)
+    table = torch.zeros((1, -(-max(max_len, 1) // keys.shape[1])), dtype=torch.int32, device=dev)
+    width = table.shape[1] * keys.shape[1]  # whole pages, as every step's history bound
+    launches = 0
+    for rows in (1, 2):  # a decode row; prefill rows (row blocks of several)
+        q_start = torch.tensor([0, rows], dtype=torch.int32, device=dev)
+        for tiles in tile_counts(dev, score_cfg or None):
+            index_scores(q[:rows], weights[:rows], keys, table, one, q_start, ix.softmax_scale,
+                         width, index_scale=key_scale, config={**score_cfg, "TILES": tiles})
+            launches += 1
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for length in sorted({min(max_len, 2 * k), max_len}):  # one pass; every pass kind
+        if length < 1:
+            continue
+        scores = torch.randn((1, length), generator=gen, device=dev)
+        for row_req in (None, torch.zeros(1, dtype=torch.int32, device=dev)):
+            topk_rows(scores, k, block_table=table, row_req=row_req,
+                      page_size=keys.shape[1], config=topk_cfg)
+            launches += 1
+    if world > 1:  # CP: the global top-k of the ranks' candidates
+        candidates = torch.randn((1, world * k), generator=gen, device=dev)
+        owned = torch.zeros((1, world * k), dtype=torch.int32, device=dev)
+        topk_rows(candidates, k, index=owned, config=topk_cfg)
+        launches += 1
+    return launches
