@@ -39,7 +39,6 @@ import triton.language as tl
 from splash.kernels_triton import _validate as V
 from splash.kernels_triton.mla_decode_kernels import _q_operand
 
-
 # ints that vary by step: one binary for all (tests check the warm-up against them)
 SHAPE_INTS = ["stride_btn"]
 
