@@ -36,7 +36,7 @@ from splash.kernels_triton import _validate as V
 from splash.kernels_triton.moe_align import moe_align
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])  # ints that vary by step: one binary for all
 def _moe_gemm_kernel(
     a_ptr,  # (rows, K): x (rows = tokens) for gate_up, inter (rows = pairs) for down
     w_ptr,  # (E, N_w, K): N_w = 2·N_out when GATED (gate rows, then up rows), else N_out

@@ -17,7 +17,7 @@ import triton.language as tl
 from splash.kernels_triton import _validate as V
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # ints that vary by step: one binary for all
 def _moe_count_kernel(ids_ptr, counts_ptr, M, BLOCK: tl.constexpr):
     """counts[e] += number of pairs routed to expert e (one program per BLOCK pairs)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -26,7 +26,7 @@ def _moe_count_kernel(ids_ptr, counts_ptr, M, BLOCK: tl.constexpr):
     tl.atomic_add(counts_ptr + e, tl.full((BLOCK,), 1, tl.int32), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_blocks"])  # ints that vary by step: one binary for all
 def _moe_runs_kernel(counts_ptr, cursor_ptr, block_expert_ptr, E, num_blocks,
                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
     """One program: each expert's run padded to BLOCK_M, its start (the scatter's cursor) and
@@ -47,7 +47,7 @@ def _moe_runs_kernel(counts_ptr, cursor_ptr, block_expert_ptr, E, num_blocks,
         tl.store(block_expert_ptr + offs_b, expert, mask=offs_b < num_blocks)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # ints that vary by step: one binary for all
 def _moe_scatter_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, M, BLOCK: tl.constexpr):
     """Each pair takes the next slot of its expert's run (the order inside a run is free: every
     row of the grouped GEMMs is computed independently of the others)."""
@@ -58,7 +58,7 @@ def _moe_scatter_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, M, BLOCK: tl.conste
     tl.store(sorted_ids_ptr + slot, offs, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "num_blocks"])  # ints that vary by step: one binary for all
 def _moe_align_small_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, M, E, num_blocks,
                             BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
                             BLOCK_B: tl.constexpr):

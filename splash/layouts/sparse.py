@@ -19,6 +19,9 @@ the whole history.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -139,39 +142,52 @@ def warm_selection(store: KVStore, attn_layers: list, max_len: int, world: int) 
     mid-serving. A step's shape picks ``index_scores``' tiles per program (for decode rows and
     for prefill rows) and ``topk_rows``' passes (one chunk; the first, middle and last of
     several; CP's merge of the ranks' candidates); each runs once here on a one-page history,
-    with the pools of the first indexer layer. Returns the number of launches (0: no indexer,
-    or every history within ``index_topk``, where attention stays dense)."""
+    with the pools of the first indexer layer, the compilations in parallel threads on a GPU.
+    Returns the number of launches (0: no indexer, or every history within ``index_topk``,
+    where attention stays dense)."""
     layer = next((i for i, a in enumerate(attn_layers) if a.indexer is not None), None)
     if layer is None or max_len <= attn_layers[layer].indexer.topk:
         return 0
     ix = attn_layers[layer].indexer
     keys, key_scale = store.index_layer(layer)
-    dev, k = keys.device, ix.topk
+    dev, k, page_size = keys.device, ix.topk, keys.shape[1]
     score_cfg, topk_cfg = store.configs.get("index_scores") or {}, store.configs.get("topk")
     q = torch.zeros((2, ix.num_heads, ix.head_dim), dtype=ix.wq_b.dtype, device=dev)
     weights = torch.zeros((2, ix.num_heads), dtype=torch.float32, device=dev)
     one = torch.ones(1, dtype=torch.int32, device=dev)
-    table = torch.zeros((1, -(-max(max_len, 1) // keys.shape[1])), dtype=torch.int32, device=dev)
-    width = table.shape[1] * keys.shape[1]  # whole pages, as every step's history bound
-    launches = 0
-    for rows in (1, 2):  # a decode row; prefill rows (row blocks of several)
-        q_start = torch.tensor([0, rows], dtype=torch.int32, device=dev)
-        for tiles in tile_counts(dev, score_cfg or None):
-            index_scores(q[:rows], weights[:rows], keys, table, one, q_start, ix.softmax_scale,
-                         width, index_scale=key_scale, config={**score_cfg, "TILES": tiles})
-            launches += 1
+    table = torch.zeros((1, -(-max(max_len, 1) // page_size)), dtype=torch.int32, device=dev)
+    width = table.shape[1] * page_size  # whole pages, as every step's history bound
     gen = torch.Generator(device=dev).manual_seed(0)
+    launches: list[Callable[[], Any]] = []
+    for rows in (1, 2):  # a decode row; prefill rows (row blocks of several)
+        starts = torch.tensor([0, rows], dtype=torch.int32, device=dev)
+        launches += [partial(index_scores, q[:rows], weights[:rows], keys, table, one, starts,
+                             ix.softmax_scale, width, index_scale=key_scale,
+                             config={**score_cfg, "TILES": tiles})
+                     for tiles in tile_counts(dev, score_cfg or None)]
     for length in sorted({min(max_len, 2 * k), max_len}):  # one pass; every pass kind
-        if length < 1:
-            continue
         scores = torch.randn((1, length), generator=gen, device=dev)
-        for row_req in (None, torch.zeros(1, dtype=torch.int32, device=dev)):
-            topk_rows(scores, k, block_table=table, row_req=row_req,
-                      page_size=keys.shape[1], config=topk_cfg)
-            launches += 1
+        launches += [partial(topk_rows, scores, k, block_table=table, row_req=row_req,
+                             page_size=page_size, config=topk_cfg)
+                     for row_req in (None, one - 1)]
     if world > 1:  # CP: the global top-k of the ranks' candidates
         candidates = torch.randn((1, world * k), generator=gen, device=dev)
         owned = torch.zeros((1, world * k), dtype=torch.int32, device=dev)
-        topk_rows(candidates, k, index=owned, config=topk_cfg)
-        launches += 1
-    return launches
+        launches.append(partial(topk_rows, candidates, k, index=owned, config=topk_cfg))
+    _run_all(launches, dev)
+    return len(launches)
+
+
+def _run_all(launches: list[Callable[[], Any]], dev: torch.device) -> None:
+    """Run ``launches``; on a GPU from threads, so that their compilations overlap."""
+    if dev.type != "cuda":
+        for launch in launches:
+            launch()
+        return
+
+    def run(launch: Callable[[], Any]) -> None:
+        with torch.cuda.device(dev), torch.inference_mode():
+            launch()
+
+    with ThreadPoolExecutor(max_workers=min(8, len(launches))) as pool:
+        list(pool.map(run, launches))
