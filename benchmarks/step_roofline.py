@@ -20,9 +20,11 @@ head on rank 0.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import json
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -107,8 +109,8 @@ def kernel_profile(eng, steps: int, out: str | None = None) -> dict:
 
 
 def measure(llm: LLM, batch: int, context: int, steps: int, warmup: int,
-            vocab: int, seed: int, profile_steps: int = 0, profile_dir: str | None = None
-            ) -> dict:
+            vocab: int, seed: int, profile_steps: int = 0, profile_dir: str | None = None,
+            host_profile: str | None = None) -> dict:
     eng = llm.engine
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(10, min(vocab, 30000), (batch, context), generator=g).tolist()
@@ -130,17 +132,23 @@ def measure(llm: LLM, batch: int, context: int, steps: int, warmup: int,
     executor.collect = timed
     decode: list[tuple[float, float]] = []
     graph_before = eng.stats()["graph_steps"]
+    prof = cProfile.Profile() if host_profile else None  # the controller's timed steps
     try:
         pending = set(ids)
         while pending and len(decode) < warmup + steps:
             decoding = all(r.num_computed >= r.num_tokens - 1 for r in eng.scheduler.running) \
                 and len(eng.scheduler.running) == batch
             worker_s.clear()
+            profiling = prof is not None and decoding and len(decode) >= warmup
+            if profiling:
+                prof.enable()
             t0 = time.perf_counter()
             for out in eng.step():
                 if out.finished:
                     pending.discard(out.request_id)
             dt = time.perf_counter() - t0
+            if profiling:
+                prof.disable()
             if decoding and len(pending) == batch:
                 decode.append((dt, dt - sum(worker_s)))
         profiled = kernel_profile(eng, profile_steps, profile_dir) if profile_steps and not \
@@ -151,6 +159,12 @@ def measure(llm: LLM, batch: int, context: int, steps: int, warmup: int,
             eng.abort_request(rid)
         while eng.has_unfinished():
             eng.step()
+    if prof is not None and host_profile:
+        os.makedirs(os.path.dirname(host_profile) or ".", exist_ok=True)
+        with open(host_profile, "w") as f:
+            stats = pstats.Stats(prof, stream=f)
+            stats.sort_stats("tottime").print_stats(40)
+            stats.sort_stats("cumulative").print_stats(40)
     timed_steps = decode[warmup:warmup + steps]
     graphs = eng.stats()["graph_steps"] - graph_before
     return {"step_ms": 1e3 * statistics.median(d for d, _ in timed_steps),
@@ -200,6 +214,10 @@ def main() -> int:
                     "rank (<= 3)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                   "step_roofline.json"))
+    ap.add_argument("--host-profile", default=None,
+                    help="a folder: the controller's timed decode steps under cProfile (at "
+                    "T=1 on a GPU the worker runs in its process: its host work too), one "
+                    "text file per point (cProfile slows the host: step times are then off)")
     ap.add_argument("--trace-dir", default=None,
                     help="with --profile-steps: keep the profiles here, timelines too")
     args = ap.parse_args()
@@ -240,7 +258,10 @@ def main() -> int:
                                        profile_steps=min(args.profile_steps, 3),
                                        profile_dir=args.trace_dir and os.path.join(
                                            args.trace_dir,
-                                           f"tp{tp}-{layout}-b{batch}-c{context}")))
+                                           f"tp{tp}-{layout}-b{batch}-c{context}"),
+                                       host_profile=args.host_profile and os.path.join(
+                                           args.host_profile,
+                                           f"host_tp{tp}_{layout}_b{batch}_c{context}.txt")))
                 except Exception as e:  # a point that does not fit is a result
                     rec["error"] = f"{type(e).__name__}: {e}"[:300]
                     print(json.dumps(rec), flush=True)
