@@ -25,30 +25,16 @@ from _results import save_json  # noqa: E402
 from multi_gpu import build  # noqa: E402
 
 
-def compiled() -> dict[str, int]:
-    """Compiled binaries per Triton kernel of the engine, by kernel name."""
-    from triton.runtime.jit import JITFunction
-
-    import splash.kernels_triton as kt
-    counts: dict[str, int] = {}
-    for mod in list(sys.modules.values()):
-        if mod is None or not getattr(mod, "__name__", "").startswith(kt.__name__):
-            continue
-        for name, obj in vars(mod).items():
-            if isinstance(obj, JITFunction) and obj.__module__ == mod.__name__:
-                counts[name] = sum(len(c[0]) for c in obj.device_caches.values())
-    return counts
-
-
 def serve(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, dict[str, int]]:
     from splash import SamplingParams
+    from splash.kernels_triton.compiled import compiled_binaries
 
-    before = compiled()
+    before = compiled_binaries()
     t0 = time.perf_counter()
     llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                          ignore_eos=True))
     secs = time.perf_counter() - t0
-    after = compiled()
+    after = compiled_binaries()
     return secs, {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
 
 

@@ -29,7 +29,7 @@ import triton.language as tl
 from splash.kernels_triton import _validate as V
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # ints that vary by step: one binary for all
 def _indexed_rows_kernel(
     src_ptr,  # (N_src, W)
     dst_ptr,  # (N_dst, W)
@@ -63,7 +63,7 @@ def _indexed_rows_kernel(
     tl.store(dst_ptr + dst_rows[:, None] + offs_w[None, :], x, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # ints that vary by step: one binary for all
 def _head_blocks_kernel(
     src_ptr,
     dst_ptr,
