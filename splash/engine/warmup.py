@@ -11,13 +11,15 @@ from splash.logging_utils import get_logger
 from splash.sampling_params import SamplingParams
 
 logger = get_logger("splash.engine")
+SHORT = 3  # prompt tokens of the second round (+ 4 drawn: within any index_topk)
 
 
 def warm_up(engine: Any, layouts: list[str] | None = None) -> float:
     """Compile ``engine``'s kernels before the first user request: in each of ``layouts``
     (default: every layout the engine may use — all that fit under auto, else its own) serve
-    one short request per rank (two prefill chunks, then decode steps), then return to the
-    start layout and forget it all (counters, switch history, prefix cache). Seconds."""
+    one request per rank (two prefill chunks, then decode steps), then one short request per
+    rank (a DSA model's dense steps), then return to the start layout and forget it all
+    (counters, switch history, prefix cache). Seconds."""
     start = engine.layout
     if layouts is None:
         layouts = list(engine.setup.fitting) if engine.auto is not None else [start]
@@ -36,11 +38,15 @@ def warm_up(engine: Any, layouts: list[str] | None = None) -> float:
             t1 = time.perf_counter()
             if name != engine.layout:
                 engine.switches.request(name)
-            for rank in range(engine.world):  # one request per owner rank
-                prompt = [2 + (rank * 7919 + j) % vocab for j in range(length)]
-                engine.add_request(prompt, params, request_id=f"warm-up-{name}-{rank}")
-            while engine.has_unfinished():
-                engine.step()
+            # one request per owner rank, long (two prefill chunks), then short: a DSA model
+            # attends densely only while every history of the step is within index_topk
+            for size in (length, min(SHORT, length)):
+                for rank in range(engine.world):
+                    prompt = [2 + (rank * 7919 + j) % vocab for j in range(size)]
+                    engine.add_request(prompt, params,
+                                       request_id=f"warm-up-{name}-{rank}-{size}")
+                while engine.has_unfinished():
+                    engine.step()
             logger.info("compiling kernels: layout %s [%d/%d] done in %.1f s", name, i + 1,
                         len(order), time.perf_counter() - t1)
         if engine.layout != start:
