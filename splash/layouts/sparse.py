@@ -165,7 +165,8 @@ def warm_selection(store: KVStore, attn_layers: list, max_len: int, world: int) 
                              ix.softmax_scale, width, index_scale=key_scale,
                              config={**score_cfg, "TILES": tiles})
                      for tiles in tile_counts(dev, score_cfg or None)]
-    for length in sorted({min(max_len, 2 * k), max_len}):  # one pass; every pass kind
+    one_chunk = min(width, -(-2 * k // page_size) * page_size)  # lengths in whole pages,
+    for length in sorted({one_chunk, width}):  # as steps score: one pass; every pass kind
         scores = torch.randn((1, length), generator=gen, device=dev)
         launches += [partial(topk_rows, scores, k, block_table=table, row_req=row_req,
                              page_size=page_size, config=topk_cfg)

@@ -17,9 +17,11 @@ from splash.kernels_triton.topk import topk_rows
 from splash.layouts.base import KVStore
 from splash.layouts.sparse import topk_indexed, warm_selection
 
-HI, I, PS, K, MAX_LEN, PAGES = 4, 32, 16, 16, 160, 24
+HI, I, PS, K, MAX_LEN, PAGES = 4, 32, 16, 16, 150, 24
 CONFIGS = {"index_scores": {"TILES": None, "BLOCK_T": 16},
            "topk": {"CHUNK": 32, "ROWS": 1}}  # several passes at MAX_LEN: 160 -> 80 -> 48 -> 32
+# (MAX_LEN is not a whole number of pages, as max_model_len need not be: histories are scored
+# in whole pages)
 
 
 def _class(value: int) -> str:

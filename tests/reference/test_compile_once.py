@@ -20,7 +20,7 @@ PAGE = 16
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("arch,over,longest", [
     ("v3", {"max_position_embeddings": 1024}, 600),
-    ("glm-dsa", {"index_topk": 8, "max_position_embeddings": 32768}, 17000)])
+    ("glm-dsa", {"index_topk": 16, "max_position_embeddings": 32768}, 17000)])
 def test_no_kernel_compiles_after_start_up(arch, over, longest):
     path = checkpoint(arch, **over)
     g = torch.Generator().manual_seed(0)
