@@ -5,7 +5,8 @@ warm-up did not see: prompt lengths of 1 page, a multiple of 16 pages, an odd pa
 batch of mixed lengths, long contexts that widen the block table (DSA: past ``index_topk``,
 where the indexer and top-k run). For each it records the wall time and the kernels Triton
 compiled during it (counted in every kernel's compile cache), then serves the same request
-again: the second time is what the request costs without compiling.
+again: the second time is what the request costs without compiling. Each architecture runs in
+a process of its own (set ``TRITON_CACHE_DIR`` to an empty folder for a cold machine).
 
     python3 benchmarks/first_requests.py --out benchmarks/results/h200/first_requests.json
 """
@@ -13,8 +14,11 @@ again: the second time is what the request costs without compiling.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -70,15 +74,26 @@ def main() -> int:
     ap.add_argument("--label", default="", help="recorded with the results (e.g. the commit)")
     ap.add_argument("--out", default="benchmarks/results/h200/first_requests.json")
     args = ap.parse_args()
-    page = 64
-    short = [[5], [16 * page], [7 * page + 3], [40, 3 * page, 999, 2500]]
-    results = []
-    for arch in args.archs.split(","):
+    archs = args.archs.split(",")
+    if len(archs) > 1:  # each in a process of its own: none starts with another's binaries
+        results = []
+        for arch in archs:
+            with tempfile.TemporaryDirectory() as tmp:
+                out = os.path.join(tmp, "run.json")
+                subprocess.run([sys.executable, __file__, "--archs", arch, "--out", out,
+                                "--layers", str(args.layers), "--experts", str(args.experts),
+                                "--long", str(args.long), "--max-tokens", str(args.max_tokens)],
+                               check=True)
+                with open(out) as f:
+                    results += json.load(f)["runs"]
+    else:
+        page = 64
+        short = [[5], [16 * page], [7 * page + 3], [40, 3 * page, 999, 2500]]
+        arch = archs[0]
         path = build(f"/tmp/splash-{arch}-{args.layers}l", args.layers, args.experts, arch)
         lengths = short + ([[4096], [20000], [args.long]] if arch.endswith(".2") else [[8192]])
         longest = max(max(g) for g in lengths)
-        results.append(run(path, arch, lengths, longest + args.max_tokens + page,
-                           args.max_tokens))
+        results = [run(path, arch, lengths, longest + args.max_tokens + page, args.max_tokens)]
     save_json(args.out, {"benchmark": "first_requests", "label": args.label,
                          "layers": args.layers, "experts": args.experts, "runs": results})
     return 0
