@@ -8,6 +8,7 @@ import torch
 
 from splash.core.ownership import LAYOUTS
 from splash.layouts.base import AttentionLayout, StepMeta, attend, query, store_rows
+from splash.layouts.expanded import attend_expanded, use_expanded
 from splash.layouts.sparse import pick_slots
 from splash.model import overlap
 
@@ -20,14 +21,21 @@ class DPAttention(AttentionLayout):
 
     def forward(self, layer: int, attn: Any, h: torch.Tensor, meta: StepMeta) -> torch.Tensor:
         inp = meta.inputs(self)
-        if "rows" in inp:
+        mine = meta.owned(self.comm.rank)
+        if "rows" in inp and use_expanded(attn, meta, mine, inp["args"]):  # long prefill
+            rows = inp["rows"]
+            hs, pos = h[rows], meta.positions[rows]
+            store_rows(self.store, layer, attn, hs, pos, inp["slots"])
+            out = attn.output_expanded(attend_expanded(self.store, layer, attn, attn.q_input(hs),
+                                                       pos, meta, mine, inp["args"]))
+        elif "rows" in inp:
             rows = inp["rows"]
             hs, pos = h[rows], meta.positions[rows]
             _, (q_in, q) = overlap.both(
                 lambda: store_rows(self.store, layer, attn, hs, pos, inp["slots"]),
                 lambda: query(attn, hs, pos))  # q (n, H, D)
             slots = pick_slots(self.store, layer, attn, hs, q_in, pos, inp["args"], meta, "dp",
-                               meta.host_lens(meta.owned(self.comm.rank)))
+                               meta.host_lens(mine))
             o, _ = attend(q, self.store, layer, inp["args"], attn.sm_scale, self.kv_lora_rank,
                           slots)
             out = attn.output(o)  # (n, hidden), complete: all heads are here

@@ -8,6 +8,7 @@ import torch
 
 from splash.core.ownership import LAYOUTS
 from splash.layouts.base import AttentionLayout, StepMeta, attend, query, store_rows
+from splash.layouts.expanded import attend_expanded, use_expanded
 from splash.layouts.sparse import pick_slots
 from splash.model import overlap
 
@@ -22,11 +23,17 @@ class TPAttention(AttentionLayout):
 
     def forward(self, layer: int, attn: Any, h: torch.Tensor, meta: StepMeta) -> torch.Tensor:
         inp = meta.inputs(self)
+        reqs = list(range(meta.num_requests))
+        if use_expanded(attn, meta, reqs, inp["args"]):  # a long prefill chunk
+            store_rows(self.store, layer, attn, h, meta.positions, inp["slots"])
+            o = attend_expanded(self.store, layer, attn, attn.q_input(h), meta.positions, meta,
+                                reqs, inp["args"])
+            return self.comm.sum_partials(attn.output_expanded(o))
         _, (q_in, q) = overlap.both(  # every rank writes all rows
             lambda: store_rows(self.store, layer, attn, h, meta.positions, inp["slots"]),
             lambda: query(attn, h, meta.positions))  # q (N, H/T, D)
         # DSA: every rank picks the same positions for every row (replicated histories)
         slots = pick_slots(self.store, layer, attn, h, q_in, meta.positions, inp["args"], meta,
-                           "tp", meta.host_lens(list(range(meta.num_requests))))
+                           "tp", meta.host_lens(reqs))
         o, _ = attend(q, self.store, layer, inp["args"], attn.sm_scale, self.kv_lora_rank, slots)
         return self.comm.sum_partials(attn.output(o))  # (N, hidden)

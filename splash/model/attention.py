@@ -243,6 +243,30 @@ class MLAAttention:
         self.rope(q[..., nope:], positions, out=out[..., L:])
         return out  # (N, h, L+R): absorbed q_nope·W_UK ‖ roped q_rope
 
+    # The non-absorbed form (long prefill chunks, ``splash/layouts/expanded.py``): queries keep
+    # their nope dims, the latent rows are expanded into per-head keys and values, and the
+    # attention output (value dims) goes straight to o_proj.
+    def query_expanded(self, q_in: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(N, q_in) normalised q_a latent -> (N, h, nope + R): q_nope ‖ roped q_rope."""
+        nope, h, n = self.cfg.qk_nope_head_dim, self.num_heads, q_in.shape[0]
+        q = (q_in @ self.q_b.reshape(h * self.cfg.qk_head_dim, -1).t()).view(
+            n, h, self.cfg.qk_head_dim)
+        self.rope(q[..., nope:].clone(), positions, out=q[..., nope:])
+        return q
+
+    def expand(self, c_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, L) normalised latent rows -> per-head keys (T, h, nope) and values (T, h, v)."""
+        h, t = self.num_heads, c_kv.shape[0]
+        c_kv = c_kv.to(self.w_uk.dtype)
+        k = c_kv @ self.w_uk.reshape(h * self.cfg.qk_nope_head_dim, -1).t()
+        v = c_kv @ self.w_uv.reshape(h * self.cfg.v_head_dim, -1).t()
+        return k.view(t, h, -1), v.view(t, h, -1)
+
+    def output_expanded(self, o: torch.Tensor) -> torch.Tensor:
+        """(N, h, v) attention output in value dims -> (N, hidden)."""
+        h, v = self.num_heads, self.cfg.v_head_dim
+        return o.reshape(-1, h * v) @ self.w_o.reshape(h * v, self.cfg.hidden_size)
+
     def output(self, o_latent: torch.Tensor) -> torch.Tensor:
         h, v = self.num_heads, self.cfg.v_head_dim
         o_latent = o_latent.to(self.w_uv.dtype)
