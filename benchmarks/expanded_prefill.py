@@ -34,7 +34,7 @@ def one(heads: int, chunk: int, prefix: int, dtype=torch.bfloat16) -> dict:
     table = torch.randperm(pages, device=dev, generator=g).to(torch.int32)[None, :]
     seq_lens = torch.tensor([T], dtype=torch.int32, device=dev)
     q_start = torch.tensor([0, chunk], dtype=torch.int32, device=dev)
-    k_start = torch.tensor([0, T], dtype=torch.int32, device=dev)
+    k_start = torch.zeros(1, dtype=torch.int32, device=dev)
     w_uk = torch.randn(heads, NOPE, L, device=dev, dtype=dtype, generator=g) * 0.05
     w_uv = torch.randn(heads, DV, L, device=dev, dtype=dtype, generator=g) * 0.05
     q = torch.randn(chunk, heads, NOPE + R, device=dev, dtype=dtype, generator=g)
@@ -53,7 +53,7 @@ def one(heads: int, chunk: int, prefix: int, dtype=torch.bfloat16) -> dict:
         rows = kv_gather(kv, slots)
         k = (rows[:, :L] @ w_uk.reshape(heads * NOPE, L).t()).view(T, heads, NOPE)
         v = (rows[:, :L] @ w_uv.reshape(heads * DV, L).t()).view(T, heads, DV)
-        return mha_extend(q, k, rows[:, L:].contiguous(), v, q_start, k_start, scale)
+        return mha_extend(q, k, rows[:, L:].contiguous(), v, q_start, k_start, seq_lens, scale)
 
     a = absorbed().transpose(0, 1).float()
     e = expanded().float()

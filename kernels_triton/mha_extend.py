@@ -7,10 +7,10 @@ FLOPs per (row, key) pair, paid for by expanding each history row once per head.
 engines switch to this form for long prefill chunks, where the pairs outnumber the history rows.
 
 ``q`` (Nq, H, DN + R) holds the rows of B requests: request b owns rows
-[q_start_loc[b], q_start_loc[b+1]) and keys [k_start_loc[b], k_start_loc[b+1]) of ``k_nope``
-(Nk, H, DN), ``k_rope`` (Nk, R) and ``v`` (Nk, H, DV): its whole history, this chunk included,
-in position order. Row j of request b sits at position kv_len - n_b + j and attends keys
-[0, position]. A program owns ``BLOCK_M`` rows of one request and one head; it streams the keys
+[q_start_loc[b], q_start_loc[b+1]) and keys [k_start[b], k_start[b] + seq_lens[b]) of
+``k_nope`` (Nk, H, DN), ``k_rope`` (Nk, R) and ``v`` (Nk, H, DV): its history up to its last
+row, this chunk included, in position order. Row j of request b sits at position
+seq_lens[b] - n_b + j and attends keys [0, position]. A program owns ``BLOCK_M`` rows of one request and one head; it streams the keys
 every row of the block sees without a mask, then the diagonal tiles with the causal mask.
 """
 
@@ -58,7 +58,7 @@ def _mha_tile(q_nope, q_rope, m_i, l_i, acc, q_pos, kn_ptr, kr_ptr, v_ptr, t0, k
 
 @triton.jit(do_not_specialize=["num_m_blocks"])  # ints that vary by step: one binary for all
 def _mha_extend_kernel(
-    q_ptr, kn_ptr, kr_ptr, v_ptr, q_start_ptr, k_start_ptr, o_ptr,
+    q_ptr, kn_ptr, kr_ptr, v_ptr, q_start_ptr, k_start_ptr, seq_lens_ptr, o_ptr,
     qk_scale, num_m_blocks,
     stride_qn, stride_qh,
     stride_kn, stride_kh,
@@ -78,7 +78,7 @@ def _mha_extend_kernel(
     m0 = pid_m * BLOCK_M
     if m0 < n_rows:
         k_start = tl.load(k_start_ptr + pid_b).to(tl.int64)
-        kv_len = (tl.load(k_start_ptr + pid_b + 1).to(tl.int64) - k_start).to(tl.int32)
+        kv_len = tl.load(seq_lens_ptr + pid_b).to(tl.int32)
         prefix = kv_len - n_rows
         offs_m = m0 + tl.arange(0, BLOCK_M)
         mask_m = offs_m < n_rows
@@ -122,11 +122,12 @@ _GPU_FP32: dict[str, Any] = {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 1}
 
 
 def mha_extend(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: torch.Tensor,
-               q_start_loc: torch.Tensor, k_start_loc: torch.Tensor, sm_scale: float,
-               config: dict | None = None) -> torch.Tensor:
+               q_start_loc: torch.Tensor, k_start: torch.Tensor, seq_lens: torch.Tensor,
+               sm_scale: float, config: dict | None = None) -> torch.Tensor:
     """Causal prefill attention of ``q`` (Nq, H, DN + R) over the expanded histories
     ``k_nope`` (Nk, H, DN), ``k_rope`` (Nk, R), ``v`` (Nk, H, DV) -> out (Nq, H, DV) in q's
-    dtype; see the module docstring for ``q_start_loc`` / ``k_start_loc`` (B + 1,)."""
+    dtype; see the module docstring for ``q_start_loc`` (B + 1,), ``k_start`` and
+    ``seq_lens`` (B,)."""
     V.check_tensor("q", q, 3, V.FLOAT_DTYPES)
     dev = q.device
     for name, t, dim in (("k_nope", k_nope, 3), ("k_rope", k_rope, 2), ("v", v, 3)):
@@ -141,10 +142,12 @@ def mha_extend(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: t
                          f"k_rope {tuple(k_rope.shape)}, v {tuple(v.shape)}")
     if q.stride(-1) != 1:
         raise ValueError("q must have unit stride in its last dim")
-    for name, loc in (("q_start_loc", q_start_loc), ("k_start_loc", k_start_loc)):
+    for name, loc in (("q_start_loc", q_start_loc), ("k_start", k_start),
+                      ("seq_lens", seq_lens)):
         V.check_tensor(name, loc, 1, V.INDEX_DTYPES, dev)
     B = q_start_loc.shape[0] - 1
-    V.check_dim("k_start_loc", k_start_loc, 0, B + 1, "one more than the requests")
+    V.check_dim("k_start", k_start, 0, B, "one per request")
+    V.check_dim("seq_lens", seq_lens, 0, B, "one per request")
     out = torch.empty((Nq, H, DV), dtype=q.dtype, device=dev)
     if Nq == 0 or H == 0 or B <= 0:
         return out
@@ -154,7 +157,7 @@ def mha_extend(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: t
     cfg.update(config or {})
     num_m_blocks = triton.cdiv(Nq, cfg["BLOCK_M"])  # bound for any one request: no host sync
     _mha_extend_kernel[(H, num_m_blocks, B)](
-        q, k_nope, k_rope, v, q_start_loc, k_start_loc, out,
+        q, k_nope, k_rope, v, q_start_loc, k_start, seq_lens, out,
         float(sm_scale) * _LOG2E, num_m_blocks,
         q.stride(0), q.stride(1), k_nope.stride(0), k_nope.stride(1), k_rope.stride(0),
         v.stride(0), v.stride(1), out.stride(0), out.stride(1),
@@ -167,14 +170,15 @@ def mha_extend(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: t
 
 
 def mha_extend_ref(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: torch.Tensor,
-                   q_start_loc: torch.Tensor, k_start_loc: torch.Tensor,
+                   q_start_loc: torch.Tensor, k_start: torch.Tensor, seq_lens: torch.Tensor,
                    sm_scale: float) -> torch.Tensor:
     """Torch reference of ``mha_extend`` (fp64, one request at a time)."""
     Nq, H, _ = q.shape
     out = torch.zeros((Nq, H, v.shape[2]), dtype=torch.float64, device=q.device)
     for b in range(q_start_loc.shape[0] - 1):
         lo, hi = int(q_start_loc[b]), int(q_start_loc[b + 1])
-        k0, k1 = int(k_start_loc[b]), int(k_start_loc[b + 1])
+        k0 = int(k_start[b])
+        k1 = k0 + int(seq_lens[b])
         if hi == lo:
             continue
         length = k1 - k0

@@ -18,6 +18,7 @@ import torch
 from splash.core.ownership import LAYOUTS, cp_gather_map
 from splash.kernels_triton import kv_gather, lse_merge, mla_extend, mla_sparse
 from splash.layouts.base import AttentionLayout, StepMeta, attend, query, store_rows
+from splash.layouts.expanded import attend_rows, dequantised, use_expanded
 from splash.layouts.sparse import pick_slots_sharded, topk_indexed
 from splash.model import overlap
 
@@ -87,7 +88,15 @@ class CPAttention(AttentionLayout):
         if sparse and attn.indexer is not None:  # every rank gathers, rows or not
             keys = self._transient(*self.store.index_layer(layer), plan)
         q_rows = plan["my_rows"]
-        if q_rows.numel():
+        flat_rows = plan["num_pages"] * transient.shape[1]
+        if q_rows.numel() and not sparse and use_expanded(attn, meta, q_rows.numel(), flat_rows):
+            hs, pos = h[q_rows], meta.positions[q_rows]  # a long prefill: expanded form
+            rows = dequantised(transient.view(flat_rows, -1) if t_scale is None else
+                               (transient.view(flat_rows, -1), t_scale), attn.w_uk.dtype)
+            mine = attn.output_expanded(attend_rows(
+                attn, rows, attn.q_input(hs), pos, plan, plan["k_start"],
+                self.store.configs.get("mha_extend") or None))
+        elif q_rows.numel():
             hs, pos = h[q_rows], meta.positions[q_rows]
             q_in, q = query(attn, hs, pos)  # q (m, H, D)
             args = {k: plan[k] for k in ("block_table", "seq_lens", "q_start_loc", "row_req")}
@@ -129,7 +138,7 @@ class CPAttention(AttentionLayout):
         bounds = [len(all_rows) * r // world for r in range(world + 1)]
         row_counts = [bounds[r + 1] - bounds[r] for r in range(world)]
         my = range(bounds[rank], bounds[rank + 1])
-        block_tables, lens, q_start, q_lens = [], [], [0], []
+        block_tables, lens, q_start, q_lens, k_start = [], [], [0], [], []
         width = int(pages.max())
         seen = 0
         for j, b in enumerate(pre):
@@ -140,6 +149,7 @@ class CPAttention(AttentionLayout):
                 continue
             first, n_pages = int(page_base[j]), int(pages[j])
             block_tables.append(list(range(first, first + n_pages)) + [0] * (width - n_pages))
+            k_start.append(first * ps)  # its rows in the transient, in position order
             lens.append(plan.context_lens[b] - (n - hi))
             q_start.append(q_start[-1] + hi - lo)
             q_lens.append(hi - lo)
@@ -152,7 +162,7 @@ class CPAttention(AttentionLayout):
             "num_pages": base_page, "all_rows": t(all_rows),
             "my_rows": t([all_rows[i] for i in my]), "row_counts": row_counts,
             "block_table": t(block_tables or [[0]], torch.int32), "seq_lens": t(lens, torch.int32),
-            "q_start_loc": t(q_start, torch.int32),
+            "q_start_loc": t(q_start, torch.int32), "k_start": t(k_start, torch.int32),
             "row_req": t([j for j, n in enumerate(q_lens) for _ in range(n)], torch.int32),
             "host_lens": (q_lens, lens),
         }

@@ -8,7 +8,7 @@ import torch
 
 from splash.core.ownership import LAYOUTS
 from splash.layouts.base import AttentionLayout, StepMeta, attend, query, store_rows
-from splash.layouts.expanded import attend_expanded, use_expanded
+from splash.layouts.expanded import attend_expanded, use_expanded_for
 from splash.layouts.sparse import pick_slots
 from splash.model import overlap
 
@@ -22,7 +22,7 @@ class DPAttention(AttentionLayout):
     def forward(self, layer: int, attn: Any, h: torch.Tensor, meta: StepMeta) -> torch.Tensor:
         inp = meta.inputs(self)
         mine = meta.owned(self.comm.rank)
-        if "rows" in inp and use_expanded(attn, meta, mine, inp["args"]):  # long prefill
+        if "rows" in inp and use_expanded_for(attn, meta, mine):  # long prefill
             rows = inp["rows"]
             hs, pos = h[rows], meta.positions[rows]
             store_rows(self.store, layer, attn, hs, pos, inp["slots"])

@@ -8,7 +8,7 @@ import torch
 
 from splash.core.ownership import LAYOUTS
 from splash.layouts.base import AttentionLayout, StepMeta, attend, query, store_rows
-from splash.layouts.expanded import attend_expanded, use_expanded
+from splash.layouts.expanded import attend_expanded, use_expanded_for
 from splash.layouts.sparse import pick_slots
 from splash.model import overlap
 
@@ -24,7 +24,7 @@ class TPAttention(AttentionLayout):
     def forward(self, layer: int, attn: Any, h: torch.Tensor, meta: StepMeta) -> torch.Tensor:
         inp = meta.inputs(self)
         reqs = list(range(meta.num_requests))
-        if use_expanded(attn, meta, reqs, inp["args"]):  # a long prefill chunk
+        if use_expanded_for(attn, meta, reqs):  # a long prefill chunk
             store_rows(self.store, layer, attn, h, meta.positions, inp["slots"])
             o = attend_expanded(self.store, layer, attn, attn.q_input(h), meta.positions, meta,
                                 reqs, inp["args"])

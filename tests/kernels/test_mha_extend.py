@@ -29,12 +29,15 @@ def _inputs(H, DN, R, DV, rows, prefix, dtype, dev, seed=0):
     def rnd(*shape):
         return torch.randn(*shape, generator=gen).to(dtype).to(dev)
 
+    gap = 3  # keys of one request need not follow the last one's (CP's paged transient)
+    Nk += gap * len(lens)
     q, k_nope, k_rope, v = rnd(sum(rows), H, DN + R), rnd(Nk, H, DN), rnd(Nk, R), rnd(Nk, H, DV)
     q_start = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()], dtype=torch.int32,
                            device=dev)
-    k_start = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
-                           device=dev)
-    return q, k_nope, k_rope, v, q_start, k_start
+    k_start = torch.tensor([sum(lens[:b]) + gap * (b + 1) for b in range(len(lens))],
+                           dtype=torch.int32, device=dev)
+    return q, k_nope, k_rope, v, q_start, k_start, torch.tensor(lens, dtype=torch.int32,
+                                                                 device=dev)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -79,16 +82,18 @@ def test_mha_equals_absorbed_attention_on_the_same_latent_rows():
     k_nope = torch.einsum("tl,hdl->thd", hist[:, :L], w_uk).contiguous()
     v = torch.einsum("tl,hdl->thd", hist[:, :L], w_uv).contiguous()
     q_start = torch.tensor([0, rows[0], sum(rows)], dtype=torch.int32, device=dev)
-    k_start = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32, device=dev)
-    out = mha_extend(q, k_nope, hist[:, L:].contiguous(), v, q_start, k_start, 0.15)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+    out = mha_extend(q, k_nope, hist[:, L:].contiguous(), v, q_start,
+                     torch.tensor([0, lens[0]], dtype=torch.int32, device=dev), seq_lens, 0.15)
     q_abs = torch.cat([torch.einsum("nhd,hdl->nhl", q[..., :DN], w_uk), q[..., DN:]], dim=-1)
-    o_lat, _ = mla_extend(q_abs.contiguous(), kv, table,
-                          torch.tensor(lens, dtype=torch.int32, device=dev), q_start, 0.15, L)
+    o_lat, _ = mla_extend(q_abs.contiguous(), kv, table, seq_lens, q_start, 0.15, L)
     assert_close(out, torch.einsum("nhl,hdl->nhd", o_lat, w_uv), 1e-4, 1e-4)
 
 
 def test_mha_extend_rejects_mismatched_shapes():
-    q, k_nope, k_rope, v, qs, ks = _inputs(2, 16, 8, 16, [3], [2], torch.float32,
-                                           torch.device("cpu"))
+    q, k_nope, k_rope, v, qs, ks, lens = _inputs(2, 16, 8, 16, [3], [2], torch.float32,
+                                                 torch.device("cpu"))
     with pytest.raises(ValueError, match="shapes disagree"):
-        mha_extend(q[..., :20], k_nope, k_rope, v, qs, ks, 0.1)
+        mha_extend(q[..., :20], k_nope, k_rope, v, qs, ks, lens, 0.1)
+    with pytest.raises(ValueError, match="seq_lens"):
+        mha_extend(q, k_nope, k_rope, v, qs, ks, lens[:0], 0.1)

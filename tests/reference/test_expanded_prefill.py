@@ -1,8 +1,8 @@
 """Prefill chunks in the non-absorbed form (``SPLASH_MHA_PREFILL``: keys and values expanded from
 the latent rows) give transformers' greedy tokens, fp32 on CPU: every architecture (q LoRA and
 q_proj, YaRN, interleaved rope, GLM-5's dense steps within index_topk), chunked prompts whose
-later chunks attend cached prefixes, and the layouts that use it (TP, DP at T=2) beside those
-that do not (CP, DOP)."""
+later chunks attend their earlier chunks, and every layout that uses it (TP, DP and CP at
+T=2; CP's query rows are split over the ranks, each over the gathered histories)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ import pytest
 from tiny_models import DEV, checkpoint, hf_greedy, mixed_prompts
 
 from splash import LLM, SamplingParams
+from splash.errors import ConfigError
 
 MAX_NEW = 5
 
 
 @pytest.mark.parametrize("arch,tp,layout", [("v2", 1, "tp"), ("v3", 1, "tp"), ("glm", 1, "tp"),
-                                            ("v3", 2, "dp"), ("v3", 2, "tp")])
+                                            ("v3", 2, "dp"), ("v3", 2, "tp"), ("v3", 2, "cp")])
 def test_expanded_prefill_same_tokens_as_transformers(monkeypatch, arch, tp, layout):
     monkeypatch.setenv("SPLASH_MHA_PREFILL", "2")  # every step of two rows or more
     path = checkpoint(arch)
@@ -26,3 +27,9 @@ def test_expanded_prefill_same_tokens_as_transformers(monkeypatch, arch, tp, lay
              **kw) as llm:
         ours = [o.token_ids for o in llm.generate(prompts, params)]
     assert ours == hf_greedy(path, prompts, MAX_NEW)
+
+
+def test_a_bad_setting_is_refused_at_start(monkeypatch):
+    monkeypatch.setenv("SPLASH_MHA_PREFILL", "long")
+    with pytest.raises(ConfigError, match="SPLASH_MHA_PREFILL"):
+        LLM(checkpoint("v3"), backend="cpu")
