@@ -10,7 +10,8 @@
 # prefix (prefix caching and n samples on GRPO and agent traces, V2-Lite dims), small (the fused
 # norm, rope and routing kernels against the torch ops they replace), dsa (launch sweep of the
 # DSA kernels, then their records), gemms (the dense products of a decode step vs their bytes),
-# overlap (T=1 decode steps with one and with two streams per layer, V3-shaped, 8 layers).
+# overlap (T=1 decode steps with one and with two streams per layer, V3-shaped, 8 layers),
+# expanded (one prefill chunk's attention absorbed vs expanded: SPLASH_MHA_PREFILL's default).
 # Default: tests engine kernels moe offline (about 8 minutes on an H200).
 set -uo pipefail
 PARTS=${*:-tests engine kernels moe offline}
@@ -50,6 +51,8 @@ for p in $PARTS; do
       --out "$OUT/prefix_cache.json" ;;
     dsa) part dsa 540 python3 benchmarks/dsa_sweep.py --out "$OUT/dsa_sweep.json" ;;
     gemms) part gemms 120 python3 benchmarks/dense_gemms.py --out "$OUT/dense_gemms.json" ;;
+    expanded) part expanded_prefill 240 python3 benchmarks/expanded_prefill.py \
+      --out "$OUT/expanded_prefill.json" ;;
     overlap)
       CKPT=/tmp/splash-v3-8l-o1
       python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import multi_gpu; \
