@@ -13,6 +13,7 @@ the two is the speed-up a serving step sees. Decides ``SPLASH_MHA_PREFILL``'s de
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import torch
@@ -25,7 +26,14 @@ from splash.kernels_triton.mha_extend import mha_extend
 L, R, NOPE, DV, PAGE = 512, 64, 128, 128, 64
 
 
-def one(heads: int, chunk: int, prefix: int, dtype=torch.bfloat16) -> dict:
+CONFIGS = [{"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+           {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+           {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
+           {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3},
+           {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}]
+
+
+def one(heads: int, chunk: int, prefix: int, dtype=torch.bfloat16, sweep: bool = False) -> dict:
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     T = prefix + chunk
@@ -49,11 +57,12 @@ def one(heads: int, chunk: int, prefix: int, dtype=torch.bfloat16) -> dict:
         o, _ = mla_extend(q_abs, kv, table, seq_lens, q_start, scale, L)
         return torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2))
 
-    def expanded():
+    def expanded(config=None):
         rows = kv_gather(kv, slots)
         k = (rows[:, :L] @ w_uk.reshape(heads * NOPE, L).t()).view(T, heads, NOPE)
         v = (rows[:, :L] @ w_uv.reshape(heads * DV, L).t()).view(T, heads, DV)
-        return mha_extend(q, k, rows[:, L:].contiguous(), v, q_start, k_start, seq_lens, scale)
+        return mha_extend(q, k, rows[:, L:].contiguous(), v, q_start, k_start, seq_lens, scale,
+                          config=config)
 
     a = absorbed().transpose(0, 1).float()
     e = expanded().float()
@@ -61,23 +70,33 @@ def one(heads: int, chunk: int, prefix: int, dtype=torch.bfloat16) -> dict:
     ms_a, ms_e = bench(absorbed), bench(expanded)
     pairs = chunk * prefix + chunk * (chunk + 1) / 2
     flops = 2 * heads * pairs * (L + R + L)  # the absorbed form's, for both
-    return {"heads": heads, "chunk": chunk, "prefix": prefix, "dtype": str(dtype),
-            "ms_absorbed": round(ms_a, 3), "ms_expanded": round(ms_e, 3),
-            "speedup": round(ms_a / ms_e, 2), "rel_err": err,
-            "TFLOPs_absorbed_equiv_absorbed": round(flops / ms_a / 1e9, 1),
-            "TFLOPs_absorbed_equiv_expanded": round(flops / ms_e / 1e9, 1)}
+    rec = {"heads": heads, "chunk": chunk, "prefix": prefix, "dtype": str(dtype),
+           "ms_absorbed": round(ms_a, 3), "ms_expanded": round(ms_e, 3),
+           "speedup": round(ms_a / ms_e, 2), "rel_err": err,
+           "TFLOPs_absorbed_equiv_absorbed": round(flops / ms_a / 1e9, 1),
+           "TFLOPs_absorbed_equiv_expanded": round(flops / ms_e / 1e9, 1)}
+    if sweep:  # mha_extend's launch configs, the whole expanded side timed with each
+        rec["sweep"] = []
+        for cfg in CONFIGS:
+            try:
+                ms = bench(functools.partial(expanded, cfg))
+                rec["sweep"].append({**cfg, "ms_expanded": round(ms, 3)})
+            except Exception as e:  # a config that does not fit shared memory is a result
+                rec["sweep"].append({**cfg, "error": f"{type(e).__name__}: {e}"[:200]})
+    return rec
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--points", default="128:8192:0,128:8192:24576,128:2048:0,128:512:8192,"
                     "16:8192:0,16:8192:24576")
+    ap.add_argument("--no-sweep", action="store_true", help="the launcher's default config only")
     ap.add_argument("--out", default="benchmarks/results/h200/expanded_prefill.json")
     args = ap.parse_args()
     rows = []
     for p in args.points.split(","):
         h, c, pre = (int(x) for x in p.split(":"))
-        rows.append(one(h, c, pre))
+        rows.append(one(h, c, pre, sweep=not args.no_sweep))
         print(rows[-1], flush=True)
     save_json(args.out, {"benchmark": "expanded_prefill", "rows": rows,
                          "ceilings": ceilings(torch.device("cuda"))})
