@@ -62,7 +62,7 @@ def one(heads: int, chunk: int, prefix: int, dtype=torch.bfloat16, sweep: bool =
         k = (rows[:, :L] @ w_uk.reshape(heads * NOPE, L).t()).view(T, heads, NOPE)
         v = (rows[:, :L] @ w_uv.reshape(heads * DV, L).t()).view(T, heads, DV)
         return mha_extend(q, k, rows[:, L:].contiguous(), v, q_start, k_start, seq_lens, scale,
-                          config=config)
+                          config=config)[0]
 
     a = absorbed().transpose(0, 1).float()
     e = expanded().float()

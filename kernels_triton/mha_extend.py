@@ -58,16 +58,18 @@ def _mha_tile(q_nope, q_rope, m_i, l_i, acc, q_pos, kn_ptr, kr_ptr, v_ptr, t0, k
 
 @triton.jit(do_not_specialize=["num_m_blocks"])  # ints that vary by step: one binary for all
 def _mha_extend_kernel(
-    q_ptr, kn_ptr, kr_ptr, v_ptr, q_start_ptr, k_start_ptr, seq_lens_ptr, o_ptr,
+    q_ptr, kn_ptr, kr_ptr, v_ptr, q_start_ptr, k_start_ptr, seq_lens_ptr, o_ptr, lse_ptr,
     qk_scale, num_m_blocks,
     stride_qn, stride_qh,
     stride_kn, stride_kh,
     stride_rn,
     stride_vn, stride_vh,
     stride_on, stride_oh,
+    stride_ln, stride_lh,
     DN: tl.constexpr, R: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
+    CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     pid_h = tl.program_id(0)
@@ -79,7 +81,8 @@ def _mha_extend_kernel(
     if m0 < n_rows:
         k_start = tl.load(k_start_ptr + pid_b).to(tl.int64)
         kv_len = tl.load(seq_lens_ptr + pid_b).to(tl.int32)
-        prefix = kv_len - n_rows
+        # causal: the keys end at the block's rows; else every row sees every key
+        prefix = kv_len - n_rows if CAUSAL else kv_len
         offs_m = m0 + tl.arange(0, BLOCK_M)
         mask_m = offs_m < n_rows
         q_pos = prefix + offs_m
@@ -96,7 +99,8 @@ def _mha_extend_kernel(
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
-        full_end = ((prefix + m0) // BLOCK_N) * BLOCK_N  # keys every row of the block sees
+        # keys every row of the block sees, in whole tiles: no mask
+        full_end = (tl.minimum(prefix + m0, kv_len) // BLOCK_N) * BLOCK_N
         for t0 in range(0, full_end, BLOCK_N):
             m_i, l_i, acc = _mha_tile(q_nope, q_rope, m_i, l_i, acc, q_pos, kn_ptr, kr_ptr,
                                       v_ptr, t0, kv_len, stride_kn, stride_rn, stride_vn,
@@ -108,10 +112,13 @@ def _mha_extend_kernel(
                                       v_ptr, t0, kv_len, stride_kn, stride_rn, stride_vn,
                                       qk_scale, DN, R, DV, BLOCK_N, BLOCK_DN, BLOCK_R, BLOCK_DV,
                                       True, DOT_PRECISION)
-        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        out = acc / l_safe[:, None]
+        lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         rows = (row_start + offs_m).to(tl.int64)
         tl.store(o_ptr + rows[:, None] * stride_on + pid_h * stride_oh + offs_dv[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_dv < DV)[None, :])
+        tl.store(lse_ptr + rows * stride_ln + pid_h * stride_lh, lse, mask=mask_m)
 
 
 _DEFAULTS: dict[str, dict[str, Any]] = {
@@ -123,11 +130,13 @@ _GPU_FP32: dict[str, Any] = {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 1}
 
 def mha_extend(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: torch.Tensor,
                q_start_loc: torch.Tensor, k_start: torch.Tensor, seq_lens: torch.Tensor,
-               sm_scale: float, config: dict | None = None) -> torch.Tensor:
+               sm_scale: float, causal: bool = True, config: dict | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal prefill attention of ``q`` (Nq, H, DN + R) over the expanded histories
-    ``k_nope`` (Nk, H, DN), ``k_rope`` (Nk, R), ``v`` (Nk, H, DV) -> out (Nq, H, DV) in q's
-    dtype; see the module docstring for ``q_start_loc`` (B + 1,), ``k_start`` and
-    ``seq_lens`` (B,)."""
+    ``k_nope`` (Nk, H, DN), ``k_rope`` (Nk, R), ``v`` (Nk, H, DV) -> (out (Nq, H, DV) in q's
+    dtype, lse (Nq, H) fp32); see the module docstring for ``q_start_loc`` (B + 1,),
+    ``k_start`` and ``seq_lens`` (B,). ``causal=False``: every row attends every key of its
+    request (a piece of history before the chunk; partials merge with ``lse_merge``)."""
     V.check_tensor("q", q, 3, V.FLOAT_DTYPES)
     dev = q.device
     for name, t, dim in (("k_nope", k_nope, 3), ("k_rope", k_rope, 2), ("v", v, 3)):
@@ -149,32 +158,34 @@ def mha_extend(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: t
     V.check_dim("k_start", k_start, 0, B, "one per request")
     V.check_dim("seq_lens", seq_lens, 0, B, "one per request")
     out = torch.empty((Nq, H, DV), dtype=q.dtype, device=dev)
+    lse = torch.empty((Nq, H), dtype=torch.float32, device=dev)
     if Nq == 0 or H == 0 or B <= 0:
-        return out
+        return out, lse
     cfg = dict(_DEFAULTS["cuda" if dev.type == "cuda" else "cpu"])
     if dev.type == "cuda" and q.dtype == torch.float32:
         cfg.update(_GPU_FP32)
     cfg.update(config or {})
     num_m_blocks = triton.cdiv(Nq, cfg["BLOCK_M"])  # bound for any one request: no host sync
     _mha_extend_kernel[(H, num_m_blocks, B)](
-        q, k_nope, k_rope, v, q_start_loc, k_start, seq_lens, out,
+        q, k_nope, k_rope, v, q_start_loc, k_start, seq_lens, out, lse,
         float(sm_scale) * _LOG2E, num_m_blocks,
         q.stride(0), q.stride(1), k_nope.stride(0), k_nope.stride(1), k_rope.stride(0),
-        v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        v.stride(0), v.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         DN=DN, R=R, DV=DV, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         BLOCK_DN=V.next_pow2(DN), BLOCK_R=V.next_pow2(R), BLOCK_DV=V.next_pow2(DV),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        CAUSAL=bool(causal), DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    return out
+    return out, lse
 
 
 def mha_extend_ref(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: torch.Tensor,
                    q_start_loc: torch.Tensor, k_start: torch.Tensor, seq_lens: torch.Tensor,
-                   sm_scale: float) -> torch.Tensor:
+                   sm_scale: float, causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of ``mha_extend`` (fp64, one request at a time)."""
     Nq, H, _ = q.shape
     out = torch.zeros((Nq, H, v.shape[2]), dtype=torch.float64, device=q.device)
+    lse = torch.full((Nq, H), float("-inf"), dtype=torch.float64, device=q.device)
     for b in range(q_start_loc.shape[0] - 1):
         lo, hi = int(q_start_loc[b]), int(q_start_loc[b + 1])
         k0 = int(k_start[b])
@@ -185,9 +196,13 @@ def mha_extend_ref(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, 
         keys = torch.cat([k_nope[k0:k1].double(),
                           k_rope[k0:k1].double()[:, None, :].expand(-1, H, -1)], dim=-1)
         scores = torch.einsum("nhd,thd->nht", q[lo:hi].double(), keys) * sm_scale
-        pos = length - (hi - lo) + torch.arange(hi - lo, device=q.device)
-        hidden = torch.arange(length, device=q.device)[None, :] > pos[:, None]
-        scores = scores.masked_fill(hidden[:, None, :], float("-inf"))
+        if causal:
+            pos = length - (hi - lo) + torch.arange(hi - lo, device=q.device)
+            hidden = torch.arange(length, device=q.device)[None, :] > pos[:, None]
+            scores = scores.masked_fill(hidden[:, None, :], float("-inf"))
+        if length == 0:
+            continue
+        lse[lo:hi] = torch.logsumexp(scores, dim=-1)
         out[lo:hi] = torch.einsum("nht,thd->nhd", torch.softmax(scores, dim=-1),
                                   v[k0:k1].double())
-    return out.to(q.dtype)
+    return out.to(q.dtype), lse.float()

@@ -89,12 +89,13 @@ class CPAttention(AttentionLayout):
             keys = self._transient(*self.store.index_layer(layer), plan)
         q_rows = plan["my_rows"]
         flat_rows = plan["num_pages"] * transient.shape[1]
-        if q_rows.numel() and not sparse and use_expanded(attn, meta, q_rows.numel(), flat_rows):
+        if q_rows.numel() and not sparse and use_expanded(attn, meta, q_rows.numel()):
             hs, pos = h[q_rows], meta.positions[q_rows]  # a long prefill: expanded form
             rows = dequantised(transient.view(flat_rows, -1) if t_scale is None else
                                (transient.view(flat_rows, -1), t_scale), attn.w_uk.dtype)
             mine = attn.output_expanded(attend_rows(
                 attn, rows, attn.q_input(hs), pos, plan, plan["k_start"],
+                (*plan["host_lens"], plan["k_start_host"]),
                 self.store.configs.get("mha_extend") or None))
         elif q_rows.numel():
             hs, pos = h[q_rows], meta.positions[q_rows]
@@ -163,6 +164,7 @@ class CPAttention(AttentionLayout):
             "my_rows": t([all_rows[i] for i in my]), "row_counts": row_counts,
             "block_table": t(block_tables or [[0]], torch.int32), "seq_lens": t(lens, torch.int32),
             "q_start_loc": t(q_start, torch.int32), "k_start": t(k_start, torch.int32),
+            "k_start_host": k_start,
             "row_req": t([j for j, n in enumerate(q_lens) for _ in range(n)], torch.int32),
             "host_lens": (q_lens, lens),
         }

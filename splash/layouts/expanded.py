@@ -10,9 +10,12 @@ nope + R and v dims (192 and 128): 3.4× fewer FLOPs per pair. Long prefill chun
 outnumber rows, run faster this way; decode and short chunks stay absorbed.
 
 ``SPLASH_MHA_PREFILL=N`` turns it on for steps whose rows on this rank number at least N (off by
-default until measured on a GPU); the expanded keys and values of a step must fit
-``EXPANDED_BUDGET`` bytes, else the step stays absorbed. DSA layers that select positions stay
-absorbed (they attend only the selected slots).
+default until measured on a GPU). The expanded keys and values of one layer take at most
+``EXPANDED_BUDGET`` bytes: a longer history is expanded piece by piece (every row of the chunk
+sees a piece before the chunk whole; the chunk itself is the causal piece) and the pieces'
+partial outputs merge by log-sum-exp, as serving engines do for chunked prefill over long
+contexts. A step whose query rows alone pass the budget stays absorbed, as do DSA layers that
+select positions (they attend only the selected slots).
 """
 
 from __future__ import annotations
@@ -24,11 +27,11 @@ import torch
 
 from splash import envs
 from splash.errors import ConfigError
-from splash.kernels_triton import kv_gather
+from splash.kernels_triton import kv_gather, lse_merge
 from splash.kernels_triton.mha_extend import mha_extend
 from splash.layouts.base import KVStore, StepMeta
 
-EXPANDED_BUDGET = 1 << 30  # bytes of expanded keys and values one layer of a step may take
+EXPANDED_BUDGET = 1 << 30  # bytes of expanded keys and values one layer may hold at once
 
 
 def min_rows() -> int:
@@ -41,23 +44,24 @@ def min_rows() -> int:
     return int(value)
 
 
-def use_expanded(attn: Any, meta: StepMeta, rows: int, keys: int) -> bool:
-    """Whether a prefill step's ``rows`` query rows on this rank over ``keys`` history rows run
-    expanded in this layer."""
-    threshold = min_rows()
-    if not threshold or meta.all_decode or rows < threshold:
-        return False
-    if attn.is_sparse and not meta.within_topk(attn.cfg.index_topk):
-        return False
+def budget_keys(attn: Any) -> int:
+    """History rows whose expanded keys and values fit ``EXPANDED_BUDGET`` in this layer."""
     c = attn.cfg
     per_key = attn.num_heads * (c.qk_nope_head_dim + c.v_head_dim) + c.qk_rope_head_dim
-    return keys * per_key * attn.w_uk.element_size() <= EXPANDED_BUDGET
+    return max(EXPANDED_BUDGET // (per_key * attn.w_uk.element_size()), 1)
+
+
+def use_expanded(attn: Any, meta: StepMeta, rows: int) -> bool:
+    """Whether a prefill step's ``rows`` query rows on this rank run expanded in this layer."""
+    threshold = min_rows()
+    if not threshold or meta.all_decode or not threshold <= rows <= budget_keys(attn):
+        return False
+    return not (attn.is_sparse and not meta.within_topk(attn.cfg.index_topk))
 
 
 def use_expanded_for(attn: Any, meta: StepMeta, reqs: list[int]) -> bool:
-    """`use_expanded` for this rank's rows of ``reqs``, each over its whole history (TP, DP)."""
-    return bool(reqs) and use_expanded(attn, meta, sum(meta.plan.query_lens[b] for b in reqs),
-                                       sum(meta.plan.context_lens[b] for b in reqs))
+    """`use_expanded` for this rank's rows of ``reqs`` (TP, DP)."""
+    return bool(reqs) and use_expanded(attn, meta, sum(meta.plan.query_lens[b] for b in reqs))
 
 
 def history_slots(meta: StepMeta, reqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,15 +89,50 @@ def dequantised(got: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
 
 
 def attend_rows(attn: Any, rows: torch.Tensor, q_in: torch.Tensor, positions: torch.Tensor,
-                args: dict, k_start: torch.Tensor, config: dict | None) -> torch.Tensor:
+                args: dict, k_start: torch.Tensor, host: tuple[list[int], list[int], list[int]],
+                config: dict | None) -> torch.Tensor:
     """The expanded attention output (n, h, v) of query rows (``q_in``: their normalised q_a
-    latents, ``positions``) over history ``rows`` (Nk, L + R), request b's keys at
-    [k_start[b], k_start[b] + args["seq_lens"][b])."""
+    latents, ``positions``) over history ``rows`` (Nk, L + R): request b's keys are
+    [k_start[b], k_start[b] + args["seq_lens"][b]); ``host`` holds its query rows, history
+    length and key start on the host (to cut long histories into pieces)."""
+    q = attn.query_expanded(q_in, positions)
+    if rows.shape[0] <= budget_keys(attn):  # the whole step at once
+        return _attend(attn, q, rows, args["q_start_loc"], k_start, args["seq_lens"], True,
+                       config)[0]
+    out = q.new_empty((q.shape[0], q.shape[1], attn.cfg.v_head_dim))
+    step, r0 = budget_keys(attn), 0
+    for n, kv_len, k0 in zip(*host):
+        if n == 0:
+            continue
+        qb, prefix = q[r0:r0 + n], kv_len - n
+        pieces = [(a, min(a + step, prefix), False) for a in range(0, prefix, step)]
+        acc = None  # the running merge: two partials in memory at a time
+        for a, b, causal in pieces + [(prefix, kv_len, True)]:
+            part = _attend(attn, qb, rows[k0 + a:k0 + b], *_one(n, b - a, q.device), causal,
+                           config)
+            acc = part if acc is None else lse_merge(torch.stack([acc[0], part[0]]),
+                                                     torch.stack([acc[1], part[1]]))
+        assert acc is not None  # the chunk's own piece always runs
+        out[r0:r0 + n] = acc[0]
+        r0 += n
+    return out
+
+
+def _one(rows: int, keys: int, device: torch.device
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q_start_loc, k_start, seq_lens of one request of ``rows`` rows over ``keys`` keys."""
+    def t(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+    return t([0, rows]), t([0]), t([keys])
+
+
+def _attend(attn: Any, q: torch.Tensor, rows: torch.Tensor, q_start: torch.Tensor,
+            k_start: torch.Tensor, seq_lens: torch.Tensor, causal: bool,
+            config: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
     L = attn.cfg.kv_lora_rank
     k_nope, v = attn.expand(rows[:, :L])
-    q = attn.query_expanded(q_in, positions)
-    return mha_extend(q, k_nope, rows[:, L:].to(q.dtype).contiguous(), v, args["q_start_loc"],
-                      k_start, args["seq_lens"], attn.sm_scale, config=config)
+    return mha_extend(q, k_nope, rows[:, L:].to(q.dtype).contiguous(), v, q_start, k_start,
+                      seq_lens, attn.sm_scale, causal=causal, config=config)
 
 
 def attend_expanded(store: KVStore, layer: int, attn: Any, q_in: torch.Tensor,
@@ -104,5 +143,8 @@ def attend_expanded(store: KVStore, layer: int, attn: Any, q_in: torch.Tensor,
     slots, k_start = meta.cached(("expanded", tuple(reqs)), lambda: history_slots(meta, reqs))
     cache, scale = store.layer(layer)
     rows = dequantised(kv_gather(cache, slots, kv_scale=scale), attn.w_uk.dtype)
-    return attend_rows(attn, rows, q_in, positions, args, k_start,
+    lens = [meta.plan.context_lens[b] for b in reqs]
+    host = ([meta.plan.query_lens[b] for b in reqs], lens,
+            [sum(lens[:j]) for j in range(len(lens))])
+    return attend_rows(attn, rows, q_in, positions, args, k_start, host,
                        store.configs.get("mha_extend") or None)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_data import assert_close, make_setting
+from kernel_data import assert_close, assert_lse, make_setting
 
 from splash.kernels_triton import mla_extend
 from splash.kernels_triton.mha_extend import mha_extend, mha_extend_ref
@@ -42,14 +42,16 @@ def _inputs(H, DN, R, DV, rows, prefix, dtype, dev, seed=0):
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_mha_extend_matches_reference(case, dtype):
+@pytest.mark.parametrize("causal", [True, False])
+def test_mha_extend_matches_reference(case, dtype, causal):
     setting = make_setting(dtype)
     H, DN, R, DV, rows, prefix = CASES[case]
     args = _inputs(H, DN, R, DV, rows, prefix, setting.q_dtype, setting.device)
-    out = mha_extend(*args, sm_scale=(DN + R) ** -0.5)
-    ref = mha_extend_ref(*args, sm_scale=(DN + R) ** -0.5)
+    out, lse = mha_extend(*args, sm_scale=(DN + R) ** -0.5, causal=causal)
+    ref, ref_lse = mha_extend_ref(*args, sm_scale=(DN + R) ** -0.5, causal=causal)
     assert out.shape == (sum(rows), H, DV) and out.dtype == setting.q_dtype
     assert_close(out, ref, setting.atol, setting.rtol)
+    assert_lse(lse, ref_lse, setting.lse_tol)
 
 
 @pytest.mark.parametrize("config", [{"BLOCK_M": 32, "BLOCK_N": 16}, {"BLOCK_M": 16, "BLOCK_N": 32}])
@@ -57,8 +59,8 @@ def test_mha_extend_launch_variants(config):
     setting = make_setting("fp32")
     H, DN, R, DV, rows, prefix = CASES["mixed"]
     args = _inputs(H, DN, R, DV, rows, prefix, setting.q_dtype, setting.device, seed=1)
-    assert_close(mha_extend(*args, sm_scale=0.1, config=config),
-                 mha_extend_ref(*args, sm_scale=0.1), setting.atol, setting.rtol)
+    assert_close(mha_extend(*args, sm_scale=0.1, config=config)[0],
+                 mha_extend_ref(*args, sm_scale=0.1)[0], setting.atol, setting.rtol)
 
 
 def test_mha_equals_absorbed_attention_on_the_same_latent_rows():
@@ -83,11 +85,13 @@ def test_mha_equals_absorbed_attention_on_the_same_latent_rows():
     v = torch.einsum("tl,hdl->thd", hist[:, :L], w_uv).contiguous()
     q_start = torch.tensor([0, rows[0], sum(rows)], dtype=torch.int32, device=dev)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
-    out = mha_extend(q, k_nope, hist[:, L:].contiguous(), v, q_start,
-                     torch.tensor([0, lens[0]], dtype=torch.int32, device=dev), seq_lens, 0.15)
+    out, lse = mha_extend(q, k_nope, hist[:, L:].contiguous(), v, q_start,
+                          torch.tensor([0, lens[0]], dtype=torch.int32, device=dev), seq_lens,
+                          0.15)
     q_abs = torch.cat([torch.einsum("nhd,hdl->nhl", q[..., :DN], w_uk), q[..., DN:]], dim=-1)
-    o_lat, _ = mla_extend(q_abs.contiguous(), kv, table, seq_lens, q_start, 0.15, L)
+    o_lat, lse_lat = mla_extend(q_abs.contiguous(), kv, table, seq_lens, q_start, 0.15, L)
     assert_close(out, torch.einsum("nhl,hdl->nhd", o_lat, w_uv), 1e-4, 1e-4)
+    assert_lse(lse, lse_lat, 1e-4)
 
 
 def test_mha_extend_rejects_mismatched_shapes():

@@ -1,0 +1,47 @@
+"""A history longer than the expanded budget runs in pieces (each before the chunk attended
+whole, the chunk itself causally) whose partials merge by log-sum-exp: the same output as
+expanding the whole history at once, for several requests, prefixes of several pieces, and a
+request with no prefix."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from splash.layouts import expanded
+
+
+def _attn(gen, H=2, L=16, DN=8, R=4, DV=6):
+    w_uk = torch.randn(H, DN, L, generator=gen) * 0.3
+    w_uv = torch.randn(H, DV, L, generator=gen) * 0.3
+    cfg = SimpleNamespace(kv_lora_rank=L, qk_nope_head_dim=DN, v_head_dim=DV,
+                          qk_rope_head_dim=R)
+
+    def expand(c):
+        return (torch.einsum("tl,hdl->thd", c, w_uk).contiguous(),
+                torch.einsum("tl,hdl->thd", c, w_uv).contiguous())
+
+    return SimpleNamespace(cfg=cfg, num_heads=H, w_uk=w_uk, expand=expand, sm_scale=0.3,
+                           query_expanded=lambda q_in, positions: q_in)
+
+
+@pytest.mark.parametrize("budget_rows", [7, 16])
+def test_pieces_merge_to_the_whole_history(monkeypatch, budget_rows):
+    gen = torch.Generator().manual_seed(0)
+    attn = _attn(gen)
+    q_lens, kv_lens = [3, 5, 2], [3, 30, 19]  # no prefix; several pieces; one or two
+    k_starts = [0, 3, 33]
+    rows = torch.randn(sum(kv_lens), 16 + 4, generator=gen)
+    q = torch.randn(sum(q_lens), 2, 8 + 4, generator=gen)
+    args = {"q_start_loc": torch.tensor([0, 3, 8, 10], dtype=torch.int32),
+            "seq_lens": torch.tensor(kv_lens, dtype=torch.int32)}
+    k_start = torch.tensor(k_starts, dtype=torch.int32)
+    host = (q_lens, kv_lens, k_starts)
+    whole = expanded.attend_rows(attn, rows, q, None, args, k_start, host, None)
+    per_key = 2 * (8 + 6) + 4
+    monkeypatch.setattr(expanded, "EXPANDED_BUDGET", budget_rows * per_key * 4)
+    assert expanded.budget_keys(attn) == budget_rows < rows.shape[0]
+    pieces = expanded.attend_rows(attn, rows, q, None, args, k_start, host, None)
+    torch.testing.assert_close(pieces, whole, atol=1e-5, rtol=1e-5)
