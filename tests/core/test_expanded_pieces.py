@@ -45,3 +45,19 @@ def test_pieces_merge_to_the_whole_history(monkeypatch, budget_rows):
     assert expanded.budget_keys(attn) == budget_rows < rows.shape[0]
     pieces = expanded.attend_rows(attn, rows, q, None, args, k_start, host, None)
     torch.testing.assert_close(pieces, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_fp8_rows_are_dequantised_with_their_scales():
+    """What the expanded form gathers from an fp8 cache: each row times its scale, as the
+    absorbed kernels read it."""
+    from splash.kernels_triton import kv_gather, quantise_rows_ref
+
+    gen = torch.Generator().manual_seed(1)
+    rows = torch.randn(24, 20, generator=gen)
+    data, scale = quantise_rows_ref(rows, torch.float8_e4m3fn)
+    cache, scales = data.reshape(3, 8, 20), scale.reshape(3, 8)
+    slots = torch.tensor([5, 0, 17, 23, 9])
+    got = expanded.dequantised(kv_gather(cache, slots, kv_scale=scales), torch.float32)
+    want = data[slots].float() * scale[slots][:, None]
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got, rows[slots], atol=0.1, rtol=0.07)  # e4m3 keeps ~2 digits
