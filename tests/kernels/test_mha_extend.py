@@ -41,7 +41,7 @@ def _inputs(H, DN, R, DV, rows, prefix, dtype, dev, seed=0):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", pytest.param("bf16", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("causal", [True, False])
 def test_mha_extend_matches_reference(case, dtype, causal):
     setting = make_setting(dtype)
