@@ -88,11 +88,9 @@ class CPAttention(AttentionLayout):
         if sparse and attn.indexer is not None:  # every rank gathers, rows or not
             keys = self._transient(*self.store.index_layer(layer), plan)
         q_rows = plan["my_rows"]
-        flat_rows = plan["num_pages"] * transient.shape[1]
         if q_rows.numel() and not sparse and use_expanded(attn, meta, q_rows.numel()):
             hs, pos = h[q_rows], meta.positions[q_rows]  # a long prefill: expanded form
-            rows = dequantised(transient.view(flat_rows, -1) if t_scale is None else
-                               (transient.view(flat_rows, -1), t_scale), attn.w_uk.dtype)
+            rows = dequantised(transient.view(-1, transient.shape[2]), t_scale, attn.w_uk.dtype)
             mine = attn.output_expanded(attend_rows(
                 attn, rows, attn.q_input(hs), pos, plan, plan["k_start"],
                 (*plan["host_lens"], plan["k_start_host"]),

@@ -53,8 +53,10 @@ def budget_keys(attn: Any) -> int:
 
 def use_expanded(attn: Any, meta: StepMeta, rows: int) -> bool:
     """Whether a prefill step's ``rows`` query rows on this rank run expanded in this layer."""
+    if meta.all_decode:  # decode steps stay absorbed: decided before anything else
+        return False
     threshold = min_rows()
-    if not threshold or meta.all_decode or not threshold <= rows <= budget_keys(attn):
+    if not threshold or not threshold <= rows <= budget_keys(attn):
         return False
     return not (attn.is_sparse and not meta.within_topk(attn.cfg.index_topk))
 
@@ -78,14 +80,12 @@ def history_slots(meta: StepMeta, reqs: list[int]) -> tuple[torch.Tensor, torch.
     return (torch.from_numpy(slots).to(meta.device), torch.from_numpy(starts).to(meta.device))
 
 
-def dequantised(got: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+def dequantised(rows: torch.Tensor, scale: torch.Tensor | None,
                 dtype: torch.dtype) -> torch.Tensor:
-    """Gathered latent rows (``kv_gather``'s result: rows, or fp8 rows and their scales) in
-    ``dtype``."""
-    if isinstance(got, tuple):
-        rows, scale = got
-        return (rows.float() * scale.reshape(-1)[:, None]).to(dtype)
-    return got.to(dtype)
+    """Latent rows (N, D) in ``dtype``; fp8 rows times their per-row ``scale`` (N,)."""
+    if scale is None:
+        return rows.to(dtype)
+    return (rows.float() * scale.reshape(-1)[:, None]).to(dtype)
 
 
 def attend_rows(attn: Any, rows: torch.Tensor, q_in: torch.Tensor, positions: torch.Tensor,
@@ -142,7 +142,9 @@ def attend_expanded(store: KVStore, layer: int, attn: Any, q_in: torch.Tensor,
     histories (written already), in the expanded form; ``attn.output_expanded`` projects it."""
     slots, k_start = meta.cached(("expanded", tuple(reqs)), lambda: history_slots(meta, reqs))
     cache, scale = store.layer(layer)
-    rows = dequantised(kv_gather(cache, slots, kv_scale=scale), attn.w_uk.dtype)
+    got = kv_gather(cache, slots, kv_scale=scale)
+    raw, row_scale = got if isinstance(got, tuple) else (got, None)
+    rows = dequantised(raw, row_scale, attn.w_uk.dtype)
     lens = [meta.plan.context_lens[b] for b in reqs]
     host = ([meta.plan.query_lens[b] for b in reqs], lens,
             [sum(lens[:j]) for j in range(len(lens))])

@@ -57,7 +57,7 @@ def test_fp8_rows_are_dequantised_with_their_scales():
     data, scale = quantise_rows_ref(rows, torch.float8_e4m3fn)
     cache, scales = data.reshape(3, 8, 20), scale.reshape(3, 8)
     slots = torch.tensor([5, 0, 17, 23, 9])
-    got = expanded.dequantised(kv_gather(cache, slots, kv_scale=scales), torch.float32)
+    got = expanded.dequantised(*kv_gather(cache, slots, kv_scale=scales), torch.float32)
     want = data[slots].float() * scale[slots][:, None]
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(got, rows[slots], atol=0.1, rtol=0.07)  # e4m3 keeps ~2 digits
