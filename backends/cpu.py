@@ -24,6 +24,7 @@ class CPUBackend(BaseBackend):
         },
         "mla_extend": {"default": {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1,
                                    "fp8_fp16": False}},
+        "mha_extend": {"default": {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}},
         "fused_moe": {"default": {"BLOCK_M": 16, "BLOCK_K": 32, "GROUP_M": 4, "num_warps": 4,
                                   "num_stages": 1, "gate_up": {"BLOCK_N": 32},
                                   "down": {"BLOCK_N": 32}}},

@@ -51,6 +51,12 @@ class CUDABackend(BaseBackend):
         # bf16 products (185 vs 145 TFLOP/s with fp16 products)
         "mla_extend": {"default": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2,
                                    "fp8_fp16": False}},
+        # mha_extend, the expanded prefill (benchmarks/results/h200/expanded_prefill.json, 128
+        # heads, 8K chunk): 128-row query blocks, 64-key tiles, 8 warps, 3 stages, best at every
+        # chunk and head count swept (7.9 vs 9.0 ms at prefix 0 with 64 x 64 on 4 warps;
+        # 53.6 vs 74.2 ms at prefix 24K)
+        "mha_extend": {"default": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8,
+                                   "num_stages": 3}},
         # fused_moe (benchmarks/results/h200/moe_kernel.json, DeepSeek-V2-Lite experts, 4K
         # tokens, bf16): BLOCK_M is the expert alignment shared by both grouped GEMMs; "gate_up"
         # / "down" override per GEMM (gate_up's BLOCK_N counts gate and up columns each). The

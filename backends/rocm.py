@@ -31,6 +31,7 @@ class ROCmBackend(BaseBackend):
             },
         },
         "mla_extend": {"default": {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}},
+        "mha_extend": {"default": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}},
         "fused_moe": CUDABackend.TUNING["fused_moe"],  # not yet tuned on ROCm: CUDA's
     }
 

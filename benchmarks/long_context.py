@@ -1,7 +1,9 @@
-"""One long request end to end on a DSA (DeepSeek-V3.2-shaped) checkpoint: a 128K-token prompt
-prefilled in chunks, then decoded with the lightning indexer and top-k sparse MLA.
+"""One long request end to end: by default on a DSA (DeepSeek-V3.2-shaped) checkpoint, a
+128K-token prompt prefilled in chunks, then decoded with the lightning indexer and top-k sparse
+MLA; ``--preset deepseek-v3`` serves a dense one (the prefill form ``SPLASH_MHA_PREFILL`` picks,
+recorded beside the figures, decides its TTFT).
 
-Builds a V3.2-shaped random checkpoint (full hidden/attention/indexer dims, ``--layers`` layers,
+Builds a random checkpoint of the preset's dims (full hidden/attention/indexer dims, ``--layers`` layers,
 ``--experts`` routed experts, O(1) activations) with transformers on the GPU, serves one prompt
 of ``--context`` tokens and records prefill time (TTFT), time per output token, the KV pages the
 request took and the GPU memory peak. The decode run resends the prompt, so it reuses the
@@ -33,19 +35,23 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--context", type=int, default=131072)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--preset", default="deepseek-v3.2", help="a splash.model.presets name")
     ap.add_argument("--out", default="benchmarks/results/h200/long_context.json")
     args = ap.parse_args()
     from splash import LLM, SamplingParams
 
-    path = build(f"/tmp/splash-v32-{args.layers}l", args.layers, args.experts, "deepseek-v3.2")
+    path = build(f"/tmp/splash-{args.preset}-{args.layers}l", args.layers, args.experts,
+                 args.preset)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(10, 1000, (args.context,), generator=g).tolist()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    out: dict = {"layers": args.layers, "experts": args.experts, "context": args.context}
+    out: dict = {"preset": args.preset, "layers": args.layers, "experts": args.experts,
+                 "context": args.context,
+                 "SPLASH_MHA_PREFILL": os.environ.get("SPLASH_MHA_PREFILL", "auto")}
     t0 = time.perf_counter()
     with LLM(path, max_model_len=args.context + args.max_tokens + 64) as llm:
         out["startup_s"] = time.perf_counter() - t0
-        out["index_topk"] = json.load(open(os.path.join(path, "config.json")))["index_topk"]
+        out["index_topk"] = json.load(open(os.path.join(path, "config.json"))).get("index_topk")
         llm.generate([prompt[:256]], SamplingParams(max_tokens=4))  # warm-up
         t1 = time.perf_counter()
         first = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from splash.backends import device_tuning
 from splash.kernels_triton import _validate as V
 from splash.kernels_triton.mla_decode_kernels import _LOG2E
 
@@ -121,10 +122,6 @@ def _mha_extend_kernel(
         tl.store(lse_ptr + rows * stride_ln + pid_h * stride_lh, lse, mask=mask_m)
 
 
-_DEFAULTS: dict[str, dict[str, Any]] = {
-    "cuda": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
-    "cpu": {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
-}
 _GPU_FP32: dict[str, Any] = {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 1}
 
 
@@ -161,10 +158,10 @@ def mha_extend(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: t
     lse = torch.empty((Nq, H), dtype=torch.float32, device=dev)
     if Nq == 0 or H == 0 or B <= 0:
         return out, lse
-    cfg = dict(_DEFAULTS["cuda" if dev.type == "cuda" else "cpu"])
-    if dev.type == "cuda" and q.dtype == torch.float32:
-        cfg.update(_GPU_FP32)
+    cfg = device_tuning(dev, "mha_extend")  # the device's backend table, then ``config``
     cfg.update(config or {})
+    if dev.type == "cuda" and q.dtype == torch.float32:
+        cfg.update(_GPU_FP32)  # after any config: bf16-tuned tiles overflow shared memory
     num_m_blocks = triton.cdiv(Nq, cfg["BLOCK_M"])  # bound for any one request: no host sync
     _mha_extend_kernel[(H, num_m_blocks, B)](
         q, k_nope, k_rope, v, q_start_loc, k_start, seq_lens, out, lse,

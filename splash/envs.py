@@ -29,10 +29,10 @@ _DEFAULTS: dict[str, str] = {
     # "1": at T > 1 on NVIDIA GPUs, layer outputs up to 2 MiB are summed by a one-shot
     # all-reduce on symmetric memory instead of NCCL (splash/dist/comm.py); off until measured
     "SPLASH_FAST_ALLREDUCE": "",
-    # "N": prefill steps with at least N rows on a rank run MLA attention non-absorbed (keys and
-    # values expanded from the latent rows; TP and DP; splash/layouts/expanded.py); off until
-    # measured on a GPU
-    "SPLASH_MHA_PREFILL": "",
+    # prefill steps' MLA form (splash/layouts/expanded.py): "auto" (expanded keys and values when
+    # that does fewer FLOPs than absorbed), "off" (always absorbed), or "N" (expanded for steps
+    # of at least N rows on a rank)
+    "SPLASH_MHA_PREFILL": "auto",
     "SPLASH_TOKEN": "",  # shared secret of `splash serve` and its clients (required off loopback)
 }
 

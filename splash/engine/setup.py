@@ -34,7 +34,7 @@ from splash.engine.memory_plan import (
 from splash.engine.scheduler import Scheduler, SchedulerConfig
 from splash.engine.worker_config import WorkerConfig
 from splash.errors import ConfigError, LayoutInfeasibleError, WorkerDiedError
-from splash.layouts.expanded import min_rows as expanded_rows
+from splash.layouts.expanded import mode as expanded_mode
 from splash.logging_utils import get_logger
 from splash.model.config import ModelConfig
 
@@ -104,9 +104,10 @@ def resolve_setup(cfg: EngineConfig) -> EngineSetup:
     model_cfg = ModelConfig.from_hf(cfg.model)
     backend = get_backend(cfg.backend)
     on_cpu = backend.name == "cpu"
-    if expanded_rows():  # a bad value is refused here, not by every prefill step
-        logger.info("long prefill chunks (>= %d rows on a rank) run MLA non-absorbed "
-                    "(SPLASH_MHA_PREFILL)", expanded_rows())
+    how = expanded_mode()  # a bad value is refused here, not by every prefill step
+    if how != "auto":
+        logger.info("SPLASH_MHA_PREFILL=%s: %s", how, "every prefill step absorbed" if how == "off"
+                    else f"prefill steps of >= {how} rows on a rank run MLA non-absorbed")
     # refused here, before any worker starts: a dtype the backend computes wrongly, a KV dtype
     # the kernels cannot read beside the activations
     dtype, kv_dtype = backend.check_dtypes(cfg.dtype or ("fp32" if on_cpu else "bf16"),

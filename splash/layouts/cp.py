@@ -88,7 +88,7 @@ class CPAttention(AttentionLayout):
         if sparse and attn.indexer is not None:  # every rank gathers, rows or not
             keys = self._transient(*self.store.index_layer(layer), plan)
         q_rows = plan["my_rows"]
-        if q_rows.numel() and not sparse and use_expanded(attn, meta, q_rows.numel()):
+        if q_rows.numel() and not sparse and use_expanded(attn, meta, *plan["host_lens"]):
             hs, pos = h[q_rows], meta.positions[q_rows]  # a long prefill: expanded form
             rows = dequantised(transient.view(-1, transient.shape[2]), t_scale, attn.w_uk.dtype)
             mine = attn.output_expanded(attend_rows(

@@ -9,13 +9,20 @@ keys and values through W_UK and W_UV (once per row and head), and then every pa
 nope + R and v dims (192 and 128): 3.4× fewer FLOPs per pair. Long prefill chunks, where pairs
 outnumber rows, run faster this way; decode and short chunks stay absorbed.
 
-``SPLASH_MHA_PREFILL=N`` turns it on for steps whose rows on this rank number at least N (off by
-default until measured on a GPU). The expanded keys and values of one layer take at most
-``EXPANDED_BUDGET`` bytes: a longer history is expanded piece by piece (every row of the chunk
-sees a piece before the chunk whole; the chunk itself is the causal piece) and the pieces'
-partial outputs merge by log-sum-exp, as serving engines do for chunked prefill over long
-contexts. A step whose query rows alone pass the budget stays absorbed, as do DSA layers that
-select positions (they attend only the selected slots).
+Which form a step takes is decided from its shape, on the host, by the FLOPs each form does
+(``expanded_wins``): absorbed pays (2L + R) per pair and the projections of its query and output
+rows; expanded pays nope + R + v per pair and the expansion of every history row. A decode row
+pays for its whole history's expansion, so decode steps, and mixed steps whose decode rows
+dominate, stay absorbed; a prefill chunk of a few hundred rows or more over any history runs
+expanded (measured on an H200 in ``benchmarks/results/h200/expanded_prefill.json``: 2.8-4.3×
+the absorbed kernel from 512 rows up). ``SPLASH_MHA_PREFILL`` overrides it: ``off`` keeps every
+step absorbed, a number N runs every step of N rows or more on a rank expanded. The expanded
+keys and values of one layer take at most ``EXPANDED_BUDGET`` bytes: a longer history is
+expanded piece by piece (every row of the chunk sees a piece before the chunk whole; the chunk
+itself is the causal piece) and the pieces' partial outputs merge by log-sum-exp, as serving
+engines do for chunked prefill over long contexts. A step whose query rows alone pass the
+budget stays absorbed, as do DSA layers that select positions (they attend only the selected
+slots).
 """
 
 from __future__ import annotations
@@ -34,14 +41,26 @@ from splash.layouts.base import KVStore, StepMeta
 EXPANDED_BUDGET = 1 << 30  # bytes of expanded keys and values one layer may hold at once
 
 
-def min_rows() -> int:
-    """The rows a step needs on this rank to run expanded (0: never)."""
-    value = envs.get("SPLASH_MHA_PREFILL")
-    if not value:
-        return 0
-    if not value.isdigit():
-        raise ConfigError(f"SPLASH_MHA_PREFILL={value!r} must be a number of rows (or unset)")
+def mode() -> str | int:
+    """``SPLASH_MHA_PREFILL``: "auto" (the FLOP rule, the default), "off", or a row count."""
+    value = envs.get("SPLASH_MHA_PREFILL").strip().lower() or "auto"
+    if value in ("auto", "off"):
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"SPLASH_MHA_PREFILL={value!r} must be auto, off or a number of "
+                          "rows (at least 1)")
     return int(value)
+
+
+def expanded_wins(cfg: Any, q_lens: list[int], kv_lens: list[int]) -> bool:
+    """Whether expanded attention does fewer FLOPs than absorbed for requests of ``q_lens``
+    query rows over ``kv_lens`` history rows each (the chunk included; causal pairs)."""
+    L, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    DN, DV = cfg.qk_nope_head_dim, cfg.v_head_dim
+    pairs = sum(q * k - q * (q - 1) // 2 for q, k in zip(q_lens, kv_lens))
+    absorbed = pairs * (2 * L + R) + sum(q_lens) * L * (DN + DV)
+    expanded = pairs * (DN + R + DV) + sum(kv_lens) * L * (DN + DV)
+    return expanded < absorbed
 
 
 def budget_keys(attn: Any) -> int:
@@ -51,19 +70,23 @@ def budget_keys(attn: Any) -> int:
     return max(EXPANDED_BUDGET // (per_key * attn.w_uk.element_size()), 1)
 
 
-def use_expanded(attn: Any, meta: StepMeta, rows: int) -> bool:
-    """Whether a prefill step's ``rows`` query rows on this rank run expanded in this layer."""
+def use_expanded(attn: Any, meta: StepMeta, q_lens: list[int], kv_lens: list[int]) -> bool:
+    """Whether a prefill step's requests on this rank, of ``q_lens`` query rows over
+    ``kv_lens`` history rows, run expanded in this layer."""
     if meta.all_decode:  # decode steps stay absorbed: decided before anything else
         return False
-    threshold = min_rows()
-    if not threshold or not threshold <= rows <= budget_keys(attn):
+    rows, how = sum(q_lens), mode()
+    if how == "off" or not 0 < rows <= budget_keys(attn):
         return False
-    return not (attn.is_sparse and not meta.within_topk(attn.cfg.index_topk))
+    if attn.is_sparse and not meta.within_topk(attn.cfg.index_topk):
+        return False
+    return rows >= how if isinstance(how, int) else expanded_wins(attn.cfg, q_lens, kv_lens)
 
 
 def use_expanded_for(attn: Any, meta: StepMeta, reqs: list[int]) -> bool:
     """`use_expanded` for this rank's rows of ``reqs`` (TP, DP)."""
-    return bool(reqs) and use_expanded(attn, meta, sum(meta.plan.query_lens[b] for b in reqs))
+    return use_expanded(attn, meta, [meta.plan.query_lens[b] for b in reqs],
+                        [meta.plan.context_lens[b] for b in reqs])
 
 
 def history_slots(meta: StepMeta, reqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

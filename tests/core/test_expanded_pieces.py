@@ -61,3 +61,45 @@ def test_fp8_rows_are_dequantised_with_their_scales():
     want = data[slots].float() * scale[slots][:, None]
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(got, rows[slots], atol=0.1, rtol=0.07)  # e4m3 keeps ~2 digits
+
+
+def _flops_by_enumeration(cfg, q_lens, kv_lens):
+    """Per head, what each form multiplies, counted pair by pair: the query rows are the last
+    q of their request's k history rows and see every row up to their own."""
+    L, R, DN, DV = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+    absorbed = expanded_ = 0
+    for q, k in zip(q_lens, kv_lens):
+        for row in range(k - q, k):
+            seen = row + 1
+            absorbed += seen * (L + R + L) + L * (DN + DV)  # scores, values; W_UK, W_UV
+            expanded_ += seen * (DN + R + DV)
+        expanded_ += k * L * (DN + DV)  # every history row's keys and values
+    return absorbed, expanded_
+
+
+@pytest.mark.parametrize("q_lens,kv_lens", [([8192], [8192]), ([512], [8704]), ([160], [8352]),
+                                            ([170], [8362]), ([64], [32832]),
+                                            ([2048, 1, 1], [2048, 4096, 9000]),
+                                            ([2048] + [1] * 64, [2048] + [32768] * 64),
+                                            ([3, 5], [3, 30])])
+def test_the_cheaper_form_is_chosen(q_lens, kv_lens):
+    v3 = SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                         v_head_dim=128)
+    absorbed, expanded_ = _flops_by_enumeration(v3, q_lens, kv_lens)
+    assert expanded.expanded_wins(v3, q_lens, kv_lens) == (expanded_ < absorbed)
+
+
+@pytest.mark.parametrize("value,want", [("", "auto"), ("auto", "auto"), (" OFF ", "off"),
+                                        ("256", 256)])
+def test_the_setting_is_read(monkeypatch, value, want):
+    monkeypatch.setenv("SPLASH_MHA_PREFILL", value)
+    assert expanded.mode() == want
+
+
+@pytest.mark.parametrize("value", ["long", "0", "-3", "1.5"])
+def test_a_bad_setting_names_the_choices(monkeypatch, value):
+    from splash.errors import ConfigError
+
+    monkeypatch.setenv("SPLASH_MHA_PREFILL", value)
+    with pytest.raises(ConfigError, match="auto, off or a number of rows"):
+        expanded.mode()
