@@ -10,7 +10,8 @@ Measures, on the current GPU:
   64x4K, 2x128K; L=512, R=64, page 64, random page order), bf16 and fp8 KV, with the launcher's
   own choices ("auto") and a small sweep of tile configs and split counts ("best"; fp8 KV with
   fp16 products, ``fp8_fp16``, on both kernels, and without it as the reference);
-- ``mla_extend``: one 8K-row chunk x 128 heads, causal, prefix 0 and 24K;
+- ``mla_extend``: one 8K-row chunk x 128 heads, causal, prefix 0 and 24K; the same chunk in
+  the expanded form (``prefill_expanded``, benchmarks/expanded_prefill.py);
 - exchange / repack copies (gather_rows, scatter_rows, split/merge heads, kv_gather, kv_write)
   at >= 64 MiB, as read + write bandwidth;
 - DSA decode (``dsa_kernels.py``): indexer scores, top-k, sparse MLA and the three together at
@@ -47,6 +48,7 @@ import subprocess
 import sys
 from typing import Any
 
+import expanded_prefill  # noqa: E402
 import torch
 import triton
 from _timing import bench_both, ceilings  # noqa: E402  (benchmarks/ is on sys.path)
@@ -303,6 +305,17 @@ def extend_records(dev, ceil) -> list[dict]:
             }
             out.append(rec)
             print(json.dumps(rec), flush=True)
+    for prefix in (0, 24576):  # the same chunk as serving runs it: expanded (SPLASH_MHA_PREFILL)
+        row = expanded_prefill.one(heads, rows, prefix)
+        rec = {"kernel": "prefill_expanded", "heads": heads, "batch": 1,
+               "context": prefix + rows, "chunk": rows, "prefix": prefix, "dtype": "bf16",
+               "ms": row["ms_expanded"], "ms_absorbed_form": row["ms_absorbed"],
+               "TFLOPs": row["TFLOPs_absorbed_equiv_expanded"],
+               "TFLOPs_note": "the absorbed form's FLOPs over the expanded form's time",
+               "ceiling_matmul_TFLOPs": round(ceil["matmul_TFLOPs"], 1),
+               "ceiling_copy_GBps": round(ceil["copy_GBps"], 1)}
+        out.append(rec)
+        print(json.dumps(rec), flush=True)
     return out
 
 

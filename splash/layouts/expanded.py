@@ -10,12 +10,13 @@ nope + R and v dims (192 and 128): 3.4× fewer FLOPs per pair. Long prefill chun
 outnumber rows, run faster this way; decode and short chunks stay absorbed.
 
 Which form a step takes is decided from its shape, on the host, by the FLOPs each form does
-(``expanded_wins``): absorbed pays (2L + R) per pair and the projections of its query and output
+(``expanded_wins``, its FLOPs run faster by the measured ``EXPANDED_SPEED``): absorbed pays (2L + R) per pair and the projections of its query and output
 rows; expanded pays nope + R + v per pair and the expansion of every history row. A decode row
 pays for its whole history's expansion, so decode steps, and mixed steps whose decode rows
-dominate, stay absorbed; a prefill chunk of a few hundred rows or more over any history runs
-expanded (measured on an H200 in ``benchmarks/results/h200/expanded_prefill.json``: 2.8-4.3×
-the absorbed kernel from 512 rows up). ``SPLASH_MHA_PREFILL`` overrides it: ``off`` keeps every
+dominate, stay absorbed; a prefill chunk of about 100 rows or more over any history runs
+expanded (measured on an H200 at DeepSeek-V3 dims, ``benchmarks/results/h200/
+expanded_prefill*.json``: 1.9-4.3× the absorbed form from 128 rows up, a 64K prompt's time to
+first token 8.9 -> 2.8 s). ``SPLASH_MHA_PREFILL`` overrides it: ``off`` keeps every
 step absorbed, a number N runs every step of N rows or more on a rank expanded. The expanded
 keys and values of one layer take at most ``EXPANDED_BUDGET`` bytes: a longer history is
 expanded piece by piece (every row of the chunk sees a piece before the chunk whole; the chunk
@@ -39,6 +40,10 @@ from splash.kernels_triton.mha_extend import mha_extend
 from splash.layouts.base import KVStore, StepMeta
 
 EXPANDED_BUDGET = 1 << 30  # bytes of expanded keys and values one layer may hold at once
+# FLOPs of the expanded form run this much faster than the absorbed kernel's: measured on an
+# H200 at 64-8K-row chunks over 0-32K histories, 1.5-2.6× (the expansion is a dense GEMM;
+# benchmarks/results/h200/expanded_prefill_small.json); the smallest seen
+EXPANDED_SPEED = 1.5
 
 
 def mode() -> str | int:
@@ -53,14 +58,15 @@ def mode() -> str | int:
 
 
 def expanded_wins(cfg: Any, q_lens: list[int], kv_lens: list[int]) -> bool:
-    """Whether expanded attention does fewer FLOPs than absorbed for requests of ``q_lens``
-    query rows over ``kv_lens`` history rows each (the chunk included; causal pairs)."""
+    """Whether expanded attention is faster than absorbed for requests of ``q_lens`` query rows
+    over ``kv_lens`` history rows each (the chunk included; causal pairs): its FLOPs, at
+    ``EXPANDED_SPEED`` times the absorbed rate, take less time."""
     L, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
     DN, DV = cfg.qk_nope_head_dim, cfg.v_head_dim
     pairs = sum(q * k - q * (q - 1) // 2 for q, k in zip(q_lens, kv_lens))
     absorbed = pairs * (2 * L + R) + sum(q_lens) * L * (DN + DV)
     expanded = pairs * (DN + R + DV) + sum(kv_lens) * L * (DN + DV)
-    return expanded < absorbed
+    return expanded < absorbed * EXPANDED_SPEED
 
 
 def budget_keys(attn: Any) -> int:
