@@ -159,13 +159,15 @@ def test_moe_layer_uses_kernel_on_cuda(gpu_device):
     torch.testing.assert_close(moe(x).float(), loop.float(), atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.parametrize("one_program", [False, True])
-@pytest.mark.parametrize("E, block_m, N, k", [(8, 16, 50, 3), (5, 4, 7, 2), (64, 128, 33, 6),
-                                               (256, 16, 1, 8)])
+@pytest.mark.parametrize("E, block_m, N, k, one_program", [
+    (E, bm, N, k, one) for E, bm, N, k in [(8, 16, 50, 3), (5, 4, 7, 2), (64, 128, 33, 6),
+                                           (256, 16, 1, 8)] for one in (False, True)]
+    + [(64, 16, 300, 6, False), (256, 64, 2000, 8, False)])
 def test_align_matches_a_stable_sort(device, E, block_m, N, k, one_program):
     """Against torch's stable sort: per expert, its block range holds exactly its pairs; runs are
     padded to block_m in expert order; blocks past the last run are -1. Both the three-kernel
-    alignment and the one program of decode-sized steps."""
+    alignment (also with many programs feeding each expert's run) and the one program of
+    decode-sized steps."""
     gen = torch.Generator(device=device).manual_seed(N)
     ids = torch.rand(N, E, generator=gen, device=device).argsort(-1)[:, :k]
     sorted_ids, block_expert = moe_align(ids, E, block_m, one_program)
