@@ -4,9 +4,8 @@ The pairs (M = N·k, pair p = t·k + j) are grouped by expert and each expert's 
 multiple of BLOCK_M (padding slots hold the sentinel M), so every BLOCK_M block of the sorted
 list belongs to one expert (``block_expert``; -1 past the end). No value is read back to the
 host (CUDA-graph safe); the list is sized for the worst case M + min(E, M)·(BLOCK_M - 1).
-Three small kernels (count, one program for the padded runs, scatter; a program counts its
-pairs per expert and adds them with one atomic per expert, not one per pair), or for a decode
-step's few pairs one program that does it all.
+Three small kernels (count with atomics, one program for the padded runs, scatter with atomic
+cursors), or for a decode step's few pairs one program that does it all.
 """
 
 from __future__ import annotations
@@ -18,23 +17,13 @@ import triton.language as tl
 from splash.kernels_triton import _validate as V
 
 
-@triton.jit
-def _block_pairs(ids_ptr, M, E, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
-    """This program's BLOCK pairs: their ids, experts as a one-hot (BLOCK, BLOCK_E) and the
-    count of each expert among them."""
+@triton.jit(do_not_specialize=["M"])  # ints that vary by step: one binary for all
+def _moe_count_kernel(ids_ptr, counts_ptr, M, BLOCK: tl.constexpr):
+    """counts[e] += number of pairs routed to expert e (one program per BLOCK pairs)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < M
     e = tl.load(ids_ptr + offs, mask=ok, other=0)
-    onehot = (e[:, None] == tl.arange(0, BLOCK_E)[None, :]) & ok[:, None]
-    return offs, ok, onehot, tl.sum(onehot.to(tl.int32), 0)
-
-
-@triton.jit(do_not_specialize=["M"])  # ints that vary by step: one binary for all
-def _moe_count_kernel(ids_ptr, counts_ptr, M, E, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
-    """counts[e] += number of pairs routed to expert e: one atomic per expert a program saw."""
-    _, _, _, local = _block_pairs(ids_ptr, M, E, BLOCK, BLOCK_E)
-    offs_e = tl.arange(0, BLOCK_E)
-    tl.atomic_add(counts_ptr + offs_e, local, mask=(offs_e < E) & (local > 0))
+    tl.atomic_add(counts_ptr + e, tl.full((BLOCK,), 1, tl.int32), mask=ok)
 
 
 @triton.jit(do_not_specialize=["num_blocks"])  # ints that vary by step: one binary for all
@@ -59,16 +48,13 @@ def _moe_runs_kernel(counts_ptr, cursor_ptr, block_expert_ptr, E, num_blocks,
 
 
 @triton.jit(do_not_specialize=["M"])  # ints that vary by step: one binary for all
-def _moe_scatter_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, M, E, BLOCK: tl.constexpr,
-                        BLOCK_E: tl.constexpr):
-    """Each program reserves a piece of every expert run it feeds (one atomic per expert) and
-    places its pairs there in order (the order inside a run is free: every row of the grouped
-    GEMMs is computed independently of the others)."""
-    offs, ok, onehot, local = _block_pairs(ids_ptr, M, E, BLOCK, BLOCK_E)
-    offs_e = tl.arange(0, BLOCK_E)
-    base = tl.atomic_add(cursor_ptr + offs_e, local, mask=(offs_e < E) & (local > 0))
-    rank = tl.sum(tl.where(onehot, tl.cumsum(onehot.to(tl.int32), 0), 0), 1) - 1
-    slot = tl.sum(tl.where(onehot, base[None, :], 0), 1) + rank
+def _moe_scatter_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, M, BLOCK: tl.constexpr):
+    """Each pair takes the next slot of its expert's run (the order inside a run is free: every
+    row of the grouped GEMMs is computed independently of the others)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < M
+    e = tl.load(ids_ptr + offs, mask=ok, other=0)
+    slot = tl.atomic_add(cursor_ptr + e, tl.full((BLOCK,), 1, tl.int32), mask=ok)
     tl.store(sorted_ids_ptr + slot, offs, mask=ok)
 
 
@@ -140,13 +126,11 @@ def moe_align(
     if M == 0:
         block_expert.fill_(-1)
         return sorted_ids, block_expert
-    block_e = V.next_pow2(num_experts)
-    block = max((1 << 13 if device.type == "cuda" else 1 << 10) // block_e, 16)  # one-hot size
+    block = 1024 if device.type == "cuda" else 64
     grid = (triton.cdiv(M, block),)
-    _moe_count_kernel[grid](flat, counts, M, num_experts, BLOCK=block, BLOCK_E=block_e)
+    _moe_count_kernel[grid](flat, counts, M, BLOCK=block)
     _moe_runs_kernel[(1,)](counts, cursor, block_expert, num_experts, num_blocks,
-                           BLOCK_M=block_m, BLOCK_E=block_e,
+                           BLOCK_M=block_m, BLOCK_E=V.next_pow2(num_experts),
                            BLOCK_B=64 if device.type == "cuda" else 16)
-    _moe_scatter_kernel[grid](flat, cursor, sorted_ids, M, num_experts, BLOCK=block,
-                              BLOCK_E=block_e)
+    _moe_scatter_kernel[grid](flat, cursor, sorted_ids, M, BLOCK=block)
     return sorted_ids, block_expert
