@@ -68,7 +68,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--experts", type=int, default=32)
-    ap.add_argument("--long", type=int, default=65536, help="the DSA run's longest prompt")
+    ap.add_argument("--long", type=int, default=65536,
+                    help="the longest prompt (dense models: past 16K at 128 heads, the expanded "
+                         "prefill's history runs in pieces)")
     ap.add_argument("--archs", default="deepseek-v3,deepseek-v3.2")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--label", default="", help="recorded with the results (e.g. the commit)")
@@ -91,7 +93,8 @@ def main() -> int:
         short = [[5], [16 * page], [7 * page + 3], [40, 3 * page, 999, 2500]]
         arch = archs[0]
         path = build(f"/tmp/splash-{arch}-{args.layers}l", args.layers, args.experts, arch)
-        lengths = short + ([[4096], [20000], [args.long]] if arch.endswith(".2") else [[8192]])
+        lengths = short + ([[4096], [20000], [args.long]] if arch.endswith(".2")
+                           else [[8192], [args.long]])
         longest = max(max(g) for g in lengths)
         results = [run(path, arch, lengths, longest + args.max_tokens + page, args.max_tokens)]
     save_json(args.out, {"benchmark": "first_requests", "label": args.label,

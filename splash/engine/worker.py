@@ -52,6 +52,7 @@ from splash.engine.step_profile import StepProfiler
 from splash.engine.worker_config import WorkerConfig
 from splash.kernels_triton import set_value_checks
 from splash.layouts.base import AttentionLayout, KVStore, StepMeta
+from splash.layouts.expanded import warm_expanded
 from splash.layouts.registry import make_layouts
 from splash.layouts.sparse import warm_selection
 from splash.logging_utils import get_logger
@@ -232,6 +233,8 @@ class Worker:
                 logger.info("rank %d: DSA selection kernels ready for histories up to %d tokens "
                             "(%d launches, %.1f s)", self.cfg.rank, self.cfg.max_model_len, n,
                             time.perf_counter() - t0)
+            with torch.inference_mode():  # the expanded prefill's pieces of long histories
+                warm_expanded(self.model.attn_layers[0], self.device)
         ready = WorkerReady(self.cfg.rank, os.getpid(), num_pages, str(self.device))
         if not (self.capture or envs.get("SPLASH_PAD_DECODE") == "1"):
             return ready

@@ -119,17 +119,19 @@ def dequantised(rows: torch.Tensor, scale: torch.Tensor | None,
 
 def attend_rows(attn: Any, rows: torch.Tensor, q_in: torch.Tensor, positions: torch.Tensor,
                 args: dict, k_start: torch.Tensor, host: tuple[list[int], list[int], list[int]],
-                config: dict | None) -> torch.Tensor:
+                config: dict | None, budget: int | None = None) -> torch.Tensor:
     """The expanded attention output (n, h, v) of query rows (``q_in``: their normalised q_a
     latents, ``positions``) over history ``rows`` (Nk, L + R): request b's keys are
     [k_start[b], k_start[b] + args["seq_lens"][b]); ``host`` holds its query rows, history
-    length and key start on the host (to cut long histories into pieces)."""
+    length and key start on the host (to cut histories of more than ``budget`` rows, default
+    `budget_keys`, into pieces)."""
     q = attn.query_expanded(q_in, positions)
-    if rows.shape[0] <= budget_keys(attn):  # the whole step at once
+    step = budget or budget_keys(attn)
+    if rows.shape[0] <= step:  # the whole step at once
         return _attend(attn, q, rows, args["q_start_loc"], k_start, args["seq_lens"], True,
                        config)[0]
     out = q.new_empty((q.shape[0], q.shape[1], attn.cfg.v_head_dim))
-    step, r0 = budget_keys(attn), 0
+    r0 = 0
     for n, kv_len, k0 in zip(*host):
         if n == 0:
             continue
@@ -145,6 +147,23 @@ def attend_rows(attn: Any, rows: torch.Tensor, q_in: torch.Tensor, positions: to
         out[r0:r0 + n] = acc[0]
         r0 += n
     return out
+
+
+def warm_expanded(attn: Any, device: torch.device) -> None:
+    """Compile ahead what the expanded form launches that the start-up warm-up's prompts may
+    not reach: the non-causal pieces of a history past the budget and their log-sum-exp merge
+    (with the causal chunk): one request of 2 query rows over 5 history rows, cut into pieces
+    of 2. A no-op when ``SPLASH_MHA_PREFILL`` is off."""
+    if mode() == "off":
+        return
+    c, dtype = attn.cfg, attn.w_uk.dtype
+    rows = torch.zeros((5, c.kv_lora_rank + c.qk_rope_head_dim), dtype=dtype, device=device)
+    q_in = torch.zeros((2, attn.q_b.shape[-1]), dtype=dtype, device=device)
+    args = {"q_start_loc": torch.tensor([0, 2], dtype=torch.int32, device=device),
+            "seq_lens": torch.tensor([5], dtype=torch.int32, device=device)}
+    k_start = torch.zeros(1, dtype=torch.int32, device=device)
+    positions = torch.tensor([3, 4], device=device)
+    attend_rows(attn, rows, q_in, positions, args, k_start, ([2], [5], [0]), None, budget=2)
 
 
 def _one(rows: int, keys: int, device: torch.device

@@ -104,3 +104,62 @@ def test_a_bad_setting_names_the_choices(monkeypatch, value):
     monkeypatch.setenv("SPLASH_MHA_PREFILL", value)
     with pytest.raises(ConfigError, match="auto, off or a number of rows"):
         expanded.mode()
+
+
+def _projecting_attn(device, dtype, H=4, L=32, DN=16, R=16, DV=16, q_dim=24):
+    """An attention whose query comes from a q_in latent through q_b (as the model's does)."""
+    gen = torch.Generator().manual_seed(3)
+    attn = _attn(gen, H=H, L=L, DN=DN, R=R, DV=DV)
+    w = {k: v.to(device, dtype) for k, v in (("w_uk", attn.w_uk), ("w_uv", torch.randn(
+        H, DV, L, generator=gen) * 0.3), ("q_b", torch.randn(H, DN + R, q_dim, generator=gen)))}
+
+    def expand(c):
+        return (torch.einsum("tl,hdl->thd", c, w["w_uk"]).contiguous(),
+                torch.einsum("tl,hdl->thd", c, w["w_uv"]).contiguous())
+
+    attn.w_uk, attn.q_b, attn.expand = w["w_uk"], w["q_b"], expand
+    attn.query_expanded = lambda q_in, positions: torch.einsum("nq,hdq->nhd", q_in, w["q_b"])
+    return attn
+
+
+def test_the_warm_up_reaches_the_pieces_and_their_merge(monkeypatch):
+    """``warm_expanded`` launches what only histories past the budget launch: a non-causal
+    piece, the causal chunk, and the log-sum-exp merge of the two."""
+    calls = []
+    real_attend, real_merge = expanded.mha_extend, expanded.lse_merge
+    monkeypatch.setattr(expanded, "mha_extend", lambda *a, causal=True, **k: (
+        calls.append(("attend", causal)), real_attend(*a, causal=causal, **k))[1])
+    monkeypatch.setattr(expanded, "lse_merge", lambda *a, **k: (
+        calls.append(("merge", None)), real_merge(*a, **k))[1])
+    expanded.warm_expanded(_projecting_attn(torch.device("cpu"), torch.float32),
+                           torch.device("cpu"))
+    assert {("attend", False), ("attend", True), ("merge", None)} <= set(calls)
+    monkeypatch.setenv("SPLASH_MHA_PREFILL", "off")
+    calls.clear()
+    expanded.warm_expanded(_projecting_attn(torch.device("cpu"), torch.float32),
+                           torch.device("cpu"))
+    assert calls == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_after_the_warm_up_long_histories_compile_nothing():
+    """On a GPU, histories cut into pieces of other sizes, several requests and row counts
+    launch only binaries ``warm_expanded`` compiled (Triton's caches are the oracle)."""
+    from splash.kernels_triton.compiled import compiled_binaries
+
+    dev = torch.device("cuda")
+    attn = _projecting_attn(dev, torch.bfloat16)
+    expanded.warm_expanded(attn, dev)
+    before = compiled_binaries()
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q_lens, kv_lens, k_starts = [37, 130], [300, 1000], [0, 300]
+    rows = torch.randn(sum(kv_lens), 32 + 16, device=dev, dtype=torch.bfloat16, generator=gen)
+    q_in = torch.randn(sum(q_lens), 24, device=dev, dtype=torch.bfloat16, generator=gen)
+    i32 = dict(dtype=torch.int32, device=dev)
+    args = {"q_start_loc": torch.tensor([0, 37, 167], **i32),
+            "seq_lens": torch.tensor(kv_lens, **i32)}
+    expanded.attend_rows(attn, rows, q_in, None, args, torch.tensor(k_starts, **i32),
+                         (q_lens, kv_lens, k_starts), None, budget=256)
+    torch.cuda.synchronize()
+    assert compiled_binaries() == before
