@@ -14,8 +14,10 @@ class CUDABackend(BaseBackend):
     wave_size = 32
     TUNING = {
         # mla_decode (measured on H200, benchmarks/results/h200/kernels.json): bf16 with H <= 32
-        # uses the tokens-on-M kernel ("transposed", value product heads-on-M: "pv_heads_m")
-        # with 32-token tiles, 3 stages, 2 programs per SM in the launcher's wave model; H > 32
+        # uses the heads-on-M kernel with 64-token tiles (one page), 4 warps, 3 stages, 2
+        # programs per SM in the launcher's wave model (16 heads, graph-timed: 64 x 32K 0.602 vs
+        # 0.743 ms for the tokens-on-M kernel with 32-token tiles, 16 x 128K 0.602 vs 0.744,
+        # 64 x 4K 0.094 vs 0.102; benchmarks/results/h200/decode_configs.json); H > 32
         # ("many_heads") uses 64-head groups on M: 64 heads x 512 fp32 accumulators need 8
         # warps, and 64-token tiles (2 stages fit shared memory) lifted 128 heads from 177 to
         # 276-281 TFLOP/s. fp8 KV with H <= 32 keeps the heads-on-M kernel (0.26 vs 0.34 ms at
@@ -30,7 +32,7 @@ class CUDABackend(BaseBackend):
         # compute-bound, where the fp16 casts cost more than they save).
         "mla_decode": {
             "default": {
-                "transposed": True, "pv_heads_m": True, "BLOCK_N": 32, "BLOCK_H": 16,
+                "transposed": False, "BLOCK_N": 64, "BLOCK_H": 16,
                 "num_warps": 4, "num_stages": 3, "max_block_h": 64, "programs_per_sm": 2,
                 "split_overhead_tokens": 512, "min_split_tokens": 256,
                 "many_heads": {"transposed": False, "BLOCK_H": 64, "BLOCK_N": 64,

@@ -25,9 +25,11 @@ Design:
   2.6x slower than a bf16 one). A query entry beyond fp16's range saturates at ±65504 rather than
   overflowing to inf / NaN; the references dequantise the same fp8 values with the unclamped q.
   Without it (CPU default) the tile is widened to q's dtype.
-- Few heads (``config["transposed"]``, the GPU default for H <= 32): a second kernel puts the
-  tokens on the MMA's M side (scoresᵀ = kv·qᵀ, accᵀ += kv_nopeᵀ·pᵀ), so a 64-token tile fills a
-  Hopper MMA with only 16 heads. Its tail tile clamps rows past the length to the last valid row
+- Tokens on M (``config["transposed"]``, a tuning option): a second kernel puts the tokens on
+  the MMA's M side (scoresᵀ = kv·qᵀ, accᵀ += kv_nopeᵀ·pᵀ), so a 64-token tile fills a Hopper
+  MMA with only 16 heads. Measured on an H200 it reads 16 heads at 76-78% of the copy
+  bandwidth against 94% for the head-group kernel with 64-token tiles and 3 stages, which is
+  now the default at every head count. Its tail tile clamps rows past the length to the last valid row
   (every load unmasked and in bounds) and sets their scores to -inf before the max.
 - Full tiles load without a token mask; only a split's last partial tile is masked. When the
   page size is a multiple of ``BLOCK_N`` a tile lies in one page and its page id is one load.
