@@ -122,7 +122,7 @@ def _mha_extend_kernel(
         tl.store(lse_ptr + rows * stride_ln + pid_h * stride_lh, lse, mask=mask_m)
 
 
-_GPU_FP32: dict[str, Any] = {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 1}
+_GPU_FP32: dict[str, Any] = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
 
 
 def mha_extend(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: torch.Tensor,

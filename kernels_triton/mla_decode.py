@@ -178,6 +178,8 @@ def mla_decode(
     extra = {}
     kernel = _mla_decode_kernel
     if cfg.get("transposed"):
+        if cfg.get("kv_in_regs") and not cfg.get("pv_heads_m"):  # faults on an H200 (Triton 3.6)
+            raise ValueError("config kv_in_regs needs pv_heads_m (the tokens-on-M kernel)")
         kernel = _mla_decode_tokens_m_kernel
         extra = {"PV_HEADS_M": bool(cfg.get("pv_heads_m", False)),
                  "KV_IN_REGS": bool(cfg.get("kv_in_regs", False)) and q.is_cuda

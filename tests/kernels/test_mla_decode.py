@@ -229,8 +229,8 @@ TRANSPOSED_GPU_CONFIGS = {
                    "num_stages": 3},
     "pvh-n64-s2": {"transposed": True, "pv_heads_m": True, "BLOCK_N": 64, "num_warps": 4,
                    "num_stages": 2},
-    "regs-n64-s2": {"transposed": True, "kv_in_regs": True, "BLOCK_N": 64, "num_warps": 4,
-                    "num_stages": 2},
+    "regs-n64-s2": {"transposed": True, "pv_heads_m": True, "kv_in_regs": True, "BLOCK_N": 64,
+                    "num_warps": 4, "num_stages": 2},
     "pvt-n64-s2": {"transposed": True, "pv_heads_m": False, "BLOCK_N": 64, "num_warps": 4,
                    "num_stages": 2},
 }

@@ -1,0 +1,96 @@
+"""Few-head bf16 MLA decode: launch configs × split counts of ``mla_decode`` against the copy
+bandwidth, then the launcher's default against the former default (the tokens-on-M kernel
+with 32-token tiles) at 8, 16 and 32 heads, interleaved.
+
+    python3 benchmarks/decode_configs.py --out benchmarks/results/h200/decode_configs.json
+
+Every time is a CUDA-graph replay (what a decode step pays); splits ``None`` is the launcher's
+wave model. Outputs are checked against the default's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+
+import torch
+from _results import save_json  # noqa: E402  (benchmarks/ is on sys.path)
+from _timing import ceilings
+from triton.testing import do_bench_cudagraph
+
+from splash import kernels_triton as K
+
+L, PS, D = 512, 64, 576
+CONFIGS = [{}, {"transposed": False, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+           {"transposed": False, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+           {"transposed": False, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+           {"transposed": False, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
+           {"transposed": False, "BLOCK_N": 32, "num_warps": 4, "num_stages": 4}]
+FORMER = {"transposed": True, "pv_heads_m": True, "BLOCK_N": 32, "num_warps": 4,
+          "num_stages": 3}
+
+
+def problem(heads: int, batch: int, context: int, dev: torch.device):
+    g = torch.Generator(device=dev).manual_seed(0)
+    pages = batch * context // PS
+    kv = torch.randn(pages, PS, D, device=dev, dtype=torch.bfloat16, generator=g)
+    table = torch.randperm(pages, device=dev, generator=g).to(torch.int32).view(batch, -1)
+    q = torch.randn(batch, heads, D, device=dev, dtype=torch.bfloat16, generator=g)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
+
+    def run(cfg=None, splits=None):
+        return K.mla_decode(q, kv, table, lens, D ** -0.5, L, num_splits=splits,
+                            config=cfg or None)
+    return run, batch * context * D * 2
+
+
+def sweep(dev: torch.device) -> list[dict]:
+    rows = []
+    for heads, batch, context in [(16, 64, 4096), (16, 64, 32768), (16, 16, 131072),
+                                  (16, 128, 1024), (16, 1, 131072)]:
+        run, nbytes = problem(heads, batch, context, dev)
+        ref = run()[0].float()
+        for cfg in CONFIGS:
+            for splits in (None, 1, 2, 4, 8, 16, 32):
+                ok = bool(torch.allclose(run(cfg, splits)[0].float(), ref, atol=2e-2, rtol=2e-2))
+                ms = do_bench_cudagraph(functools.partial(run, cfg, splits), rep=40)
+                rows.append({"H": heads, "B": batch, "T": context, "cfg": cfg, "splits": splits,
+                             "ms": round(ms, 4), "ok": ok, "GBps": round(nbytes / ms / 1e6)})
+                print(rows[-1], flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def against_former(dev: torch.device) -> list[dict]:
+    rows = []
+    for heads, batch, context in [(8, 64, 32768), (8, 64, 4096), (32, 64, 32768),
+                                  (32, 64, 4096), (16, 256, 2048)]:
+        run, nbytes = problem(heads, batch, context, dev)
+        row = {"H": heads, "B": batch, "T": context}
+        for name, cfg in (("new", None), ("old", FORMER), ("new2", None), ("old2", FORMER)):
+            row[name] = round(do_bench_cudagraph(functools.partial(run, cfg), rep=40), 4)
+        row["same"] = bool(torch.allclose(run()[0].float(), run(FORMER)[0].float(),
+                                          atol=2e-2, rtol=2e-2))
+        row["GBps_new"] = round(nbytes / min(row["new"], row["new2"]) / 1e6)
+        rows.append(row)
+        print(row, flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results/h200/decode_configs.json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/decode_configs.py needs a GPU")
+    K.set_value_checks(False)
+    dev = torch.device("cuda")
+    save_json(args.out, {"benchmark": "decode_configs", "rows": sweep(dev),
+                         "heads_check": against_former(dev), "ceilings": ceilings(dev)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
