@@ -8,7 +8,7 @@ import torch
 
 from splash.core.ownership import LAYOUTS
 from splash.layouts.base import AttentionLayout, StepMeta, attend, query, store_rows
-from splash.layouts.expanded import attend_expanded, use_expanded_for
+from splash.layouts.expanded import attend_split, expanded_requests
 from splash.layouts.sparse import pick_slots
 from splash.model import overlap
 
@@ -22,12 +22,13 @@ class DPAttention(AttentionLayout):
     def forward(self, layer: int, attn: Any, h: torch.Tensor, meta: StepMeta) -> torch.Tensor:
         inp = meta.inputs(self)
         mine = meta.owned(self.comm.rank)
-        if "rows" in inp and use_expanded_for(attn, meta, mine):  # long prefill
+        chosen = expanded_requests(attn, meta, mine) if "rows" in inp else []
+        if chosen:  # long prefill chunks expanded (this rank's other rows absorbed)
             rows = inp["rows"]
             hs, pos = h[rows], meta.positions[rows]
             store_rows(self.store, layer, attn, hs, pos, inp["slots"])
-            out = attn.output_expanded(attend_expanded(self.store, layer, attn, attn.q_input(hs),
-                                                       pos, meta, mine, inp["args"]))
+            out = attend_split(self.store, layer, attn, hs, pos, meta, self.layout, mine, chosen,
+                               inp["args"])
         elif "rows" in inp:
             rows = inp["rows"]
             hs, pos = h[rows], meta.positions[rows]

@@ -10,20 +10,21 @@ nope + R and v dims (192 and 128): 3.4× fewer FLOPs per pair. Long prefill chun
 outnumber rows, run faster this way; decode and short chunks stay absorbed.
 
 Which form a step takes is decided from its shape, on the host, by the FLOPs each form does
-(``expanded_wins``, its FLOPs run faster by the measured ``EXPANDED_SPEED``): absorbed pays (2L + R) per pair and the projections of its query and output
-rows; expanded pays nope + R + v per pair and the expansion of every history row. A decode row
-pays for its whole history's expansion, so decode steps, and mixed steps whose decode rows
-dominate, stay absorbed; a prefill chunk of about 100 rows or more over any history runs
-expanded (measured on an H200 at DeepSeek-V3 dims, ``benchmarks/results/h200/
-expanded_prefill*.json``: 1.9-4.3× the absorbed form from 128 rows up, a 64K prompt's time to
-first token 8.9 -> 2.8 s). ``SPLASH_MHA_PREFILL`` overrides it: ``off`` keeps every
-step absorbed, a number N runs every step of N rows or more on a rank expanded. The expanded
-keys and values of one layer take at most ``EXPANDED_BUDGET`` bytes: a longer history is
-expanded piece by piece (every row of the chunk sees a piece before the chunk whole; the chunk
-itself is the causal piece) and the pieces' partial outputs merge by log-sum-exp, as serving
-engines do for chunked prefill over long contexts. A step whose query rows alone pass the
-budget stays absorbed, as do DSA layers that select positions (they attend only the selected
-slots).
+(``expanded_wins``, its FLOPs run faster by the measured ``EXPANDED_SPEED``): absorbed pays
+(2L + R) per pair and the projections of its query and output rows; expanded pays nope + R + v
+per pair and the expansion of every history row. A decode row pays for its whole history's
+expansion, so decode steps stay absorbed, and in a mixed step only the prefill chunks that gain
+run expanded, beside the absorbed decode rows (TP, DP); a prefill chunk of about 100 rows or
+more over any history runs expanded (measured on an H200 at DeepSeek-V3 dims,
+``benchmarks/results/h200/expanded_prefill*.json``: 1.9-4.3× the absorbed form from 128 rows
+up, a 64K prompt's time to first token 8.9 -> 2.8 s). ``SPLASH_MHA_PREFILL`` overrides it:
+``off`` keeps every step absorbed, a number N runs every step of N rows or more on a rank
+expanded. The expanded keys and values of one layer take at most ``EXPANDED_BUDGET`` bytes: a
+longer history is expanded piece by piece (every row of the chunk sees a piece before the chunk
+whole; the chunk itself is the causal piece) and the pieces' partial outputs merge by
+log-sum-exp, as serving engines do for chunked prefill over long contexts. A step whose query
+rows alone pass the budget stays absorbed, as do DSA layers that select positions (they attend
+only the selected slots).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from splash import envs
 from splash.errors import ConfigError
 from splash.kernels_triton import kv_gather, lse_merge
 from splash.kernels_triton.mha_extend import mha_extend
-from splash.layouts.base import KVStore, StepMeta
+from splash.layouts.base import KVStore, StepMeta, attend, query
 
 EXPANDED_BUDGET = 1 << 30  # bytes of expanded keys and values one layer may hold at once
 # FLOPs of the expanded form run this much faster than the absorbed kernel's: measured on an
@@ -89,10 +90,51 @@ def use_expanded(attn: Any, meta: StepMeta, q_lens: list[int], kv_lens: list[int
     return rows >= how if isinstance(how, int) else expanded_wins(attn.cfg, q_lens, kv_lens)
 
 
-def use_expanded_for(attn: Any, meta: StepMeta, reqs: list[int]) -> bool:
-    """`use_expanded` for this rank's rows of ``reqs`` (TP, DP)."""
-    return use_expanded(attn, meta, [meta.plan.query_lens[b] for b in reqs],
-                        [meta.plan.context_lens[b] for b in reqs])
+def expanded_requests(attn: Any, meta: StepMeta, reqs: list[int]) -> list[int]:
+    """The requests of ``reqs`` (this rank's, TP or DP) whose rows run expanded in this layer
+    (`attend_split`). Under "auto" the FLOPs of each request decide its form alone (the cost of
+    a form adds up request by request): a long prefill chunk runs expanded, the decode rows
+    beside it absorbed; a forced row count takes the whole step or none of it."""
+    q_lens, kv_lens = meta.host_lens(reqs)
+    if mode() != "auto":
+        return reqs if use_expanded(attn, meta, q_lens, kv_lens) else []
+    if meta.all_decode or (attn.is_sparse and not meta.within_topk(attn.cfg.index_topk)):
+        return []
+    chosen = [b for b, q, k in zip(reqs, q_lens, kv_lens)
+              if q > 1 and expanded_wins(attn.cfg, [q], [k])]
+    rows = sum(meta.plan.query_lens[b] for b in chosen)
+    return chosen if rows <= budget_keys(attn) else []
+
+
+def attend_split(store: KVStore, layer: int, attn: Any, hs: torch.Tensor, pos: torch.Tensor,
+                 meta: StepMeta, layout: Any, reqs: list[int], chosen: list[int],
+                 args: dict) -> torch.Tensor:
+    """The attention output (n, hidden; partial sums under TP) of the rows of ``reqs`` (``hs``,
+    ``pos``: their rows in request order, written already; ``args``: their kernel arguments):
+    the rows of ``chosen`` expanded, the others absorbed."""
+    if len(chosen) == len(reqs):
+        return attn.output_expanded(attend_expanded(store, layer, attn, attn.q_input(hs), pos,
+                                                    meta, reqs, args))
+    picked = set(chosen)
+    rest = [b for b in reqs if b not in picked]
+    starts = np.cumsum([0] + [meta.plan.query_lens[b] for b in reqs])
+    at = {b: j for j, b in enumerate(reqs)}
+
+    def rows_of(sub: list[int]) -> torch.Tensor:
+        idx = np.concatenate([np.arange(starts[at[b]], starts[at[b] + 1]) for b in sub])
+        return torch.from_numpy(idx).to(hs.device)
+
+    def args_of(sub: list[int]) -> dict:
+        return meta.cached(("args", layout.name, tuple(sub)), lambda: meta.kernel_args(layout, sub))
+
+    ie, ir = rows_of(chosen), rows_of(rest)
+    out = hs.new_empty((hs.shape[0], attn.cfg.hidden_size))
+    out[ie] = attn.output_expanded(attend_expanded(store, layer, attn, attn.q_input(hs[ie]),
+                                                   pos[ie], meta, chosen, args_of(chosen)))
+    _, q = query(attn, hs[ir], pos[ir])
+    o, _ = attend(q, store, layer, args_of(rest), attn.sm_scale, attn.cfg.kv_lora_rank)
+    out[ir] = attn.output(o)
+    return out
 
 
 def history_slots(meta: StepMeta, reqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ import torch
 
 from splash.core.ownership import LAYOUTS
 from splash.layouts.base import AttentionLayout, StepMeta, attend, query, store_rows
-from splash.layouts.expanded import attend_expanded, use_expanded_for
+from splash.layouts.expanded import attend_split, expanded_requests
 from splash.layouts.sparse import pick_slots
 from splash.model import overlap
 
@@ -24,11 +24,12 @@ class TPAttention(AttentionLayout):
     def forward(self, layer: int, attn: Any, h: torch.Tensor, meta: StepMeta) -> torch.Tensor:
         inp = meta.inputs(self)
         reqs = list(range(meta.num_requests))
-        if use_expanded_for(attn, meta, reqs):  # a long prefill chunk
+        chosen = expanded_requests(attn, meta, reqs)
+        if chosen:  # long prefill chunks expanded (the step's other rows absorbed)
             store_rows(self.store, layer, attn, h, meta.positions, inp["slots"])
-            o = attend_expanded(self.store, layer, attn, attn.q_input(h), meta.positions, meta,
-                                reqs, inp["args"])
-            return self.comm.sum_partials(attn.output_expanded(o))
+            return self.comm.sum_partials(attend_split(
+                self.store, layer, attn, h, meta.positions, meta, self.layout, reqs, chosen,
+                inp["args"]))
         _, (q_in, q) = overlap.both(  # every rank writes all rows
             lambda: store_rows(self.store, layer, attn, h, meta.positions, inp["slots"]),
             lambda: query(attn, h, meta.positions))  # q (N, H/T, D)

@@ -95,7 +95,7 @@ def test_launchers_read_their_devices_backend_table(monkeypatch, hip):
     monkeypatch.setattr(torch.version, "hip", hip)
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
     name = "rocm" if hip else "cuda"
-    for kernel in ("mla_decode", "mla_extend", "fused_moe"):
+    for kernel in ("mla_decode", "mla_extend", "mha_extend", "fused_moe"):
         assert device_tuning(gpu, kernel) == _REGISTRY[name].TUNING[kernel]["default"]
         assert device_tuning(cpu, kernel) == _REGISTRY["cpu"].TUNING[kernel]["default"]
     for dev, backend in ((gpu, name), (cpu, "cpu")):
@@ -108,7 +108,6 @@ def test_launchers_read_their_devices_backend_table(monkeypatch, hip):
         for tokens in (None, 1, 16, 64, 4096):
             assert _gemm_configs(None, dev, tokens=tokens) == _gemm_configs(
                 table["fused_moe"]["default"], dev, tokens=tokens)
-    # the tokens-on-M decode kernel and fp16 products are CUDA's choices only
-    assert bool(decode_config(16, gpu, None).get("transposed")) is (hip is None)
+    # fp16 products for fp8 KV are CUDA's choice only
     assert decode_config(16, gpu, None, fp8=True).get("fp8_fp16", False) is (hip is None)
     assert decode_config(16, cpu, None, fp8=True)["fp8_fp16"] is False

@@ -163,3 +163,39 @@ def test_after_the_warm_up_long_histories_compile_nothing():
                          (q_lens, kv_lens, k_starts), None, budget=256)
     torch.cuda.synchronize()
     assert compiled_binaries() == before
+
+
+def _step(q_lens, kv_lens, within_topk=True):
+    plan = SimpleNamespace(query_lens=q_lens, context_lens=kv_lens)
+    return SimpleNamespace(plan=plan, all_decode=all(q == 1 for q in q_lens),
+                           within_topk=lambda topk: within_topk,
+                           host_lens=lambda reqs: ([q_lens[b] for b in reqs],
+                                                   [kv_lens[b] for b in reqs]))
+
+
+def _v3_attn(sparse=False):
+    cfg = SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                          v_head_dim=128, index_topk=2048)
+    return SimpleNamespace(cfg=cfg, num_heads=128, w_uk=torch.empty(0, dtype=torch.bfloat16),
+                           is_sparse=sparse)
+
+
+@pytest.mark.parametrize("setting,q_lens,kv_lens,want", [
+    ("auto", [2048, 1, 1], [2048, 32768, 32768], [0]),  # the chunk alone: decode rows absorbed
+    ("auto", [2048, 1, 40], [2048, 9000, 9040], [0]),  # a short chunk stays with the decodes
+    ("auto", [2048, 512], [2048, 8704], [0, 1]),  # every row expanded: the whole step
+    ("auto", [1], [1], []),  # a one-token prompt
+    ("auto", [1, 1], [32768, 500], []),  # a decode step
+    ("off", [2048, 1], [2048, 32768], []),
+    ("4", [2048, 1], [2048, 32768], [0, 1]),  # forced: the whole step of >= 4 rows
+    ("4", [2, 1], [2, 32768], [])])
+def test_which_requests_run_expanded(monkeypatch, setting, q_lens, kv_lens, want):
+    monkeypatch.setenv("SPLASH_MHA_PREFILL", setting)
+    meta = _step(q_lens, kv_lens)
+    assert expanded.expanded_requests(_v3_attn(), meta, list(range(len(q_lens)))) == want
+
+
+def test_dsa_layers_that_select_stay_absorbed():
+    meta = _step([2048, 1], [4096, 32768], within_topk=False)
+    assert expanded.expanded_requests(_v3_attn(sparse=True), meta, [0, 1]) == []
+    assert expanded.expanded_requests(_v3_attn(sparse=False), meta, [0, 1]) == [0]

@@ -15,10 +15,15 @@ from splash.errors import ConfigError
 MAX_NEW = 5
 
 
-@pytest.mark.parametrize("arch,tp,layout", [("v2", 1, "tp"), ("v3", 1, "tp"), ("glm", 1, "tp"),
-                                            ("v3", 2, "dp"), ("v3", 2, "tp"), ("v3", 2, "cp")])
-def test_expanded_prefill_same_tokens_as_transformers(monkeypatch, arch, tp, layout):
-    monkeypatch.setenv("SPLASH_MHA_PREFILL", "2")  # every step of two rows or more
+@pytest.mark.parametrize("arch,tp,layout,setting", [
+    ("v2", 1, "tp", "2"), ("v3", 1, "tp", "2"), ("glm", 1, "tp", "2"), ("v3", 2, "dp", "2"),
+    ("v3", 2, "tp", "2"), ("v3", 2, "cp", "2"),
+    ("v3", 1, "tp", "auto"), ("glm", 1, "tp", "auto"), ("v3", 2, "dp", "auto")])
+def test_expanded_prefill_same_tokens_as_transformers(monkeypatch, arch, tp, layout, setting):
+    """"2": every step of two rows or more expanded, decode rows of mixed steps included;
+    "auto": in mixed steps the prefill chunks expanded and the decode rows absorbed beside them
+    (the chunks of these prompts gain at the tiny checkpoints' dims, their decode rows do not)."""
+    monkeypatch.setenv("SPLASH_MHA_PREFILL", setting)
     path = checkpoint(arch)
     prompts = mixed_prompts()
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
