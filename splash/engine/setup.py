@@ -34,6 +34,7 @@ from splash.engine.memory_plan import (
 from splash.engine.scheduler import Scheduler, SchedulerConfig
 from splash.engine.worker_config import WorkerConfig
 from splash.errors import ConfigError, LayoutInfeasibleError, WorkerDiedError
+from splash.layouts.expanded import crossover_rows
 from splash.layouts.expanded import mode as expanded_mode
 from splash.logging_utils import get_logger
 from splash.model.config import ModelConfig
@@ -105,7 +106,11 @@ def resolve_setup(cfg: EngineConfig) -> EngineSetup:
     backend = get_backend(cfg.backend)
     on_cpu = backend.name == "cpu"
     how = expanded_mode()  # a bad value is refused here, not by every prefill step
-    if how != "auto":
+    if how == "auto":
+        logger.info("prefill chunks of >= %d rows (over an 8K history) run MLA non-absorbed, "
+                    "request by request (SPLASH_MHA_PREFILL=auto; off to disable)",
+                    crossover_rows(model_cfg))
+    else:
         logger.info("SPLASH_MHA_PREFILL=%s: %s", how, "every prefill step absorbed" if how == "off"
                     else f"prefill steps of >= {how} rows on a rank run MLA non-absorbed")
     # refused here, before any worker starts: a dtype the backend computes wrongly, a KV dtype

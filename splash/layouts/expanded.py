@@ -77,6 +77,11 @@ def budget_keys(attn: Any) -> int:
     return max(EXPANDED_BUDGET // (per_key * attn.w_uk.element_size()), 1)
 
 
+def crossover_rows(cfg: Any, history: int = 8192) -> int:
+    """The fewest rows of a prefill chunk over ``history`` earlier rows that run expanded."""
+    return next((q for q in range(2, 1 << 16) if expanded_wins(cfg, [q], [history + q])), 0)
+
+
 def use_expanded(attn: Any, meta: StepMeta, q_lens: list[int], kv_lens: list[int]) -> bool:
     """Whether a prefill step's requests on this rank, of ``q_lens`` query rows over
     ``kv_lens`` history rows, run expanded in this layer."""

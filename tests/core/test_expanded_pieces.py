@@ -199,3 +199,10 @@ def test_dsa_layers_that_select_stay_absorbed():
     meta = _step([2048, 1], [4096, 32768], within_topk=False)
     assert expanded.expanded_requests(_v3_attn(sparse=True), meta, [0, 1]) == []
     assert expanded.expanded_requests(_v3_attn(sparse=False), meta, [0, 1]) == [0]
+
+
+def test_the_logged_crossover_is_where_the_choice_turns():
+    cfg = _v3_attn().cfg
+    rows = expanded.crossover_rows(cfg, history=8192)
+    assert not expanded.expanded_wins(cfg, [rows - 1], [8192 + rows - 1])
+    assert expanded.expanded_wins(cfg, [rows], [8192 + rows])
