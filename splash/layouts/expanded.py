@@ -100,10 +100,12 @@ def expanded_requests(attn: Any, meta: StepMeta, reqs: list[int]) -> list[int]:
     (`attend_split`). Under "auto" the FLOPs of each request decide its form alone (the cost of
     a form adds up request by request): a long prefill chunk runs expanded, the decode rows
     beside it absorbed; a forced row count takes the whole step or none of it."""
+    if meta.all_decode:  # decode steps stay absorbed: decided before anything else
+        return []
     q_lens, kv_lens = meta.host_lens(reqs)
     if mode() != "auto":
         return reqs if use_expanded(attn, meta, q_lens, kv_lens) else []
-    if meta.all_decode or (attn.is_sparse and not meta.within_topk(attn.cfg.index_topk)):
+    if attn.is_sparse and not meta.within_topk(attn.cfg.index_topk):
         return []
     chosen = [b for b, q, k in zip(reqs, q_lens, kv_lens)
               if q > 1 and expanded_wins(attn.cfg, [q], [k])]
