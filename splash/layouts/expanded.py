@@ -10,7 +10,7 @@ nope + R and v dims (192 and 128): 3.4× fewer FLOPs per pair. Long prefill chun
 outnumber rows, run faster this way; decode and short chunks stay absorbed.
 
 Which form a step takes is decided from its shape, on the host, by the FLOPs each form does
-(``expanded_wins``, its FLOPs run faster by the measured ``EXPANDED_SPEED``): absorbed pays
+(``splash.core.mla_forms``; expanded FLOPs run faster by a measured factor): absorbed pays
 (2L + R) per pair and the projections of its query and output rows; expanded pays nope + R + v
 per pair and the expansion of every history row. A decode row pays for its whole history's
 expansion, so decode steps stay absorbed, and in a mixed step only the prefill chunks that gain
@@ -35,16 +35,13 @@ import numpy as np
 import torch
 
 from splash import envs
+from splash.core.mla_forms import expanded_wins
 from splash.errors import ConfigError
 from splash.kernels_triton import kv_gather, lse_merge
 from splash.kernels_triton.mha_extend import mha_extend
 from splash.layouts.base import KVStore, StepMeta, attend, query
 
 EXPANDED_BUDGET = 1 << 30  # bytes of expanded keys and values one layer may hold at once
-# FLOPs of the expanded form run this much faster than the absorbed kernel's: measured on an
-# H200 at 64-8K-row chunks over 0-32K histories, 1.5-2.6× (the expansion is a dense GEMM;
-# benchmarks/results/h200/expanded_prefill_small.json); the smallest seen
-EXPANDED_SPEED = 1.5
 
 
 def mode() -> str | int:
@@ -56,18 +53,6 @@ def mode() -> str | int:
         raise ConfigError(f"SPLASH_MHA_PREFILL={value!r} must be auto, off or a number of "
                           "rows (at least 1)")
     return int(value)
-
-
-def expanded_wins(cfg: Any, q_lens: list[int], kv_lens: list[int]) -> bool:
-    """Whether expanded attention is faster than absorbed for requests of ``q_lens`` query rows
-    over ``kv_lens`` history rows each (the chunk included; causal pairs): its FLOPs, at
-    ``EXPANDED_SPEED`` times the absorbed rate, take less time."""
-    L, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    DN, DV = cfg.qk_nope_head_dim, cfg.v_head_dim
-    pairs = sum(q * k - q * (q - 1) // 2 for q, k in zip(q_lens, kv_lens))
-    absorbed = pairs * (2 * L + R) + sum(q_lens) * L * (DN + DV)
-    expanded = pairs * (DN + R + DV) + sum(kv_lens) * L * (DN + DV)
-    return expanded < absorbed * EXPANDED_SPEED
 
 
 def budget_keys(attn: Any) -> int:

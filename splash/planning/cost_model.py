@@ -9,7 +9,9 @@ bandwidth time can hide behind attention. MLP/MoE (tensor-parallel over all T ra
 layout) and the LM head are included so that layout ratios are realistic.
 
 Absorbed MLA: a query row costs 2·h·(D + L) FLOPs per attended KV token (D = L + R); KV bytes read
-grow with context. DSA models (`index_topk`) attend at most `index_topk` tokens per row and pay a
+grow with context. A prefill chunk that the engine runs expanded (``splash.core.mla_forms``: TP,
+DP and CP, where that is faster) costs its expanded FLOPs at the measured speed-up instead, less
+the absorbed form's W_UK / W_UV products the projections count; DOP stays absorbed. DSA models (`index_topk`) attend at most `index_topk` tokens per row and pay a
 lightning indexer over the whole history (2·index_heads·index_dim FLOPs per token, fp8 keys).
 """
 
@@ -24,6 +26,7 @@ import numpy as np
 from splash.backends.profiles import HardwareProfile
 from splash.core.dtypes import dtype_bytes
 from splash.core.memory import MemoryModel
+from splash.core.mla_forms import EXPANDED_SPEED
 from splash.core.ownership import KVPlacement, Layout, assign_owners, get_layout, held_tokens
 from splash.core.shapes import BatchShape, SwitchCost
 from splash.planning.feasibility import ACT_BYTES
@@ -223,14 +226,17 @@ class CostModel:
         k, ib = self._k["topk"], self._k["idx_bytes_per_token"]
         kvb = self.kv_bytes_per_token_per_layer
         kv_read = np.minimum(hist, rows * k) if k else hist  # DSA reads the top-k it gathers
+        absorbed = self._pairs(rows, prefix, sparse=True) * 2.0 * (2 * c.kv_lora_rank
+                                                                   + c.qk_rope_head_dim)
         per_req = np.stack([
-            self._pairs(rows, prefix, sparse=True) * 2.0 * (2 * c.kv_lora_rank
-                                                            + c.qk_rope_head_dim),  # per head
+            absorbed,  # per head
             (kv_read + rows) * float(kvb),  # KV read + the step's rows written
             self._pairs(rows, prefix, sparse=False) * float(self._k["idx_flops_per_pair"])
             if ib else np.zeros(len(rows)),
             hist * float(ib),
-        ])  # (4, R): attention FLOPs/head, attention bytes, indexer FLOPs, indexer bytes
+            self._expanded(rows, prefix, absorbed, dense=not k or int(hist.max(initial=0)) <= k),
+        ])  # (5, R): attention FLOPs/head, attention bytes, indexer FLOPs, indexer bytes,
+        # attention FLOPs/head where prefill chunks run expanded
         dec = rows == 1
         work = {"batch": batch, "rows": rows, "hist": hist, "per_req": per_req,
                 "n": int(rows.sum()), "n_dec": int(dec.sum()),
@@ -240,6 +246,24 @@ class CostModel:
             cache.clear()
         cache[batch] = work
         return work
+
+    def _expanded(self, rows: np.ndarray, prefix: np.ndarray, absorbed: np.ndarray,
+                  dense: bool) -> np.ndarray:
+        """Attention FLOPs per head of each request in the form the engine runs it outside DOP:
+        expanded for prefill chunks where that is faster (a DSA step only while every history
+        is within index_topk), at ``EXPANDED_SPEED``, less the W_UK / W_UV products of the
+        rows that `_attention_layer`'s projections count; else ``absorbed``."""
+        if not dense:
+            return absorbed
+        c = self.cfg
+        pairs = self._pairs(rows, prefix, sparse=False).astype(np.float64)
+        expand = c.kv_lora_rank * (c.qk_nope_head_dim + c.v_head_dim)
+        absorbed_mac = pairs * (2 * c.kv_lora_rank + c.qk_rope_head_dim) + rows * expand
+        expanded_mac = (pairs * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
+                        + (rows + prefix) * expand)
+        wins = (rows > 1) & (expanded_mac < absorbed_mac * EXPANDED_SPEED)
+        cost = np.maximum(2.0 * (expanded_mac / EXPANDED_SPEED - rows * expand), 0.0)
+        return np.where(wins, cost, absorbed)
 
     def _by_owner(self, w: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
         """(work (4, T), rows (T,)) summed per owner rank; owners greedy unless given."""
@@ -255,21 +279,21 @@ class CostModel:
         c, T, H = self.cfg, self.world, self.cfg.num_attention_heads
         D, L = c.kv_lora_rank + c.qk_rope_head_dim, c.kv_lora_rank
         n = w["n"]
-        by_owner, own_rows = self._by_owner(w) if lay.uses_owners else (np.zeros((4, T)),
+        by_owner, own_rows = self._by_owner(w) if lay.uses_owners else (np.zeros((5, T)),
                                                                          np.zeros(T))
         hd = H // T if lay.shards_heads else H
         bytes_row = c.hidden_size * ACT_BYTES
         comm: list[float] = []  # bytes of each collective on the busiest rank
         if lay.kv is KVPlacement.OWNED:
-            per_rank = by_owner * np.array([[H], [1], [1], [1]])  # (4, T)
+            per_rank = by_owner * np.array([[H], [1], [1], [1], [H]])  # (5, T)
             q_rows = own_rows if not lay.shards_heads else np.full(T, float(n))
         elif lay.kv is KVPlacement.REPLICATED:
-            per_rank = np.repeat((w["total"] * np.array([hd, 1, 1, 1]))[:, None], T, axis=1)
+            per_rank = np.repeat((w["total"] * np.array([hd, 1, 1, 1, hd]))[:, None], T, axis=1)
             q_rows = np.full(T, float(n))
         else:  # CP: decode splits positions; prefill splits query rows over a gathered prefix
             tot, dec = w["total"], w["dec_total"]
             v = np.array([tot[0] * H / T, dec[1] / T + tot[1] - dec[1], tot[2] / T,
-                          dec[3] / T + tot[3] - dec[3]])
+                          dec[3] / T + tot[3] - dec[3], tot[4] * H / T])
             per_rank = np.repeat(v[:, None], T, axis=1)
             q_rows = np.full(T, float(w["n_dec"] + -(-w["pf_rows"] // T)))
         if T > 1:
@@ -297,7 +321,8 @@ class CostModel:
                           busy * hd * k["q_params_per_head"] * wb, gemm)
         proj = proj + self._roof(2 * q_rows * hd * k["o_params_per_head"],
                                  busy * hd * k["o_params_per_head"] * wb, gemm)
-        attn = self._roof(per_rank[0], per_rank[1], self.profile.peak_bf16_tflops)
+        dop = lay.shards_heads and lay.uses_owners  # a row's heads attend away from its owner
+        attn = self._roof(per_rank[0 if dop else 4], per_rank[1], self.profile.peak_bf16_tflops)
         # fixed cost per attended row (one kernel program per request and head group): ~0 on
         # GPUs, where programs run in parallel; dominant under the Triton interpreter
         attended = own_rows if lay.kv is KVPlacement.OWNED else np.full(T, float(n))

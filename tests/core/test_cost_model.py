@@ -139,3 +139,24 @@ def test_dsa_models_pay_indexer_and_topk(cm: CostModel) -> None:
     assert sparse.kv_bytes_per_token_per_layer == dense.kv_bytes_per_token_per_layer + 132
     b = BatchShape.decode(16, 262144)
     assert sparse.breakdown("dp", b)["attention"] < dense.breakdown("dp", b)["attention"]
+
+
+def test_prefill_chunks_priced_in_the_form_the_engine_runs(v3: ModelConfig) -> None:
+    """At T=1 every layout places the same heads and rows, so attention differs only by form:
+    DOP stays absorbed; TP, DP and CP run a long chunk expanded (the engine's choice,
+    ``splash.layouts.expanded``) and pay less; decode rows and a short chunk over a long
+    history stay absorbed everywhere, at the same price."""
+    from splash.core.mla_forms import expanded_wins
+
+    cm1 = CostModel(v3, 1, PROFILES["h200"], "bf16", "bf16")
+
+    def attention(layout: str, batch: BatchShape) -> float:
+        return cm1.breakdown(layout, batch)["attention"]
+
+    long_chunk = BatchShape(prefill=[(8192, 0)])
+    short_chunk = BatchShape(prefill=[(16, 8192)], decode_ctx=[4096] * 8)
+    assert expanded_wins(v3, [8192], [8192]) and not expanded_wins(v3, [16], [8208])
+    for layout in ("tp", "dp", "cp"):
+        assert attention(layout, long_chunk) < 0.5 * attention("dop", long_chunk)
+        for batch in (BatchShape.decode(16, 8192), short_chunk):
+            assert attention(layout, batch) == pytest.approx(attention("dop", batch))

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from splash.core import mla_forms
 from splash.layouts import expanded
 
 
@@ -86,8 +87,9 @@ def test_the_cheaper_form_is_chosen(q_lens, kv_lens):
     v3 = SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
                          v_head_dim=128)
     absorbed, expanded_ = _flops_by_enumeration(v3, q_lens, kv_lens)
-    assert expanded.expanded_wins(v3, q_lens, kv_lens) == (
-        expanded_ < absorbed * expanded.EXPANDED_SPEED)
+    assert mla_forms.form_flops(v3, q_lens, kv_lens) == (absorbed, expanded_)
+    assert mla_forms.expanded_wins(v3, q_lens, kv_lens) == (
+        expanded_ < absorbed * mla_forms.EXPANDED_SPEED)
 
 
 @pytest.mark.parametrize("value,want", [("", "auto"), ("auto", "auto"), (" OFF ", "off"),
@@ -204,5 +206,5 @@ def test_dsa_layers_that_select_stay_absorbed():
 def test_the_logged_crossover_is_where_the_choice_turns():
     cfg = _v3_attn().cfg
     rows = expanded.crossover_rows(cfg, history=8192)
-    assert not expanded.expanded_wins(cfg, [rows - 1], [8192 + rows - 1])
-    assert expanded.expanded_wins(cfg, [rows], [8192 + rows])
+    assert not mla_forms.expanded_wins(cfg, [rows - 1], [8192 + rows - 1])
+    assert mla_forms.expanded_wins(cfg, [rows], [8192 + rows])
