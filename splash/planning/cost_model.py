@@ -234,9 +234,10 @@ class CostModel:
             self._pairs(rows, prefix, sparse=False) * float(self._k["idx_flops_per_pair"])
             if ib else np.zeros(len(rows)),
             hist * float(ib),
-            self._expanded(rows, prefix, absorbed, dense=not k or int(hist.max(initial=0)) <= k),
-        ])  # (5, R): attention FLOPs/head, attention bytes, indexer FLOPs, indexer bytes,
-        # attention FLOPs/head where prefill chunks run expanded
+            *self._expanded(rows, prefix, absorbed,
+                            dense=not k or int(hist.max(initial=0)) <= k),
+        ])  # (6, R): attention FLOPs/head, attention bytes, indexer FLOPs, indexer bytes; where
+        # prefill chunks run expanded, attention FLOPs/head of the pairs and of the expansion
         dec = rows == 1
         work = {"batch": batch, "rows": rows, "hist": hist, "per_req": per_req,
                 "n": int(rows.sum()), "n_dec": int(dec.sum()),
@@ -248,22 +249,26 @@ class CostModel:
         return work
 
     def _expanded(self, rows: np.ndarray, prefix: np.ndarray, absorbed: np.ndarray,
-                  dense: bool) -> np.ndarray:
+                  dense: bool) -> tuple[np.ndarray, np.ndarray]:
         """Attention FLOPs per head of each request in the form the engine runs it outside DOP:
-        expanded for prefill chunks where that is faster (a DSA step only while every history
-        is within index_topk), at ``EXPANDED_SPEED``, less the W_UK / W_UV products of the
-        rows that `_attention_layer`'s projections count; else ``absorbed``."""
+        (the pairs' part, the history's expansion) — expanded for prefill chunks where that is
+        faster (a DSA step only while every history is within index_topk), at
+        ``EXPANDED_SPEED``, the expansion less the W_UK / W_UV products of the rows that
+        `_attention_layer`'s projections count; else (``absorbed``, 0). CP splits the pairs
+        over its ranks but every rank expands the history its rows attend."""
+        none = np.zeros(len(rows))
         if not dense:
-            return absorbed
+            return absorbed, none
         c = self.cfg
         pairs = self._pairs(rows, prefix, sparse=False).astype(np.float64)
         expand = c.kv_lora_rank * (c.qk_nope_head_dim + c.v_head_dim)
         absorbed_mac = pairs * (2 * c.kv_lora_rank + c.qk_rope_head_dim) + rows * expand
-        expanded_mac = (pairs * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
-                        + (rows + prefix) * expand)
+        per_pair = c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim
+        expanded_mac = pairs * per_pair + (rows + prefix) * expand
         wins = (rows > 1) & (expanded_mac < absorbed_mac * EXPANDED_SPEED)
-        cost = np.maximum(2.0 * (expanded_mac / EXPANDED_SPEED - rows * expand), 0.0)
-        return np.where(wins, cost, absorbed)
+        pair_part = 2.0 * pairs * per_pair / EXPANDED_SPEED
+        history = np.maximum(2.0 * ((rows + prefix) / EXPANDED_SPEED - rows) * expand, 0.0)
+        return np.where(wins, pair_part, absorbed), np.where(wins, history, none)
 
     def _by_owner(self, w: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
         """(work (4, T), rows (T,)) summed per owner rank; owners greedy unless given."""
@@ -279,21 +284,22 @@ class CostModel:
         c, T, H = self.cfg, self.world, self.cfg.num_attention_heads
         D, L = c.kv_lora_rank + c.qk_rope_head_dim, c.kv_lora_rank
         n = w["n"]
-        by_owner, own_rows = self._by_owner(w) if lay.uses_owners else (np.zeros((5, T)),
+        by_owner, own_rows = self._by_owner(w) if lay.uses_owners else (np.zeros((6, T)),
                                                                          np.zeros(T))
         hd = H // T if lay.shards_heads else H
         bytes_row = c.hidden_size * ACT_BYTES
         comm: list[float] = []  # bytes of each collective on the busiest rank
         if lay.kv is KVPlacement.OWNED:
-            per_rank = by_owner * np.array([[H], [1], [1], [1], [H]])  # (5, T)
+            per_rank = by_owner * np.array([[H], [1], [1], [1], [H], [H]])  # (6, T)
             q_rows = own_rows if not lay.shards_heads else np.full(T, float(n))
         elif lay.kv is KVPlacement.REPLICATED:
-            per_rank = np.repeat((w["total"] * np.array([hd, 1, 1, 1, hd]))[:, None], T, axis=1)
+            per_rank = np.repeat((w["total"] * np.array([hd, 1, 1, 1, hd, hd]))[:, None], T,
+                                 axis=1)
             q_rows = np.full(T, float(n))
         else:  # CP: decode splits positions; prefill splits query rows over a gathered prefix
             tot, dec = w["total"], w["dec_total"]
             v = np.array([tot[0] * H / T, dec[1] / T + tot[1] - dec[1], tot[2] / T,
-                          dec[3] / T + tot[3] - dec[3], tot[4] * H / T])
+                          dec[3] / T + tot[3] - dec[3], tot[4] * H / T, tot[5] * H])
             per_rank = np.repeat(v[:, None], T, axis=1)
             q_rows = np.full(T, float(w["n_dec"] + -(-w["pf_rows"] // T)))
         if T > 1:
@@ -322,7 +328,8 @@ class CostModel:
         proj = proj + self._roof(2 * q_rows * hd * k["o_params_per_head"],
                                  busy * hd * k["o_params_per_head"] * wb, gemm)
         dop = lay.shards_heads and lay.uses_owners  # a row's heads attend away from its owner
-        attn = self._roof(per_rank[0 if dop else 4], per_rank[1], self.profile.peak_bf16_tflops)
+        flops = per_rank[0] if dop else per_rank[4] + per_rank[5]
+        attn = self._roof(flops, per_rank[1], self.profile.peak_bf16_tflops)
         # fixed cost per attended row (one kernel program per request and head group): ~0 on
         # GPUs, where programs run in parallel; dominant under the Triton interpreter
         attended = own_rows if lay.kv is KVPlacement.OWNED else np.full(T, float(n))
