@@ -14,7 +14,8 @@ lives on the device is counted (vLLM's profile run, in this engine's terms).
   of ``max_num_batched_tokens`` rows or a decode batch of the largest bucket, at the longest
   context. GPU workers measure it by running those steps before the pool exists (the
   *profiling steps*); the reserve is never below the analytic estimate below, which also
-  covers layouts other than the start one (DP runs all heads of a rank's rows).
+  covers layouts other than the start one (DP runs all heads of a rank's rows) and contexts
+  past the profiling steps' (the expanded prefill gathers a chunk's whole history).
 - **graph reserve**: the CUDA graphs' memory pool (graphs share one pool and never replay
   together, so it holds about one decode step's activations) plus every graph's static
   buffers; 0 without graphs.
@@ -30,6 +31,8 @@ from splash.core.dtypes import dtype_bytes
 from splash.core.memory import MemoryModel
 from splash.core.ownership import LAYOUTS
 from splash.errors import ConfigError
+from splash.layouts.expanded import EXPANDED_BUDGET
+from splash.layouts.expanded import mode as expanded_mode
 from splash.layouts.sparse import SCORE_BUDGET
 from splash.model.config import ModelConfig
 
@@ -65,7 +68,20 @@ def activation_estimate(cfg: ModelConfig, world: int, dtype: str, limits: StepLi
         scores = 4 * min(rows * limits.context, SCORE_BUDGET)
     logits = (max(limits.sample_rows, _PROMPT_LOGPROB_ROWS) * cfg.vocab_size * 4
               * _LOGIT_COPIES)
-    return rows * per_row + scores + logits
+    return rows * per_row + scores + logits + _expanded_bytes(cfg, dtype, limits)
+
+
+def _expanded_bytes(cfg: ModelConfig, dtype: str, limits: StepLimits) -> int:
+    """A prefill chunk run expanded (`splash.layouts.expanded`): its whole history gathered and
+    dequantised (two copies of the latent rows, growing with the context past what the profiling
+    steps reach) beside the expanded keys and values of at most ``EXPANDED_BUDGET`` bytes."""
+    if limits.prefill_rows < 2 or expanded_mode() == "off":
+        return 0
+    b = dtype_bytes(dtype)
+    per_key = (cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+               + cfg.qk_rope_head_dim)
+    latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    return min(EXPANDED_BUDGET, limits.context * per_key * b) + 2 * limits.context * latent * b
 
 
 GRAPH_MARGIN = 1.25

@@ -118,3 +118,27 @@ def test_refusals_name_their_knob():
     room.check(room.pages(), explicit=True)  # exactly what is left: accepted
     with pytest.raises(ConfigError, match="lower kv_pages_per_rank to at most 2048"):
         room.check(room.pages() + 1, explicit=True)
+
+
+def test_the_reserve_covers_the_expanded_prefill_at_any_context(monkeypatch):
+    """Run expanded, a prefill chunk gathers its whole history (and a dequantised copy) beside
+    at most ``EXPANDED_BUDGET`` bytes of expanded keys and values: past the profiling steps'
+    context that grows with the context, so the analytic reserve counts it, at DeepSeek-V3's
+    dims; with ``SPLASH_MHA_PREFILL=off`` nothing is added."""
+    from splash.engine.memory_plan import StepLimits, activation_estimate
+    from splash.layouts.expanded import EXPANDED_BUDGET
+    from splash.model.config import ModelConfig
+    from splash.model.presets import preset_config
+
+    v3 = ModelConfig.from_hf(preset_config("deepseek-v3", scale="full"))
+
+    def reserve(context: int) -> int:
+        return activation_estimate(v3, 1, "bf16", StepLimits(2048, 64, 64, context))
+
+    monkeypatch.setenv("SPLASH_MHA_PREFILL", "off")
+    off = {c: reserve(c) for c in (16384, 131072)}
+    monkeypatch.setenv("SPLASH_MHA_PREFILL", "auto")
+    on = {c: reserve(c) for c in (16384, 131072)}
+    rows = 2 * 2 * (512 + 64)  # bf16 latent rows, gathered and dequantised, per history token
+    assert on[131072] - off[131072] == EXPANDED_BUDGET + 131072 * rows
+    assert on[131072] - on[16384] - (off[131072] - off[16384]) == (131072 - 16384) * rows
