@@ -11,7 +11,9 @@
 # norm, rope and routing kernels against the torch ops they replace), dsa (launch sweep of the
 # DSA kernels, then their records), gemms (the dense products of a decode step vs their bytes),
 # overlap (T=1 decode steps with one and with two streams per layer, V3-shaped, 8 layers),
-# expanded (one prefill chunk's attention absorbed vs expanded: SPLASH_MHA_PREFILL's default).
+# expanded (one prefill chunk's attention absorbed vs expanded: SPLASH_MHA_PREFILL's default),
+# prefill_ab (offline throughput with every prefill absorbed, then with the default), first
+# (Triton compiles after start-up, cold cache, V3 and V3.2 shapes, 24K prompts).
 # Default: tests engine kernels moe offline (about 8 minutes on an H200).
 set -uo pipefail
 PARTS=${*:-tests engine kernels moe offline}
@@ -53,6 +55,14 @@ for p in $PARTS; do
     gemms) part gemms 120 python3 benchmarks/dense_gemms.py --out "$OUT/dense_gemms.json" ;;
     expanded) part expanded_prefill 240 python3 benchmarks/expanded_prefill.py \
       --out "$OUT/expanded_prefill.json" ;;
+    prefill_ab)
+      part offline_absorbed 240 env SPLASH_MHA_PREFILL=off python3 benchmarks/offline_throughput.py \
+        --out "$OUT/offline_absorbed.json"
+      part offline_expanded 240 python3 benchmarks/offline_throughput.py \
+        --out "$OUT/offline_expanded.json" ;;
+    first) part first_requests 330 env TRITON_CACHE_DIR=/tmp/splash-cold-cache \
+      python3 benchmarks/first_requests.py --layers 2 --long 24000 \
+      --out "$OUT/first_requests.json" ;;
     overlap)
       CKPT=/tmp/splash-v3-8l-o1
       python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import multi_gpu; \
@@ -62,6 +72,6 @@ multi_gpu.build('$CKPT', 8, 32)"
       part step_two_streams 200 python3 benchmarks/step_roofline.py --tp 1 \
         --model "$CKPT" --batches 1,16,64 --contexts 1024 --out "$OUT/step_two_streams.json" ;;
     *) echo "unknown part $p (tests engine kernels moe offline profile prefix small dsa gemms" \
-      "overlap)"; exit 2 ;;
+      "expanded prefill_ab first overlap)"; exit 2 ;;
   esac
 done
