@@ -217,8 +217,9 @@ def test_decode_transposed_tail_tiles(setting, case, num_splits, pv_heads_m):
     assert torch.all(out.cpu()[empty] == 0) and torch.all(torch.isneginf(lse.cpu()[empty]))
 
 
-# GPU launch variants of the tokens-on-M kernel at the production shape: one-stage (no
-# pipelining), tiles of half a page, two pages, 8 warps
+# GPU launch configs at the production shape: the launcher's default (the head-group kernel with
+# one-page tiles) and variants of the tokens-on-M kernel: one-stage (no pipelining), tiles of
+# half a page, two pages, 8 warps
 TRANSPOSED_GPU_CONFIGS = {
     "default": None,
     "regular": {"transposed": False, "BLOCK_N": 16, "num_warps": 4, "num_stages": 3},
