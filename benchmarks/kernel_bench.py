@@ -78,12 +78,15 @@ PEER = {
 # The 2026-11-29 sweep (tile sizes, stages, both kernels, fp16 products; results in
 # benchmarks/results/h200/kernels_sweep.json) chose today's defaults; this one tries what the
 # ncu profiles point at (benchmarks/results/h200/profile/): producer/consumer warps for the KV
-# loop ("warp_specialize", Triton's Hopper autoWS) and more warps against register spills.
-_PVH = {"transposed": True, "pv_heads_m": True}
+# loop ("warp_specialize", Triton's Hopper autoWS) and more warps against register spills;
+# 2026-12-01: the few-heads default became the head-group kernel with one-page tiles and 3
+# stages (benchmarks/decode_configs.py), so many heads try half-page tiles with deeper pipelines
+# (a 64-head q tile takes 72 KB of shared memory, a 64-token stage 72 KB, a 32-token one 36 KB).
 _WS = {"warp_specialize": True}
 SWEEP: dict[tuple[str, str], list[dict[str, Any]]] = {
-    ("bf16", "few"): [{}, _WS, {**_PVH, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, **_WS}],
-    ("bf16", "many"): [{}, _WS, {"BLOCK_H": 32, "num_warps": 4}, {"BLOCK_H": 32, **_WS}],
+    ("bf16", "few"): [{}, _WS],
+    ("bf16", "many"): [{}, _WS, {"BLOCK_H": 32, "num_warps": 4},
+                       {"BLOCK_N": 32, "num_stages": 3}, {"BLOCK_N": 32, "num_stages": 4}],
     ("fp8", "few"): [{}, _WS, {"num_warps": 8}, {"BLOCK_N": 64, "num_warps": 8},
                      {"fp8_fp16": False}],
     ("fp8", "many"): [{}, _WS, {"BLOCK_N": 64}, {"fp8_fp16": True}],
