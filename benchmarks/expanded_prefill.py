@@ -86,6 +86,24 @@ def one(heads: int, chunk: int, prefix: int, dtype=torch.bfloat16, sweep: bool =
     return rec
 
 
+def records(heads: int, chunk: int, prefixes: tuple[int, ...], ceil: dict) -> list[dict]:
+    """``kernel_bench``'s ``prefill_expanded`` records of a chunk at ``prefixes``, beside the
+    same run's ceilings ``ceil``."""
+    out = []
+    for prefix in prefixes:
+        row = one(heads, chunk, prefix)
+        rec = {"kernel": "prefill_expanded", "heads": heads, "batch": 1,
+               "context": prefix + chunk, "chunk": chunk, "prefix": prefix, "dtype": "bf16",
+               "ms": row["ms_expanded"], "ms_absorbed_form": row["ms_absorbed"],
+               "TFLOPs": row["TFLOPs_absorbed_equiv_expanded"],
+               "TFLOPs_note": "the absorbed form's FLOPs over the expanded form's time",
+               "ceiling_matmul_TFLOPs": round(ceil["matmul_TFLOPs"], 1),
+               "ceiling_copy_GBps": round(ceil["copy_GBps"], 1)}
+        out.append(rec)
+        print(rec, flush=True)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--points", default="128:8192:0,128:8192:24576,128:2048:0,128:512:8192,"

@@ -308,17 +308,7 @@ def extend_records(dev, ceil) -> list[dict]:
             }
             out.append(rec)
             print(json.dumps(rec), flush=True)
-    for prefix in (0, 24576):  # the same chunk as serving runs it: expanded (SPLASH_MHA_PREFILL)
-        row = expanded_prefill.one(heads, rows, prefix)
-        rec = {"kernel": "prefill_expanded", "heads": heads, "batch": 1,
-               "context": prefix + rows, "chunk": rows, "prefix": prefix, "dtype": "bf16",
-               "ms": row["ms_expanded"], "ms_absorbed_form": row["ms_absorbed"],
-               "TFLOPs": row["TFLOPs_absorbed_equiv_expanded"],
-               "TFLOPs_note": "the absorbed form's FLOPs over the expanded form's time",
-               "ceiling_matmul_TFLOPs": round(ceil["matmul_TFLOPs"], 1),
-               "ceiling_copy_GBps": round(ceil["copy_GBps"], 1)}
-        out.append(rec)
-        print(json.dumps(rec), flush=True)
+    out += expanded_prefill.records(heads, rows, (0, 24576), ceil)  # as serving runs it
     return out
 
 

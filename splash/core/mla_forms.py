@@ -15,24 +15,29 @@ from typing import Any
 EXPANDED_SPEED = 1.5
 
 
-def causal_pairs(q: int, k: int) -> int:
-    """(row, key) pairs of ``q`` query rows, the last of ``k`` history rows, causally."""
-    return q * k - q * (q - 1) // 2
+def request_macs(cfg: Any, q: Any, k: Any) -> tuple[Any, Any]:
+    """(absorbed, expanded) multiply-adds per head of a request of ``q`` query rows, the last
+    of its ``k`` history rows (causal pairs), projections of either form included; ints, or
+    numpy arrays of requests elementwise."""
+    L, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    DN, DV = cfg.qk_nope_head_dim, cfg.v_head_dim
+    pairs = q * k - q * (q - 1) // 2
+    return (pairs * (2 * L + R) + q * L * (DN + DV),
+            pairs * (DN + R + DV) + k * L * (DN + DV))
+
+
+def faster_expanded(absorbed: Any, expanded: Any) -> Any:
+    """Whether ``expanded`` multiply-adds, at ``EXPANDED_SPEED`` times the absorbed rate, take
+    less time than ``absorbed`` (elementwise for arrays)."""
+    return expanded < absorbed * EXPANDED_SPEED
 
 
 def form_flops(cfg: Any, q_lens: Sequence[int], kv_lens: Sequence[int]) -> tuple[int, int]:
-    """(absorbed, expanded) multiply-adds per head of requests of ``q_lens`` query rows over
-    ``kv_lens`` history rows each (the chunk included), projections of either form included."""
-    L, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    DN, DV = cfg.qk_nope_head_dim, cfg.v_head_dim
-    pairs = sum(causal_pairs(q, k) for q, k in zip(q_lens, kv_lens))
-    absorbed = pairs * (2 * L + R) + sum(q_lens) * L * (DN + DV)
-    expanded = pairs * (DN + R + DV) + sum(kv_lens) * L * (DN + DV)
-    return absorbed, expanded
+    """`request_macs` summed over requests of ``q_lens`` rows over ``kv_lens`` history rows."""
+    both = [request_macs(cfg, q, k) for q, k in zip(q_lens, kv_lens)]
+    return sum(a for a, _ in both), sum(e for _, e in both)
 
 
 def expanded_wins(cfg: Any, q_lens: Sequence[int], kv_lens: Sequence[int]) -> bool:
-    """Whether the expanded form is faster: its FLOPs, at ``EXPANDED_SPEED`` times the absorbed
-    rate, take less time."""
-    absorbed, expanded = form_flops(cfg, q_lens, kv_lens)
-    return expanded < absorbed * EXPANDED_SPEED
+    """Whether the expanded form is faster for these requests together."""
+    return bool(faster_expanded(*form_flops(cfg, q_lens, kv_lens)))

@@ -235,9 +235,7 @@ class MLAAttention:
         reads the same normalised q_a latent)."""
         nope, h, n = self.cfg.qk_nope_head_dim, self.num_heads, x.shape[0]
         L = self.cfg.kv_lora_rank
-        q_in = self.q_input(x) if q_in is None else q_in
-        q = q_in @ self.q_b.reshape(h * self.cfg.qk_head_dim, -1).t()
-        q = q.view(n, h, self.cfg.qk_head_dim)  # (N, h, nope+R)
+        q = self._q_heads(self.q_input(x) if q_in is None else q_in)  # (N, h, nope+R)
         out = q.new_empty((n, h, L + self.cfg.qk_rope_head_dim))
         torch.bmm(q[..., :nope].transpose(0, 1), self.w_uk, out=out.transpose(0, 1)[..., :L])
         self.rope(q[..., nope:], positions, out=out[..., L:])
@@ -248,11 +246,15 @@ class MLAAttention:
     # attention output (value dims) goes straight to o_proj.
     def query_expanded(self, q_in: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(N, q_in) normalised q_a latent -> (N, h, nope + R): q_nope ‖ roped q_rope."""
-        nope, h, n = self.cfg.qk_nope_head_dim, self.num_heads, q_in.shape[0]
-        q = (q_in @ self.q_b.reshape(h * self.cfg.qk_head_dim, -1).t()).view(
-            n, h, self.cfg.qk_head_dim)
+        nope = self.cfg.qk_nope_head_dim
+        q = self._q_heads(q_in)
         self.rope(q[..., nope:].clone(), positions, out=q[..., nope:])
         return q
+
+    def _q_heads(self, q_in: torch.Tensor) -> torch.Tensor:
+        """(N, q_in) -> (N, h, nope + R): every head's query before rope and absorption."""
+        qk = self.cfg.qk_head_dim
+        return (q_in @ self.q_b.reshape(self.num_heads * qk, -1).t()).view(-1, self.num_heads, qk)
 
     def expand(self, c_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(T, L) normalised latent rows -> per-head keys (T, h, nope) and values (T, h, v)."""
@@ -272,4 +274,4 @@ class MLAAttention:
         o_latent = o_latent.to(self.w_uv.dtype)
         o = o_latent.new_empty((o_latent.shape[0], h, v))  # the product lands head-interleaved
         torch.bmm(o_latent.transpose(0, 1), self.w_uv.transpose(1, 2), out=o.transpose(0, 1))
-        return o.view(-1, h * v) @ self.w_o.reshape(h * v, self.cfg.hidden_size)  # (N, hidden)
+        return self.output_expanded(o)  # (N, hidden)

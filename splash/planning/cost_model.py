@@ -26,7 +26,7 @@ import numpy as np
 from splash.backends.profiles import HardwareProfile
 from splash.core.dtypes import dtype_bytes
 from splash.core.memory import MemoryModel
-from splash.core.mla_forms import EXPANDED_SPEED
+from splash.core.mla_forms import EXPANDED_SPEED, faster_expanded, request_macs
 from splash.core.ownership import KVPlacement, Layout, assign_owners, get_layout, held_tokens
 from splash.core.shapes import BatchShape, SwitchCost
 from splash.planning.feasibility import ACT_BYTES
@@ -260,14 +260,12 @@ class CostModel:
         if not dense:
             return absorbed, none
         c = self.cfg
-        pairs = self._pairs(rows, prefix, sparse=False).astype(np.float64)
+        hist = (rows + prefix).astype(np.float64)
+        absorbed_mac, expanded_mac = request_macs(c, rows.astype(np.float64), hist)
+        wins = (rows > 1) & faster_expanded(absorbed_mac, expanded_mac)
         expand = c.kv_lora_rank * (c.qk_nope_head_dim + c.v_head_dim)
-        absorbed_mac = pairs * (2 * c.kv_lora_rank + c.qk_rope_head_dim) + rows * expand
-        per_pair = c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim
-        expanded_mac = pairs * per_pair + (rows + prefix) * expand
-        wins = (rows > 1) & (expanded_mac < absorbed_mac * EXPANDED_SPEED)
-        pair_part = 2.0 * pairs * per_pair / EXPANDED_SPEED
-        history = np.maximum(2.0 * ((rows + prefix) / EXPANDED_SPEED - rows) * expand, 0.0)
+        pair_part = 2.0 * (expanded_mac - hist * expand) / EXPANDED_SPEED
+        history = np.maximum(2.0 * (hist / EXPANDED_SPEED - rows) * expand, 0.0)
         return np.where(wins, pair_part, absorbed), np.where(wins, history, none)
 
     def _by_owner(self, w: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
