@@ -1,6 +1,7 @@
-"""Few-head bf16 MLA decode: launch configs × split counts of ``mla_decode`` against the copy
-bandwidth, then the launcher's default against the former default (the tokens-on-M kernel
-with 32-token tiles) at 8, 16 and 32 heads, interleaved.
+"""Few-head MLA decode: launch configs × split counts of ``mla_decode`` (bf16 KV) against the
+copy bandwidth, the launcher's default against the former default (the tokens-on-M kernel with
+32-token tiles) at 8, 16 and 32 heads, interleaved, and the head-group kernel's tiles, warps and
+stages with fp8 KV (fp16 products).
 
     python3 benchmarks/decode_configs.py --out benchmarks/results/h200/decode_configs.json
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import sys
 
 import torch
@@ -31,18 +33,24 @@ FORMER = {"transposed": True, "pv_heads_m": True, "BLOCK_N": 32, "num_warps": 4,
           "num_stages": 3}
 
 
-def problem(heads: int, batch: int, context: int, dev: torch.device):
+def problem(heads: int, batch: int, context: int, dev: torch.device, fp8: bool = False):
     g = torch.Generator(device=dev).manual_seed(0)
     pages = batch * context // PS
-    kv = torch.randn(pages, PS, D, device=dev, dtype=torch.bfloat16, generator=g)
+    scale = None
+    if fp8:
+        kv = torch.empty(pages, PS, D, device=dev, dtype=torch.float8_e4m3fn)
+        kv.view(torch.uint8).random_(0, 0x7E, generator=g)  # finite e4m3 bit patterns
+        scale = torch.rand(pages, PS, device=dev, generator=g) * 0.01 + 0.005
+    else:
+        kv = torch.randn(pages, PS, D, device=dev, dtype=torch.bfloat16, generator=g)
     table = torch.randperm(pages, device=dev, generator=g).to(torch.int32).view(batch, -1)
     q = torch.randn(batch, heads, D, device=dev, dtype=torch.bfloat16, generator=g)
     lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
 
     def run(cfg=None, splits=None):
-        return K.mla_decode(q, kv, table, lens, D ** -0.5, L, num_splits=splits,
-                            config=cfg or None)
-    return run, batch * context * D * 2
+        return K.mla_decode(q, kv, table, lens, D ** -0.5, L, kv_scale=scale,
+                            num_splits=splits, config=cfg or None)
+    return run, batch * context * (kv.element_size() * D + (4 if fp8 else 0))
 
 
 def sweep(dev: torch.device) -> list[dict]:
@@ -79,6 +87,26 @@ def against_former(dev: torch.device) -> list[dict]:
     return rows
 
 
+def fp8_sweep(dev: torch.device) -> list[dict]:
+    rows = []
+    for heads, batch, context in [(16, 64, 32768), (16, 64, 4096)]:
+        run, nbytes = problem(heads, batch, context, dev, fp8=True)
+        ref = run()[0].float()
+        configs = [None] + [{"transposed": False, "BLOCK_N": n, "num_warps": w, "num_stages": st,
+                             "fp8_fp16": True}
+                            for n, w, st in itertools.product((32, 64), (4, 8), (2, 3))]
+        configs.append({"transposed": False, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2,
+                        "fp8_fp16": False})
+        for cfg in configs:
+            ok = bool(torch.allclose(run(cfg)[0].float(), ref, atol=3e-2, rtol=3e-2))
+            ms = do_bench_cudagraph(functools.partial(run, cfg), rep=30)
+            rows.append({"H": heads, "B": batch, "T": context, "cfg": cfg, "ms": round(ms, 4),
+                         "ok": ok, "GBps": round(nbytes / ms / 1e6)})
+            print(rows[-1], flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results/h200/decode_configs.json")
@@ -88,7 +116,8 @@ def main() -> int:
     K.set_value_checks(False)
     dev = torch.device("cuda")
     save_json(args.out, {"benchmark": "decode_configs", "rows": sweep(dev),
-                         "heads_check": against_former(dev), "ceilings": ceilings(dev)})
+                         "heads_check": against_former(dev), "fp8_sweep": fp8_sweep(dev),
+                         "ceilings": ceilings(dev)})
     return 0
 
 
