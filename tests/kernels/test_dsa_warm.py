@@ -19,7 +19,8 @@ from splash.layouts.sparse import topk_indexed, warm_selection
 
 HI, I, PS, K, MAX_LEN, PAGES = 4, 32, 16, 16, 150, 24
 CONFIGS = {"index_scores": {"TILES": None, "BLOCK_T": 16},
-           "topk": {"CHUNK": 32, "ROWS": 1}}  # several passes at MAX_LEN: 160 -> 80 -> 48 -> 32
+           "topk": {"CHUNK": 32, "ROWS": 1, "SPLIT_CHUNK": 64, "SPLIT_ELEMS": 600}}
+# top-k at MAX_LEN: a few rows split into pieces, more rows in passes 160 -> 80 -> 48 -> 32
 # (MAX_LEN is not a whole number of pages, as max_model_len need not be: histories are scored
 # in whole pages)
 
@@ -40,7 +41,7 @@ class _Recorder:
                          if isinstance(a, int) and not isinstance(a, bool)
                          and name not in self.shape_ints)
             dtypes = tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor))
-            self.seen.add((self.kernel.arg_names[0], tuple(sorted(kwargs.items())), ints, dtypes))
+            self.seen.add((self.kernel.__name__, tuple(sorted(kwargs.items())), ints, dtypes))
             return self.kernel[grid](*args, **kwargs)
         return launch
 
@@ -51,8 +52,10 @@ def variants(monkeypatch):
     monkeypatch.setattr(dsa_index, "_PROGRAMS", 2)  # tiles per program grow within MAX_LEN
     monkeypatch.setattr(dsa_index, "_index_scores_kernel", _Recorder(
         dsa_index._index_scores_kernel, dsa_index.SHAPE_INTS, seen))
-    monkeypatch.setattr(topk, "_topk_chunk_kernel", _Recorder(
-        topk._topk_chunk_kernel, topk.SHAPE_INTS, seen))
+    for name, ints in (("_topk_chunk_kernel", topk.SHAPE_INTS),
+                       ("_split_count_kernel", topk.COUNT_INTS),
+                       ("_split_write_kernel", topk.WRITE_INTS)):
+        monkeypatch.setattr(topk, name, _Recorder(getattr(topk, name), ints, seen))
     return seen
 
 
@@ -100,7 +103,8 @@ def test_warm_up_launches_every_variant_later_steps_launch(variants):
     topk_rows(cands, K, index=torch.zeros((3, 2 * K), dtype=torch.int32),
               config=CONFIGS["topk"])  # CP's merge of two ranks' candidates
     kernels = {v[0] for v in variants}
-    assert kernels == {"q_ptr", "vals_ptr"} and len(variants) >= 6
+    assert kernels == {"_index_scores_kernel", "_topk_chunk_kernel", "_split_count_kernel",
+                       "_split_write_kernel"} and len(variants) >= 6
     missing = variants - warmed
     assert not missing, f"launched after the warm-up, never warmed: {sorted(missing)}"
 
