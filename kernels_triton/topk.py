@@ -6,27 +6,23 @@
 than ``k`` finite entries. ``-inf`` marks an entry that must not be chosen (a token the row
 does not see). Winners are not sorted; equal values are taken in column order.
 
-The k-th largest value is found exactly by a radix select over the order-preserving integer
-image of the fp32 values: rounds of a histogram over one digit of the keys that share the
-digits chosen so far, then the digit where the count from the top reaches what is left. The
-winners are then compacted with a prefix sum. Three schedules, by row length and size:
+Chunked selection: a program takes ``CHUNK`` (>= 2k) entries of ``ROWS`` rows (one on a GPU)
+and keeps each row's k largest, so a pass shrinks a row of M entries to ceil(M / CHUNK) · k
+candidates; passes repeat until one chunk remains (128K scores, k = 2048, CHUNK = 8192:
+128K -> 32K -> 8K -> 2K). Inside a program the k-th largest value is found exactly by a radix
+select over the order-preserving integer image of the fp32 values (rounds of a 256-bin or a
+16-bin histogram); the winners are then compacted with a prefix sum.
 
-- one chunk: a row of at most ``CHUNK`` entries is one program, select and compaction in
-  registers (one launch);
-- split rows (``N·M <= SPLIT_ELEMS``, the decode case: a few rows of long histories, their
-  scores in L2): ``SPLIT_CHUNK``-entry pieces of a row are programs of their own; each of the
-  four 8-bit rounds is one launch in which every piece adds its histogram to the row's (integer
-  atomics: exact and deterministic) and reads the earlier rounds' to know its prefix; the last
-  round also keeps each piece's counts, from which a final launch places every piece's winners
-  after those of the pieces before it (column order, no atomics);
-- passes (larger inputs, where reading the scores five times would cost more than it saves):
-  each program keeps the k largest of a chunk, shrinking a row of M entries to ceil(M / CHUNK)·k
-  candidates, until one chunk remains (128K scores, k = 2048, CHUNK = 8192: 128K -> 32K -> 8K
-  -> 2K).
-
-Tried and measured slower on an H200 (16 rows, graph-timed): an exact threshold from three
-levels of 2,048-bin counts (five launches, each chunk adding its ``tl.histogram`` to the row's
-table): 0.069 / 0.19 ms at 32K / 128K, against 0.047 / 0.091 for the passes.
+Tried and measured slower on an H200 (16 rows, graph-timed): an exact threshold in five
+launches whatever the row length (three levels of 2,048-bin counts, each chunk adding its
+``tl.histogram`` to the row's table with atomics, then a count and a write of the winners in
+column order): 0.069 / 0.19 ms at 32K / 128K at best, against 0.047 / 0.091 for these passes. Rows split
+into pieces of 2-8K, one launch per radix round in which every piece adds its 256- or 16-bin
+counts to its row's with integer atomics, then one launch placing each piece's winners after
+those of the pieces before it: 0.033 / 0.073 ms at best (8-bit digits, 16 warps), slower than
+the passes from 64 rows up, and with 8-bit digits on 4 or 8 warps the later rounds' counts came
+out short (wrong winners; round 0 exact; not understood, Triton 3.6). Dropped: too little gain
+for a wrong-result mode nobody could explain (benchmarks/results/h200/topk_split_tried.json).
 
 ``block_table`` (B, W) with ``row_req`` (N,) (request of each row; None: row n is request n)
 turns the final winners' columns, token positions in the row's paged history, into KV slots
@@ -47,32 +43,16 @@ _KEY_MIN = tl.constexpr(-2147483648)  # below every finite value's key (and -inf
 
 
 @triton.jit
-def _keys(v):
-    """The signed-int image of fp32 ``v`` in float order; -inf (never chosen) at the bottom."""
-    bits = v.to(tl.int32, bitcast=True)
-    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    return tl.where(v > float("-inf"), key, _KEY_MIN)
-
-
-@triton.jit
-def _pick_digit(hist, need, digits):
-    """Radix step of each row of ``hist`` (ROWS, BINS), the counts of one digit among the keys
-    that share the prefix chosen so far: the largest digit whose count from the top reaches
-    ``need`` (ROWS,), and what is left to place at or below it."""
-    at_least = tl.sum(hist, 1)[:, None] - tl.cumsum(hist, 1) + hist  # count >= digit
-    d = tl.max(tl.where(at_least >= need[:, None], digits[None, :], -1), 1)
-    need -= tl.sum(tl.where(digits[None, :] == d[:, None], at_least - hist, 0), 1)
-    return d, need
-
-
-@triton.jit
 def _kth_largest(key, K: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
                  BITS: tl.constexpr, hist_ptr, ATOMIC_HIST: tl.constexpr):
-    """Each row's K-th largest of ``key`` (ROWS, CHUNK) int32, exactly, ``BITS`` bits a round.
-    ``tl.histogram`` costs about its bin count per element on a GPU (ballots per bin bit, then
-    a population count per bin a lane owns), so fewer bits a round trade rounds for bins; with
-    ATOMIC_HIST each key instead adds one to its bin in the program's zeroed scratch at
-    ``hist_ptr`` ((32 / BITS) rounds × ROWS × 2^BITS int32), read back after a barrier."""
+    """Each row's K-th largest of ``key`` (ROWS, CHUNK) int32, exactly: a radix select over the
+    keys' unsigned images, ``BITS`` bits a round (a 2^BITS-bin histogram of the keys that share
+    the digits chosen so far, then the digit where the count from the top reaches what is
+    left). ``tl.histogram`` costs about its bin count per element on a GPU (ballots per bin
+    bit, then a population count per bin a lane owns), so fewer bits a round trade rounds for
+    bins; with ATOMIC_HIST each key instead adds one to its bin in the program's zeroed
+    scratch at ``hist_ptr`` ((32 / BITS) rounds × ROWS × 2^BITS int32), read back after a
+    barrier, as the serving engines' radix top-k kernels count."""
     BINS: tl.constexpr = 1 << BITS
     ukey = (key ^ _KEY_MIN).to(tl.uint32, bitcast=True)  # unsigned order = signed order
     digits = tl.arange(0, BINS)
@@ -96,41 +76,15 @@ def _kth_largest(key, K: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
             hist = tl.histogram(tl.reshape(row_bins + digit, (ROWS * CHUNK,)), ROWS * BINS,
                                 mask=tl.reshape(match, (ROWS * CHUNK,)))
             hist = tl.reshape(hist, (ROWS, BINS))
-        d, need = _pick_digit(hist, need, digits)
+        at_least = tl.sum(hist, 1)[:, None] - tl.cumsum(hist, 1) + hist  # count >= digit
+        d = tl.max(tl.where(at_least >= need[:, None], digits[None, :], -1), 1)
+        need -= tl.sum(tl.where(digits[None, :] == d[:, None], at_least - hist, 0), 1)
         prefix = prefix | (d.to(tl.uint32) << shift)
     return prefix.to(tl.int32, bitcast=True) ^ _KEY_MIN
 
 
-@triton.jit
-def _store_winners(v, idx, key, take, dst, rows, mask_r, out_v_ptr, out_i_ptr, bt_ptr,
-                   row_req_ptr, stride_ovn, stride_ovk, stride_oin, stride_oik, stride_btn,
-                   stride_btp, stride_rr, PAGE_SIZE: tl.constexpr, TO_SLOTS: tl.constexpr,
-                   HAS_ROW_REQ: tl.constexpr):
-    """Write the ``take`` entries (ROWS, C) of ``v`` / ``idx`` to output columns ``dst``;
-    -1 / -inf for the chosen never-choosable ones; slots instead of positions with TO_SLOTS."""
-    chosen = key > _KEY_MIN
-    idx = tl.where(chosen, idx, -1)
-    if TO_SLOTS:
-        if HAS_ROW_REQ:
-            req = tl.load(row_req_ptr + rows * stride_rr, mask=mask_r, other=0).to(tl.int64)
-        else:
-            req = rows
-        has_pos = chosen & (idx >= 0)
-        pos = tl.where(has_pos, idx, 0)
-        page = tl.load(bt_ptr + req[:, None] * stride_btn + (pos // PAGE_SIZE) * stride_btp,
-                       mask=take & has_pos & mask_r[:, None], other=0)
-        idx = tl.where(has_pos, page * PAGE_SIZE + pos % PAGE_SIZE, -1)
-    store = take & mask_r[:, None]
-    tl.store(out_v_ptr + rows[:, None] * stride_ovn + dst * stride_ovk,
-             tl.where(chosen, v, float("-inf")), mask=store)
-    tl.store(out_i_ptr + rows[:, None] * stride_oin + dst * stride_oik, idx.to(tl.int32),
-             mask=store)
-
-
 # ints that vary by step: one binary for all (tests check the warm-up against them)
 SHAPE_INTS = ["N", "stride_btn"]
-COUNT_INTS = ["N", "M", "ROUND", "NUM_PIECES"]
-WRITE_INTS = ["N", "M", "NUM_PIECES", "stride_btn"]
 
 
 @triton.jit(do_not_specialize=SHAPE_INTS)
@@ -173,7 +127,9 @@ def _topk_chunk_kernel(
                       mask=inside, other=-1)
     else:
         idx = tl.zeros((ROWS, CHUNK), tl.int32) + cols[None, :]
-    key = _keys(v)
+    bits = v.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed order = float order
+    key = tl.where(v > float("-inf"), key, _KEY_MIN)
     program = (tl.program_id(1) * tl.num_programs(0) + pid_c).to(tl.int64)
     hist_ptr = hist_ptr + program * ((32 // RADIX_BITS) * ROWS * (1 << RADIX_BITS))
     thr = _kth_largest(key, K, ROWS, CHUNK, RADIX_BITS, hist_ptr, ATOMIC_HIST)  # (ROWS,)
@@ -181,181 +137,52 @@ def _topk_chunk_kernel(
     ties = (key == thr[:, None]).to(tl.int32)
     room = K - tl.sum(above.to(tl.int32), 1)  # ties to take, in column order
     take = above | ((ties > 0) & (tl.cumsum(ties, 1) <= room[:, None]))
-    dst = pid_c * K + tl.cumsum(take.to(tl.int32), 1) - 1  # exactly K a row, column order
-    _store_winners(v, idx, key, take, dst, rows, mask_r, out_v_ptr, out_i_ptr, bt_ptr,
-                   row_req_ptr, stride_ovn, stride_ovk, stride_oin, stride_oik, stride_btn,
-                   stride_btp, stride_rr, PAGE_SIZE, TO_SLOTS, HAS_ROW_REQ)
-
-
-@triton.jit
-def _split_prefix(hist_row, mask_r, rounds, K: tl.constexpr, ROWS: tl.constexpr,
-                  BITS: tl.constexpr):
-    """The digits rounds [0, ``rounds``) chose from the rows' histograms at ``hist_row``
-    (ROWS,) pointers, as the high bits of an uint32, and the winners left to place at or
-    below them."""
-    BINS: tl.constexpr = 1 << BITS
-    digits = tl.arange(0, BINS)
-    prefix = tl.zeros((ROWS,), tl.uint32)
-    need = tl.full((ROWS,), K, tl.int32)
-    for r in range(rounds):
-        hist = tl.load(hist_row[:, None] + r * BINS + digits[None, :], mask=mask_r[:, None],
-                       other=0)
-        d, need = _pick_digit(hist, need, digits)
-        prefix = prefix | (d.to(tl.uint32) << (32 - BITS * (r + 1)))
-    return prefix, need
-
-
-@triton.jit(do_not_specialize=COUNT_INTS)
-def _split_count_kernel(
-    vals_ptr,  # (N, M) fp32
-    hist_ptr,  # (N, 32 / BITS, 2^BITS) int32, zeroed before round 0
-    count_ptr,  # (N, NUM_PIECES, 2^BITS + 1) int32, written by the last round
-    N,
-    M,
-    ROUND,
-    NUM_PIECES,
-    stride_vn, stride_vm,
-    K: tl.constexpr,
-    PIECE: tl.constexpr,
-    ROWS: tl.constexpr,
-    BITS: tl.constexpr,
-):
-    """Round ``ROUND`` of the split rows' radix select: this piece's histogram of the digit
-    after the prefix the earlier rounds chose, added to its row's. The last round also keeps
-    the piece's counts from the top: [d] = its keys >= prefix with digit d, [BINS] = its keys
-    above the prefix."""
-    BINS: tl.constexpr = 1 << BITS
-    pid_p = tl.program_id(0)
-    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
-    mask_r = rows < N
-    rows = rows.to(tl.int64)
-    cols = pid_p * PIECE + tl.arange(0, PIECE)
-    inside = mask_r[:, None] & (cols < M)[None, :]
-    v = tl.load(vals_ptr + rows[:, None] * stride_vn + cols[None, :] * stride_vm, mask=inside,
-                other=float("-inf"))
-    ukey = (_keys(v) ^ _KEY_MIN).to(tl.uint32, bitcast=True)
-    hist_row = hist_ptr + rows * ((32 // BITS) * BINS)
-    prefix, _ = _split_prefix(hist_row, mask_r, ROUND, K, ROWS, BITS)
-    shift = 32 - BITS * (ROUND + 1)
-    high = (ukey >> shift) >> BITS  # the digits above this round's (two shifts: < 32 each)
-    high_prefix = ((prefix >> shift) >> BITS)[:, None]
-    match = inside & (high == high_prefix)
-    row_bins = tl.arange(0, ROWS)[:, None] * BINS
-    digit = ((ukey >> shift) & (BINS - 1)).to(tl.int32)
-    hist = tl.histogram(tl.reshape(row_bins + digit, (ROWS * PIECE,)), ROWS * BINS,
-                        mask=tl.reshape(match, (ROWS * PIECE,)))
-    hist = tl.reshape(hist, (ROWS, BINS))
-    digits = tl.arange(0, BINS)
-    every = mask_r[:, None] & (digits < BINS)[None, :]
-    tl.atomic_add(hist_row[:, None] + ROUND * BINS + digits[None, :], hist, mask=every,
-                  sem="relaxed")
-    if ROUND == 32 // BITS - 1:
-        above = tl.sum((inside & (high > high_prefix)).to(tl.int32), 1)
-        at_least = tl.sum(hist, 1)[:, None] - tl.cumsum(hist, 1) + hist + above[:, None]
-        counts = count_ptr + (rows * NUM_PIECES + pid_p) * (BINS + 1)
-        tl.store(counts[:, None] + digits[None, :], at_least, mask=every)
-        tl.store(counts + BINS, above, mask=mask_r)
-
-
-@triton.jit(do_not_specialize=WRITE_INTS)
-def _split_write_kernel(
-    vals_ptr,  # (N, M) fp32
-    idx_ptr,  # (N, M) int32 (HAS_INDEX)
-    out_v_ptr,  # (N, K) fp32
-    out_i_ptr,  # (N, K) int32
-    bt_ptr,  # (B, W) int (TO_SLOTS)
-    row_req_ptr,  # (N,) int (TO_SLOTS and HAS_ROW_REQ)
-    hist_ptr,  # (N, 32 / BITS, 2^BITS) int32, every round's row histogram
-    count_ptr,  # (N, NUM_PIECES, 2^BITS + 1) int32
-    N,
-    M,
-    NUM_PIECES,
-    stride_vn, stride_vm,
-    stride_in, stride_im,
-    stride_ovn, stride_ovk,
-    stride_oin, stride_oik,
-    stride_btn, stride_btp,
-    stride_rr,
-    K: tl.constexpr,
-    PIECE: tl.constexpr,
-    ROWS: tl.constexpr,
-    BITS: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    HAS_INDEX: tl.constexpr,
-    TO_SLOTS: tl.constexpr,
-    HAS_ROW_REQ: tl.constexpr,
-):
-    """The split rows' winners: this piece's keys above the threshold, and its share of the
-    ties, after those of the pieces before it (their counts from the last round)."""
-    BINS: tl.constexpr = 1 << BITS
-    pid_p = tl.program_id(0)
-    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
-    mask_r = rows < N
-    rows = rows.to(tl.int64)
-    cols = pid_p * PIECE + tl.arange(0, PIECE)
-    inside = mask_r[:, None] & (cols < M)[None, :]
-    v = tl.load(vals_ptr + rows[:, None] * stride_vn + cols[None, :] * stride_vm, mask=inside,
-                other=float("-inf"))
-    if HAS_INDEX:
-        idx = tl.load(idx_ptr + rows[:, None] * stride_in + cols[None, :] * stride_im,
-                      mask=inside, other=-1)
-    else:
-        idx = tl.zeros((ROWS, PIECE), tl.int32) + cols[None, :]
-    key = _keys(v)
-    hist_row = hist_ptr + rows * ((32 // BITS) * BINS)
-    thr, need = _split_prefix(hist_row, mask_r, 32 // BITS, K, ROWS, BITS)
-    last = (thr & (BINS - 1)).to(tl.int32)  # the threshold's last digit
-    before_above = tl.zeros((ROWS,), tl.int32)  # winners above it in the pieces before
-    before_ties = tl.zeros((ROWS,), tl.int32)
-    counts = count_ptr + rows * NUM_PIECES * (BINS + 1)
-    for p in range(pid_p):
-        at_thr = tl.load(counts + p * (BINS + 1) + last, mask=mask_r, other=0)
-        above = tl.load(counts + p * (BINS + 1) + last + 1, mask=mask_r, other=0)
-        before_above += above
-        before_ties += at_thr - above
-    ukey = (key ^ _KEY_MIN).to(tl.uint32, bitcast=True)
-    above = inside & (ukey > thr[:, None])
-    ties = (inside & (ukey == thr[:, None])).to(tl.int32)
-    take = above | ((ties > 0) & (before_ties[:, None] + tl.cumsum(ties, 1) <= need[:, None]))
-    dst = (before_above + tl.minimum(before_ties, need))[:, None] \
-        + tl.cumsum(take.to(tl.int32), 1) - 1
-    _store_winners(v, idx, key, take, dst, rows, mask_r, out_v_ptr, out_i_ptr, bt_ptr,
-                   row_req_ptr, stride_ovn, stride_ovk, stride_oin, stride_oik, stride_btn,
-                   stride_btp, stride_rr, PAGE_SIZE, TO_SLOTS, HAS_ROW_REQ)
+    dst = tl.cumsum(take.to(tl.int32), 1) - 1  # exactly K winners per row, in column order
+    chosen = key > _KEY_MIN
+    idx = tl.where(chosen, idx, -1)
+    if TO_SLOTS:
+        if HAS_ROW_REQ:
+            req = tl.load(row_req_ptr + rows * stride_rr, mask=mask_r, other=0).to(tl.int64)
+        else:
+            req = rows
+        has_pos = chosen & (idx >= 0)
+        pos = tl.where(has_pos, idx, 0)
+        page = tl.load(bt_ptr + req[:, None] * stride_btn + (pos // PAGE_SIZE) * stride_btp,
+                       mask=take & has_pos & mask_r[:, None], other=0)
+        idx = tl.where(has_pos, page * PAGE_SIZE + pos % PAGE_SIZE, -1)
+    out_col = pid_c * K + dst
+    store = take & mask_r[:, None]
+    tl.store(out_v_ptr + rows[:, None] * stride_ovn + out_col * stride_ovk,
+             tl.where(chosen, v, float("-inf")), mask=store)
+    tl.store(out_i_ptr + rows[:, None] * stride_oin + out_col * stride_oik, idx.to(tl.int32),
+             mask=store)
 
 
 # ---------------------------------------------------------------------------------------------
 # launcher
 
 # ROWS: rows per program (the interpreter pays per program, a GPU per register)
-# RADIX_BITS: digit width of one program's radix select (2, 4 or 8: rounds of 4, 16 or 256
-# bins); atomic_hist: count the bins with atomics in scratch instead of tl.histogram
-# SPLIT_ELEMS: the largest N·M split into pieces (0: never); SPLIT_CHUNK, split_warps,
-# SPLIT_BITS (4 or 8): the pieces' entries, warps and digit width
+# RADIX_BITS: digit width of the radix select (2, 4 or 8: rounds of 4, 16 or 256 bins);
+# atomic_hist: count the bins with atomics in scratch instead of tl.histogram
 # GPU: the best of benchmarks/dsa_sweep.py on an H200 (16 rows, graph-timed): 4-bit digits,
 # 0.047 / 0.091 ms at 32K / 128K against 0.061 / 0.119 with 8; atomic counts were slower.
 _GPU_DEFAULTS: dict[str, Any] = {"CHUNK": 8192, "ROWS": 1, "num_warps": 16, "RADIX_BITS": 4,
-                                 "atomic_hist": False, "SPLIT_ELEMS": 1 << 23,
-                                 "SPLIT_CHUNK": 4096, "split_warps": 8, "SPLIT_BITS": 8}
+                                 "atomic_hist": False}
 _CPU_DEFAULTS: dict[str, Any] = {"CHUNK": 256, "ROWS": 32, "num_warps": 4, "RADIX_BITS": 8,
-                                 "atomic_hist": False, "SPLIT_ELEMS": 1 << 23,
-                                 "SPLIT_CHUNK": 256, "split_warps": 4, "SPLIT_BITS": 8}
+                                 "atomic_hist": False}
 
 
 def topk_config(device: torch.device, k: int, config: dict | None) -> dict[str, Any]:
     cfg = dict(_GPU_DEFAULTS if device.type == "cuda" else _CPU_DEFAULTS)
     cfg.update(config or {})
-    for key, low in (("CHUNK", 16), ("ROWS", 1), ("SPLIT_CHUNK", 16)):
+    for key, low in (("CHUNK", 16), ("ROWS", 1)):
         value = cfg[key]
         if not isinstance(value, int) or value < low or value & (value - 1):
             raise ValueError(f"config {key}={value!r} must be a power of two >= {low}")
     if cfg["RADIX_BITS"] not in (2, 4, 8):
         raise ValueError(f"config RADIX_BITS={cfg['RADIX_BITS']!r} must be 2, 4 or 8")
-    if cfg["SPLIT_BITS"] not in (4, 8):
-        raise ValueError(f"config SPLIT_BITS={cfg['SPLIT_BITS']!r} must be 4 or 8")
-    if not isinstance(cfg["SPLIT_ELEMS"], int) or cfg["SPLIT_ELEMS"] < 0:
-        raise ValueError(f"config SPLIT_ELEMS={cfg['SPLIT_ELEMS']!r} must be an int >= 0")
-    cfg["CHUNK"] = max(cfg["CHUNK"], V.next_pow2(2 * k))  # each pass must at least halve a row
+    chunk = cfg["CHUNK"]
+    cfg["CHUNK"] = max(chunk, V.next_pow2(2 * k))  # each pass must at least halve a row
     return cfg
 
 
@@ -393,14 +220,8 @@ def topk_rows(
     elif row_req is not None:
         raise ValueError("row_req needs a block_table")
     cfg = topk_config(dev, k, config)
-    out_i = torch.empty((N, k), dtype=torch.int32, device=dev)
-    bt = block_table if block_table is not None else out_i  # never read without TO_SLOTS
-    rr = row_req if row_req is not None else out_i
-    slot_args = dict(PAGE_SIZE=page_size, TO_SLOTS=block_table is not None,
-                     HAS_ROW_REQ=row_req is not None)
-    if M > cfg["CHUNK"] and N * M <= cfg["SPLIT_ELEMS"] and N:
-        return _split_rows(v, k, index, bt, rr, slot_args, cfg)
-    chunk, idx = cfg["CHUNK"], index
+    chunk = cfg["CHUNK"]
+    idx = index
     while True:
         num_chunks = max(triton.cdiv(M, chunk), 1)
         last = num_chunks == 1
@@ -408,6 +229,9 @@ def topk_rows(
         out_i = torch.empty((N, num_chunks * k), dtype=torch.int32, device=dev)
         if N:
             idx_arg = idx if idx is not None else out_i  # never read without HAS_INDEX
+            to_slots = block_table is not None and last
+            bt = block_table if block_table is not None and last else out_i
+            rr = row_req if to_slots and row_req is not None else out_i
             rows = min(cfg["ROWS"], V.next_pow2(N, 1))
             grid = (num_chunks, triton.cdiv(N, rows))
             bits, atomic = cfg["RADIX_BITS"], bool(cfg["atomic_hist"])
@@ -419,40 +243,12 @@ def topk_rows(
                 *v.stride(), *idx_arg.stride(), *out_v.stride(), *out_i.stride(),
                 *bt.stride(), rr.stride(0),
                 K=k, CHUNK=chunk, ROWS=rows, RADIX_BITS=bits, ATOMIC_HIST=atomic,
-                HAS_INDEX=idx is not None, num_warps=cfg["num_warps"],
-                **(slot_args if last else {**slot_args, "TO_SLOTS": False}),
+                PAGE_SIZE=page_size, HAS_INDEX=idx is not None, TO_SLOTS=to_slots,
+                HAS_ROW_REQ=row_req is not None, num_warps=cfg["num_warps"],
             )
         if last:
             return out_v, out_i
         v, idx, M = out_v, out_i, num_chunks * k
-
-
-def _split_rows(v: torch.Tensor, k: int, index: torch.Tensor | None, bt: torch.Tensor,
-                rr: torch.Tensor, slot_args: dict, cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """``topk_rows`` with each row cut into pieces of ``SPLIT_CHUNK``: 32 / SPLIT_BITS counting
-    launches, then the winners' (the module docstring's "split rows")."""
-    N, M = v.shape
-    piece, bits = cfg["SPLIT_CHUNK"], cfg["SPLIT_BITS"]
-    rounds, bins = 32 // bits, 1 << bits
-    rows = min(cfg["ROWS"], V.next_pow2(N, 1))
-    num_pieces = triton.cdiv(M, piece)
-    grid = (num_pieces, triton.cdiv(N, rows))
-    hist = torch.zeros((N, rounds, bins), dtype=torch.int32, device=v.device)
-    counts = torch.empty((N, num_pieces, bins + 1), dtype=torch.int32, device=v.device)
-    for r in range(rounds):
-        _split_count_kernel[grid](v, hist, counts, N, M, r, num_pieces, *v.stride(),
-                                  K=k, PIECE=piece, ROWS=rows, BITS=bits,
-                                  num_warps=cfg["split_warps"])
-    out_v = torch.empty((N, k), dtype=torch.float32, device=v.device)
-    out_i = torch.empty((N, k), dtype=torch.int32, device=v.device)
-    idx = index if index is not None else out_i  # never read without HAS_INDEX
-    _split_write_kernel[grid](
-        v, idx, out_v, out_i, bt, rr, hist, counts, N, M, num_pieces,
-        *v.stride(), *idx.stride(), *out_v.stride(), *out_i.stride(), *bt.stride(),
-        rr.stride(0), K=k, PIECE=piece, ROWS=rows, BITS=bits, HAS_INDEX=index is not None,
-        num_warps=cfg["split_warps"], **slot_args,
-    )
-    return out_v, out_i
 
 
 # ---------------------------------------------------------------------------------------------

@@ -140,8 +140,8 @@ def warm_selection(store: KVStore, attn_layers: list, max_len: int, world: int) 
     """Compile ahead the launch variants of the selection kernels that histories of up to
     ``max_len`` tokens reach, so that the first long request does not compile them
     mid-serving. A step's shape picks ``index_scores``' tiles per program (for decode rows and
-    for prefill rows) and ``topk_rows``' launches (one chunk; a row split into pieces; the
-    first, middle and last of several passes; CP's merge of the ranks' candidates); each runs once here on a one-page history,
+    for prefill rows) and ``topk_rows``' passes (one chunk; the first, middle and last of
+    several; CP's merge of the ranks' candidates); each runs once here on a one-page history,
     with the pools of the first indexer layer, the compilations in parallel threads on a GPU.
     Returns the number of launches (0: no indexer, or every history within ``index_topk``,
     where attention stays dense)."""
@@ -166,11 +166,10 @@ def warm_selection(store: KVStore, attn_layers: list, max_len: int, world: int) 
                              config={**score_cfg, "TILES": tiles})
                      for tiles in tile_counts(dev, score_cfg or None)]
     one_chunk = min(width, -(-2 * k // page_size) * page_size)  # lengths in whole pages,
-    passes = {**(topk_cfg or {}), "SPLIT_ELEMS": 0}  # as steps score: one chunk; rows split
-    for length, cfg in {(one_chunk, 0), (width, 0), (width, 1)}:  # into pieces; passes
+    for length in sorted({one_chunk, width}):  # as steps score: one pass; every pass kind
         scores = torch.randn((1, length), generator=gen, device=dev)
         launches += [partial(topk_rows, scores, k, block_table=table, row_req=row_req,
-                             page_size=page_size, config=passes if cfg else topk_cfg)
+                             page_size=page_size, config=topk_cfg)
                      for row_req in (None, one - 1)]
     if world > 1:  # CP: the global top-k of the ranks' candidates
         candidates = torch.randn((1, world * k), generator=gen, device=dev)

@@ -88,7 +88,7 @@ def test_index_scores_fp8_fp16_products(device):
                                                               seed=2)
     q = q.float()
     out = index_scores(q, w, keys, table, lens, starts, 0.2, T, index_scale=scale,
-                       config={"fp8_fp16": True})
+                       config={"fp8_fp16": True, "fp8_dot": False})
     ref = index_scores_ref(q.half().float(), w, keys, table, lens, starts, 0.2, T,
                            index_scale=scale)
     _assert_scores(out, ref, 2e-3)
@@ -121,7 +121,9 @@ def test_index_scores_fp8_products(device, tokens_m):
                        config={"fp8_dot": True, "tokens_m": tokens_m})
     assert torch.equal(_e4m3_query(q), q)
     ref = index_scores_ref(q, w, keys, table, lens, starts, 0.2, T, index_scale=scale)
-    _assert_scores(out, ref, 1e-4)
+    # exact products; Hopper's e4m3 tensor cores add them in less than fp32 (~3e-3 relative
+    # seen on an H200 with the keys on M), the interpreter in fp32
+    _assert_scores(out, ref, 1e-4 if device.type == "cpu" else 5e-3)
 
 
 @pytest.mark.gpu
@@ -149,82 +151,54 @@ def _same_sets(index, ref_index):
         assert sorted(row) == sorted(ref_row)
 
 
-# the three schedules: one chunk a row; passes of chunks (8-, 4- and 2-bit digits, bins counted
-# by tl.histogram or atomics); rows split into pieces (8- and 4-bit digits, several rows a program)
-PASSES = {f"passes-c{c}-b{b}{'-atomic' if a else ''}": {"CHUNK": c, "RADIX_BITS": b,
-                                                         "atomic_hist": a, "SPLIT_ELEMS": 0}
-          for c in (16, 64) for b in (8, 4, 2) for a in (False, True)}
-SPLITS = {f"split-p{p}-b{b}-r{r}": {"CHUNK": 16, "SPLIT_CHUNK": p, "SPLIT_BITS": b, "ROWS": r}
-          for p, b, r in ((16, 8, 1), (64, 4, 1), (64, 8, 4))}
-ONE_CHUNK = {"one-chunk": {"CHUNK": 512}}
-SCHEDULES = {**PASSES, **SPLITS, **ONE_CHUNK}
-
-
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
-def test_topk_matches_torch(device, schedule):
-    """Rows longer than a chunk, rows with fewer finite entries than k, a row with none."""
+@pytest.mark.parametrize("atomic", [False, True])
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_topk_matches_torch(device, chunk, bits, atomic):
+    """Rows longer than a chunk (several passes), rows with fewer finite entries than k, a row
+    with none; radix digits of 8, 4 and 2 bits, counted by tl.histogram or by atomics."""
     gen = torch.Generator().manual_seed(3)
     values = torch.randn(4, 300, generator=gen)
     values[1, 20:] = float("-inf")  # 20 finite: all of them, then -1
     values[2] = float("-inf")
     values[3, ::2] = float("-inf")
     values = values.to(device)
-    config = SCHEDULES[schedule]
-    k = 8 if config["CHUNK"] == 16 else 24
-    v, i = topk_rows(values, k, config=config)
+    k = 8 if chunk == 16 else 24
+    v, i = topk_rows(values, k, config={"CHUNK": chunk, "RADIX_BITS": bits,
+                                        "atomic_hist": atomic})
     ref_v, ref_i = topk_rows_ref(values, k)
     assert v.shape == i.shape == (4, k) and i.dtype == torch.int32
     _same_sets(i, ref_i)
     torch.testing.assert_close(v.sort(dim=1, descending=True).values.cpu(), ref_v.cpu())
 
 
-@pytest.mark.parametrize("schedule", ["passes-c16-b8", "passes-c16-b4", "passes-c16-b4-atomic",
-                                      *SPLITS])
-def test_topk_ties_in_column_order(device, schedule):
+@pytest.mark.parametrize("config", [{"CHUNK": 16, "RADIX_BITS": 8}, {"CHUNK": 16, "RADIX_BITS": 4},
+                                    {"CHUNK": 16, "RADIX_BITS": 4, "atomic_hist": True}])
+def test_topk_ties_in_column_order(device, config):
     values = torch.zeros(3, 200, device=device)
     values[1, 150:] = 1.0
     values[2, 100:] = 2.0
     values[2, 10] = 3.0
-    _, i = topk_rows(values, 5, config=SCHEDULES[schedule])
+    _, i = topk_rows(values, 5, config=config)
     assert sorted(i[0].tolist()) == [0, 1, 2, 3, 4]
     assert sorted(i[1].tolist()) == [150, 151, 152, 153, 154]
     assert sorted(i[2].tolist()) == [10, 100, 101, 102, 103]
 
 
-def test_split_rows_equal_the_passes(device):
-    """Rows split into pieces give the passes' winners in the same columns, ties straddling
-    pieces included (both take ties in column order)."""
-    gen = torch.Generator().manual_seed(6)
-    values = torch.randint(0, 40, (6, 1000), generator=gen).float()  # many ties
-    values[4, 500:] = float("-inf")
-    values[5] = torch.randn(1000, generator=gen)
-    values = values.to(device)
-    index = torch.randint(0, 10 ** 6, (6, 1000), generator=gen, dtype=torch.int32).to(device)
-    for k in (7, 40):
-        want = topk_rows(values, k, index=index, config=SCHEDULES["passes-c64-b8"])
-        for schedule in SPLITS:
-            got = topk_rows(values, k, index=index, config=SCHEDULES[schedule])
-            assert torch.equal(got[1].sort(1).values.cpu(), want[1].sort(1).values.cpu())
-            assert torch.equal(got[0].sort(1).values.cpu(), want[0].sort(1).values.cpu())
-
-
-@pytest.mark.parametrize("schedule", ["passes-c16-b8", "split-p16-b8-r1", "one-chunk"])
-def test_topk_carries_index_and_slots(device, schedule):
+def test_topk_carries_index_and_slots(device):
     """A given index travels with its values (-1 entries stay -1 when chosen); block tables
     turn positions into slots (with a request per row)."""
-    config = SCHEDULES[schedule]
     gen = torch.Generator().manual_seed(4)
     values = torch.randn(3, 40, generator=gen).to(device)
     index = torch.randint(0, 1000, (3, 40), generator=gen, dtype=torch.int32).to(device)
     index[:, ::3] = -1
-    v, i = topk_rows(values, 6, index=index, config=config)
+    v, i = topk_rows(values, 6, index=index)
     _same_sets(i, topk_rows_ref(values, 6, index=index)[1])
     table = block_table([40, 33], 4, 30, device, gen)
     row_req = torch.tensor([1, 0, 1], dtype=torch.int32, device=device)
     values[0, 33:] = float("-inf")  # request 1 has 33 tokens
     values[2, 33:] = float("-inf")
-    _, slots = topk_rows(values, 6, block_table=table, row_req=row_req, page_size=4,
-                         config=config)
+    _, slots = topk_rows(values, 6, block_table=table, row_req=row_req, page_size=4)
     _same_sets(slots, topk_rows_ref(values, 6, block_table=table, row_req=row_req,
                                     page_size=4)[1])
 

@@ -19,8 +19,7 @@ from splash.layouts.sparse import topk_indexed, warm_selection
 
 HI, I, PS, K, MAX_LEN, PAGES = 4, 32, 16, 16, 150, 24
 CONFIGS = {"index_scores": {"TILES": None, "BLOCK_T": 16},
-           "topk": {"CHUNK": 32, "ROWS": 1, "SPLIT_CHUNK": 64, "SPLIT_ELEMS": 600}}
-# top-k at MAX_LEN: a few rows split into pieces, more rows in passes 160 -> 80 -> 48 -> 32
+           "topk": {"CHUNK": 32, "ROWS": 1}}  # several passes at MAX_LEN: 160 -> 80 -> 48 -> 32
 # (MAX_LEN is not a whole number of pages, as max_model_len need not be: histories are scored
 # in whole pages)
 
@@ -52,21 +51,20 @@ def variants(monkeypatch):
     monkeypatch.setattr(dsa_index, "_PROGRAMS", 2)  # tiles per program grow within MAX_LEN
     monkeypatch.setattr(dsa_index, "_index_scores_kernel", _Recorder(
         dsa_index._index_scores_kernel, dsa_index.SHAPE_INTS, seen))
-    for name, ints in (("_topk_chunk_kernel", topk.SHAPE_INTS),
-                       ("_split_count_kernel", topk.COUNT_INTS),
-                       ("_split_write_kernel", topk.WRITE_INTS)):
-        monkeypatch.setattr(topk, name, _Recorder(getattr(topk, name), ints, seen))
+    monkeypatch.setattr(topk, "_topk_chunk_kernel", _Recorder(
+        topk._topk_chunk_kernel, topk.SHAPE_INTS, seen))
     return seen
 
 
-def _store(gen):
-    keys = torch.randn((PAGES, PS, I), generator=gen)
+def _store(gen, dev):
+    keys = torch.randn((PAGES, PS, I), generator=gen).to(dev)
     # layer 0 without an indexer (a GLM-5 "shared" layer), layer 1 with one
-    return KVStore([torch.zeros(PAGES, PS, 8)] * 2, None, CONFIGS, [None, keys], [None, None])
+    return KVStore([torch.zeros(PAGES, PS, 8, device=dev)] * 2, None, CONFIGS, [None, keys],
+                   [None, None])
 
 
-def _attn():
-    ix = SimpleNamespace(num_heads=HI, head_dim=I, wq_b=torch.zeros(1), topk=K,
+def _attn(dev):
+    ix = SimpleNamespace(num_heads=HI, head_dim=I, wq_b=torch.zeros(1, device=dev), topk=K,
                          softmax_scale=I ** -0.5)
     return SimpleNamespace(indexer=ix)
 
@@ -83,15 +81,17 @@ def _select(store, q_lens: list[int], kv_lens: list[int], gen, pieces: bool) -> 
         args["row_req"] = torch.repeat_interleave(torch.arange(B, dtype=torch.int32),
                                                   torch.tensor(q_lens))
     keys, _ = store.index_layer(1)
-    topk_indexed(torch.randn((n, HI, I), generator=gen), torch.rand((n, HI), generator=gen),
-                 keys, None, args, I ** -0.5, K, CONFIGS,
+    args = {name: t.to(keys.device) for name, t in args.items()}
+    topk_indexed(torch.randn((n, HI, I), generator=gen).to(keys.device),
+                 torch.rand((n, HI), generator=gen).to(keys.device), keys, None, args,
+                 I ** -0.5, K, CONFIGS,
                  lens=(q_lens, kv_lens) if pieces else None, budget=n * MAX_LEN // 3 + 1)
 
 
-def test_warm_up_launches_every_variant_later_steps_launch(variants):
+def test_warm_up_launches_every_variant_later_steps_launch(variants, device):
     gen = torch.Generator().manual_seed(0)
-    store = _store(gen)
-    assert warm_selection(store, [SimpleNamespace(indexer=None), _attn()], MAX_LEN,
+    store = _store(gen, device)
+    assert warm_selection(store, [SimpleNamespace(indexer=None), _attn(device)], MAX_LEN,
                           world=2) > 0
     warmed = set(variants)
     variants.clear()
@@ -99,18 +99,17 @@ def test_warm_up_launches_every_variant_later_steps_launch(variants):
                             ([3], [40]), ([5, 2], [MAX_LEN, 33]), ([1], [K])]:
         _select(store, q_lens, kv_lens, gen, pieces=False)
     _select(store, [7, 1], [MAX_LEN, 90], gen, pieces=True)  # long prefills run in pieces
-    cands = torch.randn((3, 2 * K), generator=gen)
-    topk_rows(cands, K, index=torch.zeros((3, 2 * K), dtype=torch.int32),
+    cands = torch.randn((3, 2 * K), generator=gen).to(device)
+    topk_rows(cands, K, index=torch.zeros((3, 2 * K), dtype=torch.int32, device=device),
               config=CONFIGS["topk"])  # CP's merge of two ranks' candidates
     kernels = {v[0] for v in variants}
-    assert kernels == {"_index_scores_kernel", "_topk_chunk_kernel", "_split_count_kernel",
-                       "_split_write_kernel"} and len(variants) >= 6
+    assert kernels == {"_index_scores_kernel", "_topk_chunk_kernel"} and len(variants) >= 6
     missing = variants - warmed
     assert not missing, f"launched after the warm-up, never warmed: {sorted(missing)}"
 
 
-def test_warm_up_is_nothing_without_an_indexer_or_within_index_topk(variants):
-    store = _store(torch.Generator().manual_seed(0))
+def test_warm_up_is_nothing_without_an_indexer_or_within_index_topk(variants, device):
+    store = _store(torch.Generator().manual_seed(0), device)
     assert warm_selection(store, [SimpleNamespace(indexer=None)], MAX_LEN, world=1) == 0
-    assert warm_selection(store, [_attn()], K, world=1) == 0
+    assert warm_selection(store, [_attn(device)], K, world=1) == 0
     assert not variants
