@@ -157,8 +157,9 @@ def _index_scores_kernel(
 # GPU: the best of benchmarks/dsa_sweep.py on an H200 (batch 16 decode rows, 64 index heads,
 # fp8 keys): e4m3 products with the keys on M, 0.0375 / 0.1036 ms at 32K / 128K against
 # 0.0656 / 0.2275 for fp16 products with the queries on M. TILES None: tiles per program chosen
-# for about ``_PROGRAMS`` programs (the sweep's best was TILES 4 at 32K and 16 at 128K, both
-# 1,024 programs at batch 16).
+# for about ``_PROGRAMS`` programs (``--only index_tiles``: 512 programs were best at both
+# lengths, TILES 8 at 32K 0.0345 ms and 32 at 128K 0.1017 ms, against 0.0378 / 0.1037 for the
+# 1,024 programs of TILES 4 / 16; deeper pipelines and other tiles gained nothing).
 _GPU_DEFAULTS: dict[str, Any] = {"BLOCK_T": 128, "TILES": None, "BLOCK_M_EXTEND": 4,
                                  "num_warps": 4, "num_stages": 2, "fp8_fp16": True,
                                  "fp8_dot": True, "tokens_m": True}
@@ -184,8 +185,8 @@ def index_config(device: torch.device, config: dict | None) -> dict[str, Any]:
     return cfg
 
 
-_PROGRAMS = 1024
-_MAX_TILES = 16
+_PROGRAMS = 512
+_MAX_TILES = 32
 
 
 def _auto_tiles(max_len: int, block_t: int, row_blocks: int) -> int:
