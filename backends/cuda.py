@@ -47,7 +47,9 @@ class CUDABackend(BaseBackend):
         # mla_sparse (benchmarks/results/h200/dsa_sweep.json, batch 16 x 2,048 selected rows):
         # over mla_decode's entry, 64-token tiles on 8 warps, 2 stages at every head count and
         # KV dtype swept (16 heads bf16 0.022 ms vs 0.029 with decode's 32-token tiles; 128
-        # heads bf16 0.057 ms)
+        # heads bf16 0.057 ms); at 128 heads the launcher's 4 splits beat 2 / 8 / 16 and 3
+        # stages lose with bf16 (0.066 ms) and gain 7% with fp8 (0.085 -> 0.079 ms,
+        # dsa_sparse_splits.json): not taken, untried at 16 heads
         "mla_sparse": {"default": {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2}},
         # mla_extend: 64-token KV tiles (298 vs 199 TFLOP/s); compute-bound, so fp8 KV keeps
         # bf16 products (185 vs 145 TFLOP/s with fp16 products)

@@ -9,6 +9,8 @@ times carry the launches' host cost, which decides nothing about a graph-replaye
   TILES × num_warps × num_stages, finer and deeper than the above;
 - ``topk_rows`` at 32K and 128K: bins counted by tl.histogram or atomics × RADIX_BITS ×
   CHUNK × num_warps;
+- ``mla_sparse`` at 128 heads (``--only sparse_splits``, a study: its winner feeds no record):
+  num_splits × tiles × stages;
 - ``mla_sparse`` over 2,048 selected slots, 16 and 128 heads, bf16 and fp8 KV: BLOCK_N ×
   num_warps × num_stages.
 A config is the winner of a kernel when its summed time over the swept shapes is lowest
@@ -46,6 +48,10 @@ INDEX_TILES_SPACE = [{"BLOCK_T": t, "TILES": n, "num_warps": w, "num_stages": st
 TOPK_SPACE = [{"CHUNK": c, "num_warps": w, "RADIX_BITS": b, "atomic_hist": a}
               for a, b, c, w in itertools.product((False, True), (8, 4), (8192, 16384),
                                                   (8, 16, 32))]
+# the split of each row's slot list at 128 heads (None: the launcher's choice) with the table's
+# tiles and deeper ones: ``--only sparse_splits``
+SPARSE_SPLITS_SPACE = [{"num_splits": s, **cfg} for s in (None, 2, 4, 8, 16)
+                       for cfg in ({}, {"num_stages": 3}, {"BLOCK_N": 32, "num_stages": 3})]
 SPARSE_SPACE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
                 for n, w, st in itertools.product((16, 32, 64), (4, 8), (1, 2))]
 
@@ -87,6 +93,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--only", default="index_scores,topk,mla_sparse")
+    parser.add_argument("--no-records", action="store_true", help="sweeps only")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/dsa_sweep.py needs a GPU")
@@ -126,7 +133,10 @@ def main() -> None:
                 base = K.mla_sparse(q, kvk, slots, SM_SCALE, L, kv_scale=sck)[0]
 
                 def sparse(cfg, q=q, kvk=kvk, sck=sck, slots=slots):
-                    return K.mla_sparse(q, kvk, slots, SM_SCALE, L, kv_scale=sck, config=cfg)[0]
+                    cfg = dict(cfg or {})
+                    splits = cfg.pop("num_splits", None)
+                    return K.mla_sparse(q, kvk, slots, SM_SCALE, L, kv_scale=sck,
+                                        num_splits=splits, config=cfg)[0]
 
                 sparse_shapes[f"{heads}h-{kind}"] = (sparse, lambda out, base=base: bool(
                     torch.allclose(out.float(), base.float(), rtol=2e-2, atol=2e-2)))
@@ -135,13 +145,17 @@ def main() -> None:
     for name, space, shapes in (("index_scores", INDEX_SPACE, index_shapes),
                                 ("index_tiles", INDEX_TILES_SPACE, index_shapes),
                                 ("topk", TOPK_SPACE, topk_shapes),
-                                ("mla_sparse", SPARSE_SPACE, sparse_shapes)):
+                                ("mla_sparse", SPARSE_SPACE, sparse_shapes),
+                                ("sparse_splits", SPARSE_SPLITS_SPACE,
+                                 {t: f for t, f in sparse_shapes.items() if t.startswith("128h")})):
         if name in only:
             result["sweeps"][name] = _sweep(name, space, shapes)
             save_json(args.out, result)
     del index_shapes, topk_shapes, sparse_shapes
     torch.cuda.empty_cache()
-    winners = {n: s["best"] for n, s in result["sweeps"].items() if s["best"]}
+    if args.no_records:
+        return
+    winners = {n: s["best"] for n, s in result["sweeps"].items() if s["best"] and n != "sparse_splits"}
     if "index_tiles" in winners:  # the same kernel's launch, from the finer space
         winners["index_scores"] = winners.pop("index_tiles")
     ceil = ceilings(dev)
