@@ -4,8 +4,9 @@
 #
 #   bash benchmarks/gpu_check.sh [PART ...]
 #
-# PART: tests (GPU kernel + CUDA-graph tests, then the multi-rank tests with CUDA tensors over
-# gloo), engine (bf16 / fp8 KV vs fp32 transformers), kernels (benchmarks/kernel_bench.py, no sweep),
+# PART: tests (GPU kernel + CUDA-graph tests, the CPU tier's kernel tests compiled, the memory
+# tests, then the multi-rank tests with CUDA tensors over gloo), engine (bf16 / fp8 KV vs fp32
+# transformers), kernels (benchmarks/kernel_bench.py, no sweep),
 # moe (fused MoE, default config), offline (throughput vs transformers), profile (ncu),
 # prefix (prefix caching and n samples on GRPO and agent traces, V2-Lite dims), small (the fused
 # norm, rope and routing kernels against the torch ops they replace), dsa (launch sweep of the
@@ -14,7 +15,8 @@
 # expanded (one prefill chunk's attention absorbed vs expanded: SPLASH_MHA_PREFILL's default),
 # prefill_ab (offline throughput with every prefill absorbed, then with the default), first
 # (Triton compiles after start-up, cold cache, V3 and V3.2 shapes, 24K prompts).
-# Default: tests engine kernels moe offline (about 8 minutes on an H200).
+# Default: tests engine kernels moe offline (about 8 minutes on an H200 before the compiled
+# kernel tests joined "tests").
 set -uo pipefail
 PARTS=${*:-tests engine kernels moe offline}
 OUT=${OUT:-benchmarks/results/h200-check}
@@ -36,6 +38,10 @@ for p in $PARTS; do
     tests)
       part gpu_tests 200 env SPLASH_TEST_GPU=1 python3 -m pytest -q -m gpu -n 6 tests/kernels \
         tests/reference/test_cuda_graphs.py
+      # the CPU tier's kernel tests, compiled for the GPU (no CI leg runs them so; they found
+      # three test bugs in the DSA files)
+      part kernels_compiled 300 env -u TRITON_INTERPRET SPLASH_TEST_GPU=1 python3 -m pytest -q \
+        -m "not gpu" -n 6 tests/kernels
       part memory_tests 300 env SPLASH_TEST_GPU=1 python3 -m pytest -q -m gpu \
         tests/reference/test_memory_gpu.py
       part dist_tests 150 env SPLASH_TEST_GPU=1 SPLASH_TEST_BACKEND=cuda SPLASH_DIST_BACKEND=gloo \
