@@ -142,22 +142,23 @@ def main() -> None:
                     torch.allclose(out.float(), base.float(), rtol=2e-2, atol=2e-2)))
     only = args.only.split(",")
     result: dict = {"triton": triton.__version__, "batch": BATCH, "sweeps": {}}
-    for name, space, shapes in (("index_scores", INDEX_SPACE, index_shapes),
-                                ("index_tiles", INDEX_TILES_SPACE, index_shapes),
-                                ("topk", TOPK_SPACE, topk_shapes),
-                                ("mla_sparse", SPARSE_SPACE, sparse_shapes),
-                                ("sparse_splits", SPARSE_SPLITS_SPACE,
-                                 {t: f for t, f in sparse_shapes.items() if t.startswith("128h")})):
+    many_heads = {t: f for t, f in sparse_shapes.items() if t.startswith("128h")}
+    winners = {}  # kernel -> the winning launch config (a study's sweep sets none)
+    for name, kernel, space, shapes in (
+            ("index_scores", "index_scores", INDEX_SPACE, index_shapes),
+            ("index_tiles", "index_scores", INDEX_TILES_SPACE, index_shapes),
+            ("topk", "topk", TOPK_SPACE, topk_shapes),
+            ("mla_sparse", "mla_sparse", SPARSE_SPACE, sparse_shapes),
+            ("sparse_splits", None, SPARSE_SPLITS_SPACE, many_heads)):
         if name in only:
             result["sweeps"][name] = _sweep(name, space, shapes)
             save_json(args.out, result)
-    del index_shapes, topk_shapes, sparse_shapes
+            if kernel and result["sweeps"][name]["best"]:
+                winners[kernel] = result["sweeps"][name]["best"]
+    del index_shapes, topk_shapes, sparse_shapes, many_heads
     torch.cuda.empty_cache()
     if args.no_records:
         return
-    winners = {n: s["best"] for n, s in result["sweeps"].items() if s["best"] and n != "sparse_splits"}
-    if "index_tiles" in winners:  # the same kernel's launch, from the finer space
-        winners["index_scores"] = winners.pop("index_tiles")
     ceil = ceilings(dev)
     result["ceilings"] = ceil
     result["records"] = dsa_records(dev, ceil, configs=winners)

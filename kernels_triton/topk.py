@@ -13,16 +13,16 @@ candidates; passes repeat until one chunk remains (128K scores, k = 2048, CHUNK 
 select over the order-preserving integer image of the fp32 values (rounds of a 256-bin or a
 16-bin histogram); the winners are then compacted with a prefix sum.
 
-Tried and measured slower on an H200 (16 rows, graph-timed): an exact threshold in five
-launches whatever the row length (three levels of 2,048-bin counts, each chunk adding its
-``tl.histogram`` to the row's table with atomics, then a count and a write of the winners in
-column order): 0.069 / 0.19 ms at 32K / 128K at best, against 0.047 / 0.091 for these passes. Rows split
-into pieces of 2-8K, one launch per radix round in which every piece adds its 256- or 16-bin
-counts to its row's with integer atomics, then one launch placing each piece's winners after
-those of the pieces before it: 0.033 / 0.073 ms at best (8-bit digits, 16 warps), slower than
-the passes from 64 rows up, and with 8-bit digits on 4 or 8 warps the later rounds' counts came
-out short (wrong winners; round 0 exact; not understood, Triton 3.6). Dropped: too little gain
-for a wrong-result mode nobody could explain (benchmarks/results/h200/topk_split_tried.json).
+Tried on an H200 (16 rows, graph-timed) against these passes' 0.047 / 0.091 ms at 32K / 128K:
+- an exact threshold in five launches whatever the row length (three levels of 2,048-bin
+  counts, each chunk adding its ``tl.histogram`` to the row's table with atomics, then a count
+  and a write of the winners in column order): 0.069 / 0.19 ms at best, slower;
+- rows split into pieces of 2-8K, one launch per radix round in which every piece adds its 256-
+  or 16-bin counts to its row's with integer atomics, then one launch placing each piece's
+  winners after those of the pieces before it: 0.033 / 0.073 ms at best (8-bit digits, 16
+  warps), slower from 64 rows up, and with 8-bit digits on 4 or 8 warps the later rounds'
+  counts came out short (wrong winners; round 0 exact; not understood, Triton 3.6). Dropped:
+  too little gain for a wrong-result mode (benchmarks/results/h200/topk_split_tried.json).
 
 ``block_table`` (B, W) with ``row_req`` (N,) (request of each row; None: row n is request n)
 turns the final winners' columns, token positions in the row's paged history, into KV slots
