@@ -71,14 +71,14 @@ class CUDABackend(BaseBackend):
         # narrow gate_up tiles (enough programs when each rank holds half of every expert:
         # 1 token, I 1,024: 82% vs 59%); up to 64 tokens, 64-row blocks (96% vs 86%).
         "fused_moe": {
-            "default": {"BLOCK_M": 128, "BLOCK_K": 64, "num_warps": 8,
+            "default": {"BLOCK_M": 128, "BLOCK_K": 64, "num_warps": 8, "tma": True,
                         "gate_up": {"BLOCK_N": 128, "GROUP_M": 16, "num_stages": 4},
-                        "down": {"BLOCK_N": 256, "GROUP_M": 8, "num_stages": 3},
+                        "down": {"BLOCK_N": 256, "GROUP_M": 8, "num_stages": 4},
                         "by_tokens": [
-                            [16, {"BLOCK_M": 16, "GROUP_M": 1, "num_warps": 4,
+                            [16, {"BLOCK_M": 16, "GROUP_M": 1, "num_warps": 4, "tma": False,
                                   "gate_up": {"BLOCK_N": 32, "BLOCK_K": 128, "num_stages": 3},
                                   "down": {"BLOCK_N": 64, "BLOCK_K": 256, "num_stages": 3}}],
-                            [64, {"BLOCK_M": 64, "GROUP_M": 1, "BLOCK_K": 128,
+                            [64, {"BLOCK_M": 64, "GROUP_M": 1, "BLOCK_K": 128, "tma": False,
                                   "gate_up": {"BLOCK_N": 64, "num_warps": 8, "num_stages": 4},
                                   "down": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 4}}]]},
         },

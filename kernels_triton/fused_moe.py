@@ -12,14 +12,19 @@ Steps (M = N·k token-expert pairs, pair p = t·k + j):
 1. ``moe_align`` (``moe_align.py``): sort the pairs by expert and pad each expert's run to a
    multiple of BLOCK_M, so every BLOCK_M block of the sorted list belongs to one expert.
 2. gate_up GEMM: block b multiplies the rows x[p // k] of its pairs by expert e's gate and up
-   tiles (two accumulators) and stores silu(gate)·up, rounded to x's dtype, at row p of
-   ``inter`` (M, I).
-3. down GEMM: the same blocks multiply inter[p] by w_down[e]ᵀ, scale row p by its routing weight
-   and store at row p of ``partial`` (M, hidden).
+   tiles (two accumulators) and stores silu(gate)·up, rounded to x's dtype, in row order of
+   the sorted list: ``inter`` (sorted slots, I). Padding slots' rows stay unwritten: a row of
+   a product depends only on that row of its input, and padding results are never stored.
+3. down GEMM: the same blocks multiply their rows of inter, read in order, by w_down[e]ᵀ, scale
+   row p by its routing weight and store at row p of ``partial`` (M, hidden).
 4. ``slot_sum`` adds the k slots of each token (fp32 accumulation, one Triton kernel).
 
 Tiles are swizzled in groups of GROUP_M row blocks so consecutive programs share weight tiles in
 L2. Both GEMMs use the one BLOCK_M of the alignment; the other tile sizes may differ per GEMM.
+With ``"tma"`` in the config (CUDA sm_90+, aligned tensors) the weight tiles, and the down
+GEMM's rows of inter, arrive through tensor descriptors (the Tensor Memory Accelerator) instead
+of per-thread loads; rows and columns past a tensor's end read as 0. x's rows are a gather by
+pair, so they keep pointer loads.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from splash.backends import device_tuning
 from splash.kernels_triton import _validate as V
@@ -38,9 +44,9 @@ from splash.kernels_triton.moe_align import moe_align
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])  # ints that vary by step: one binary for all
 def _moe_gemm_kernel(
-    a_ptr,  # (rows, K): x (rows = tokens) for gate_up, inter (rows = pairs) for down
+    a_ptr,  # (rows, K): x (rows = tokens) for gate_up, inter (rows = sorted slots) for down
     w_ptr,  # (E, N_w, K): N_w = 2·N_out when GATED (gate rows, then up rows), else N_out
-    c_ptr,  # (M, N_out), row p = pair p
+    c_ptr,  # (rows, N_out): row = sorted slot when C_SORTED, else row p = pair p
     sorted_ids_ptr,  # (num_blocks·BLOCK_M,) int32 pair ids sorted by expert, sentinel M
     block_expert_ptr,  # (num_blocks,) int32 expert of each row block, -1 past the end
     topk_weights_ptr,  # (M,) fp32, read when not GATED
@@ -54,6 +60,9 @@ def _moe_gemm_kernel(
     stride_cm, stride_cn,
     GATED: tl.constexpr,  # True: c = silu(a·gateᵀ)·(a·upᵀ); False: c = weight · (a·wᵀ)
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks
+    A_SORTED: tl.constexpr,  # a's rows are in sorted order (row = sorted position), else pairs
+    C_SORTED: tl.constexpr,  # store row p of c at its sorted position, else at row p
+    TMA: tl.constexpr,  # w_ptr (and a_ptr when A_SORTED) are tensor descriptors
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -76,45 +85,67 @@ def _moe_gemm_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(sorted_ids_ptr + offs_m)  # (BLOCK_M,)
     row_ok = pairs < num_pairs
-    a_rows = (pairs // a_row_div).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if A_SORTED:
+        a_rows = offs_m.to(tl.int64)
+    else:
+        a_rows = (pairs // a_row_div).to(tl.int64)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_wn = offs_n % N_out  # wrapped columns are computed but never stored
     offs_k = tl.arange(0, BLOCK_K)
 
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak  # (BM, BK)
-    w_base = w_ptr + expert.to(tl.int64) * stride_we
-    b_ptrs = w_base + offs_wn[None, :] * stride_wn + offs_k[:, None] * stride_wk  # (BK, BN)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if GATED:
+    A_DESC: tl.constexpr = TMA and A_SORTED
+    if not A_DESC:
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak  # (BM, BK)
+    if not TMA:
+        w_base = w_ptr + expert.to(tl.int64) * stride_we
+        b_ptrs = w_base + offs_wn[None, :] * stride_wn + offs_k[:, None] * stride_wk  # (BK, BN)
         u_ptrs = b_ptrs + N_out * stride_wn
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            b = tl.load(b_ptrs)
+        k0 = kb * BLOCK_K
+        k_ok = offs_k < K - k0
+        if A_DESC:
+            a = a_ptr.load([pid_m * BLOCK_M, k0])  # columns past K read as 0
         else:
-            k_ok = offs_k < K - kb * BLOCK_K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            a_ptrs += BLOCK_K * stride_ak
+        if TMA:  # (1, BN, BK) tiles of expert e's rows; rows and columns past the end read as 0
+            b = tl.trans(w_ptr.load([expert, n0, k0]).reshape(BLOCK_N, BLOCK_K))
+        else:
+            if EVEN_K:
+                b = tl.load(b_ptrs)
+            else:
+                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+            b_ptrs += BLOCK_K * stride_wk
         acc += tl.dot(a, b, input_precision=DOT_PRECISION)
         if GATED:
-            if EVEN_K:
-                u = tl.load(u_ptrs)
+            if TMA:
+                u = tl.trans(w_ptr.load([expert, N_out + n0, k0]).reshape(BLOCK_N, BLOCK_K))
             else:
-                u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
+                if EVEN_K:
+                    u = tl.load(u_ptrs)
+                else:
+                    u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
+                u_ptrs += BLOCK_K * stride_wk
             acc_up += tl.dot(a, u, input_precision=DOT_PRECISION)
-            u_ptrs += BLOCK_K * stride_wk
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_wk
 
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up  # silu(gate) · up, in fp32
     else:
         weight = tl.load(topk_weights_ptr + pairs, mask=row_ok, other=0.0)
         acc = acc * weight[:, None]
-    c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & (offs_n < N_out)[None, :])
+    col_ok = (offs_n < N_out)[None, :]
+    if C_SORTED:
+        c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok)
+    else:
+        c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,7 +188,7 @@ def _gemm_configs(config: dict | None, device: torch.device, fp32: bool = False,
                  _for_tokens(config or {}, tokens))
     if fp32 and device.type == "cuda":
         cfg = _merge(cfg, _GPU_FP32)
-    unknown = set(cfg) - {*_TILE_KEYS, "num_warps", "num_stages", *_GEMMS}
+    unknown = set(cfg) - {*_TILE_KEYS, "num_warps", "num_stages", "tma", *_GEMMS}
     if unknown:
         raise ValueError(f"config has unknown keys {sorted(unknown)}")
     out = {}
@@ -211,16 +242,42 @@ def slot_sum(partial: torch.Tensor, k: int, add: torch.Tensor | None = None) -> 
     return out
 
 
+def _tma_ok(cfg: dict[str, Any], *tensors: torch.Tensor) -> bool:
+    """Whether the GEMM reads its tiles through tensor descriptors: asked for (``"tma"``), a GPU
+    with the Tensor Memory Accelerator (CUDA sm_90+; the interpreter emulates it) and tensors
+    whose base and row strides are 16-byte aligned, as a descriptor needs."""
+    if not cfg.get("tma"):
+        return False
+    dev = tensors[0].device
+    if dev.type == "cuda":
+        if torch.version.hip is not None or torch.cuda.get_device_capability(dev) < (9, 0):
+            return False
+    elif not V.interpreting():
+        return False
+    return all(t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
+               for t in tensors)
+
+
 def _launch_gemm(a, w, c, sorted_ids, block_expert, topk_weights, num_pairs, a_row_div,
                  n_out, k_dim, gated, cfg) -> None:
+    """One grouped GEMM. gate_up (``gated``) gathers x's rows by pair and stores each result at
+    its sorted position; down reads those rows in order and stores by pair."""
     num_blocks = block_expert.shape[0]
-    grid = (num_blocks * triton.cdiv(n_out, cfg["BLOCK_N"]),)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    grid = (num_blocks * triton.cdiv(n_out, bn),)
+    a_sorted = not gated
+    tma = _tma_ok(cfg, a, w)
+    a_arg, w_arg = a, w
+    if tma:
+        w_arg = TensorDescriptor.from_tensor(w, [1, bn, bk])
+        if a_sorted:
+            a_arg = TensorDescriptor.from_tensor(a, [bm, bk])
     _moe_gemm_kernel[grid](
-        a, w, c, sorted_ids, block_expert, topk_weights, num_pairs, a_row_div, n_out, k_dim,
-        num_blocks, a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
+        a_arg, w_arg, c, sorted_ids, block_expert, topk_weights, num_pairs, a_row_div, n_out,
+        k_dim, num_blocks, a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
         c.stride(0), c.stride(1),
-        GATED=gated, EVEN_K=k_dim % cfg["BLOCK_K"] == 0, BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+        GATED=gated, EVEN_K=k_dim % bk == 0, A_SORTED=a_sorted, C_SORTED=gated, TMA=tma,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -275,7 +332,7 @@ def fused_moe(
     M = N * k
     sorted_ids, block_expert = moe_align(topk_ids, E, cfgs["gate_up"]["BLOCK_M"])
     weights = topk_weights.contiguous().reshape(-1)  # (M,)
-    inter = torch.empty((M, I), dtype=x.dtype, device=x.device)
+    inter = torch.empty((sorted_ids.shape[0], I), dtype=x.dtype, device=x.device)  # sorted rows
     partial = torch.empty((M, hidden), dtype=x.dtype, device=x.device)
     _launch_gemm(x, w_gate_up, inter, sorted_ids, block_expert, weights, M, k, I, hidden, True,
                  cfgs["gate_up"])
