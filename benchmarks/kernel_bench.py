@@ -77,19 +77,19 @@ PEER = {
 # tile configs tried per (kv kind, head class) with --sweep-configs; {} = the launcher default.
 # The 2026-11-29 sweep (tile sizes, stages, both kernels, fp16 products; results in
 # benchmarks/results/h200/kernels_sweep.json) chose today's defaults; this one tries what the
-# ncu profiles point at (benchmarks/results/h200/profile/): producer/consumer warps for the KV
-# loop ("warp_specialize", Triton's Hopper autoWS) and more warps against register spills;
+# ncu profiles point at (benchmarks/results/h200/profile/): more warps against register spills.
+# Producer/consumer warps for the KV loop (Triton's Hopper autoWS) gained nothing at any decode
+# shape (2026-12-01, 16 and 128 heads, bf16 and fp8) and mla_decode no longer takes them.
 # 2026-12-01: the few-heads default became the head-group kernel with one-page tiles and 3
 # stages (benchmarks/decode_configs.py), so many heads try half-page tiles with deeper pipelines
 # (a 64-head q tile takes 72 KB of shared memory, a 64-token stage 72 KB, a 32-token one 36 KB).
-_WS = {"warp_specialize": True}
 SWEEP: dict[tuple[str, str], list[dict[str, Any]]] = {
-    ("bf16", "few"): [{}, _WS],
-    ("bf16", "many"): [{}, _WS, {"BLOCK_H": 32, "num_warps": 4},
+    ("bf16", "few"): [{}],
+    ("bf16", "many"): [{}, {"BLOCK_H": 32, "num_warps": 4},
                        {"BLOCK_N": 32, "num_stages": 3}, {"BLOCK_N": 32, "num_stages": 4}],
-    ("fp8", "few"): [{}, _WS, {"num_warps": 8}, {"BLOCK_N": 64, "num_warps": 8},
+    ("fp8", "few"): [{}, {"num_warps": 8}, {"BLOCK_N": 64, "num_warps": 8},
                      {"fp8_fp16": False}],
-    ("fp8", "many"): [{}, _WS, {"BLOCK_N": 64}, {"fp8_fp16": True}],
+    ("fp8", "many"): [{}, {"BLOCK_N": 64}, {"fp8_fp16": True}],
 }
 # split counts timed per config: the full set for the launcher default ({}, which the split
 # heuristic is checked against), a few for the other configs (keeps the sweep to minutes)

@@ -69,7 +69,7 @@ def gemm_ms(args, cfg: dict[str, Any], gemm: str) -> float:
     sorted_ids, block_expert = moe_align(ids, E, one["BLOCK_M"])
     flat_w = weights.reshape(-1)
     M = n * TOPK
-    inter = torch.randn(M, I, dtype=x.dtype, device=x.device)
+    inter = torch.randn(sorted_ids.shape[0], I, dtype=x.dtype, device=x.device)  # sorted rows
     partial = torch.empty(M, HIDDEN, dtype=x.dtype, device=x.device)
     if gemm == "gate_up":
         return graph_ms(lambda: _launch_gemm(x, w13, inter, sorted_ids, block_expert, flat_w, M,

@@ -80,7 +80,7 @@ def gemm_times(args, cfg: dict | None) -> dict[str, float]:
     block_m = cfgs["gate_up"]["BLOCK_M"]
     sorted_ids, block_expert = moe_align(ids, E, block_m)
     flat_w = weights.reshape(-1)
-    inter = torch.empty(M, I, dtype=x.dtype, device=x.device)
+    inter = torch.empty(sorted_ids.shape[0], I, dtype=x.dtype, device=x.device)  # sorted rows
     partial = torch.empty(M, HIDDEN, dtype=x.dtype, device=x.device)
     return {
         "align_ms": bench(lambda: moe_align(ids, E, block_m)),

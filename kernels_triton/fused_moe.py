@@ -266,6 +266,10 @@ def _launch_gemm(a, w, c, sorted_ids, block_expert, topk_weights, num_pairs, a_r
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     grid = (num_blocks * triton.cdiv(n_out, bn),)
     a_sorted = not gated
+    sorted_buf = a if a_sorted else c  # inter: one row per slot of the sorted list
+    if sorted_buf.shape[0] < sorted_ids.shape[0]:
+        raise ValueError(f"inter has {sorted_buf.shape[0]} rows; the sorted list needs one per "
+                         f"slot ({sorted_ids.shape[0]})")
     tma = _tma_ok(cfg, a, w)
     a_arg, w_arg = a, w
     if tma:

@@ -208,7 +208,6 @@ def _mla_decode_kernel(
     IS_FP8: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP8_FP16: tl.constexpr,
-    WARP_SPEC: tl.constexpr,
 ):
     pid_h = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -240,7 +239,7 @@ def _mla_decode_kernel(
 
     bt_row_ptr = bt_ptr + pid_n * stride_btn
     # full tiles unmasked, then the split's partial tail tile
-    for t0 in tl.range(start, full_end, BLOCK_N, warp_specialize=WARP_SPEC):
+    for t0 in range(start, full_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q_nope, q_rope, m_i, l_i, acc, m_i, kv_ptr, scale_ptr, bt_row_ptr, t0, end, qk_scale,
             stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss,

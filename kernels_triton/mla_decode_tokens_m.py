@@ -127,7 +127,6 @@ def _mla_decode_tokens_m_kernel(
     PV_HEADS_M: tl.constexpr,
     KV_IN_REGS: tl.constexpr,
     FP8_FP16: tl.constexpr,
-    WARP_SPEC: tl.constexpr,
 ):
     """``_mla_decode_kernel`` with the tokens on the MMA's M side (``config["transposed"]``):
     same grid, arguments and outputs."""
@@ -163,7 +162,7 @@ def _mla_decode_tokens_m_kernel(
     l_i = tl.zeros((BLOCK_H,), tl.float32)
 
     bt_row_ptr = bt_ptr + pid_n * stride_btn
-    for t0 in tl.range(start, full_end, BLOCK_N, warp_specialize=WARP_SPEC):
+    for t0 in range(start, full_end, BLOCK_N):
         m_i, l_i, acc_t = _attend_tile_tokens_m(
             q_nope_t, q_rope_t, m_i, l_i, acc_t, kv_ptr, scale_ptr, bt_row_ptr, t0, end, qk_scale,
             stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss,

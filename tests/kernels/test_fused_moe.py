@@ -90,7 +90,10 @@ def test_tiles_follow_the_batch_size(device):
 
     cfg = {"BLOCK_M": 32, "BLOCK_K": 16, "gate_up": {"BLOCK_N": 32},
            "by_tokens": [[4, {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 16}}], [8, {"BLOCK_K": 32}]]}
-    picked = {n: _gemm_configs(cfg, device, tokens=n)["gate_up"] for n in (None, 3, 4, 5, 9)}
+    # the tile choice alone, over a table with no "by_tokens" (the CPU's): a GPU's own
+    # per-GEMM entries would take part too
+    cpu = torch.device("cpu")
+    picked = {n: _gemm_configs(cfg, cpu, tokens=n)["gate_up"] for n in (None, 3, 4, 5, 9)}
     assert [(picked[n]["BLOCK_M"], picked[n]["BLOCK_N"], picked[n]["BLOCK_K"])
             for n in (None, 3, 4, 5, 9)] == [(32, 32, 16), (16, 16, 16), (16, 16, 16),
                                               (32, 32, 32), (32, 32, 16)]
