@@ -66,6 +66,10 @@ class CUDABackend(BaseBackend):
         # / "down" override per GEMM (gate_up's BLOCK_N counts gate and up columns each). The
         # best gate_up (128x128 x2 accumulators, 8 warps, 4 stages) and down (128x256, 3 stages)
         # of the sweep: 1.10 ms, 52% of the matmul peak (BLOCK_M 64 / 4 warps: 1.31 ms).
+        # "tma": weight tiles and down's rows through tensor descriptors, down with 4 stages
+        # (benchmarks/results/h200/moe_tma_ab.json, interleaved with the pointer loads: graph
+        # 0.944 vs 1.009 ms at 4K tokens, 3.38 vs 3.63 at 16K; moe_kernel.json eager 0.865 ms,
+        # 63% of that run's matmul peak, graph 56%); off in the decode entries (not measured).
         # Decode batches (benchmarks/results/h200/moe_decode.json, V3 experts, graph-timed,
         # % of the bytes roofline vs the prefill tiles): up to 16 tokens, 16-row blocks and
         # narrow gate_up tiles (enough programs when each rank holds half of every expert:
