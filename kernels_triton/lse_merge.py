@@ -22,10 +22,11 @@ from splash.kernels_triton import _validate as V
 
 @triton.jit(do_not_specialize=["S"])  # ints that vary by step: one binary for all
 def _lse_merge_kernel(
-    o_ptr,  # (S, N, H, L) partial outputs
-    lse_ptr,  # (S, N, H) fp32 partial lse (natural log)
+    o_ptr,  # (S, N, H, L) partial outputs; RANGES: (rows, 1, H, L)
+    lse_ptr,  # (S, N, H) fp32 partial lse (natural log); RANGES: (rows, 1, H)
     out_ptr,  # (N, H, L) merged output
     lse_out_ptr,  # (N, H) fp32 merged lse
+    ranges_ptr,  # RANGES: (N + 1,) int32, request n's partials are rows [r[n], r[n + 1])
     S,
     stride_os, stride_on, stride_oh, stride_ol,
     stride_ls, stride_ln, stride_lh,
@@ -33,13 +34,22 @@ def _lse_merge_kernel(
     stride_lon, stride_loh,
     L: tl.constexpr,
     BLOCK_L: tl.constexpr,
+    RANGES: tl.constexpr,  # each request's own run of partial rows (a request of one wrote out)
 ):
     pid_h = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_l = tl.arange(0, BLOCK_L)
     mask_l = offs_l < L
-    o_base = o_ptr + pid_n * stride_on + pid_h * stride_oh + offs_l * stride_ol  # (BLOCK_L,)
-    lse_base = lse_ptr + pid_n * stride_ln + pid_h * stride_lh
+    if RANGES:
+        first = tl.load(ranges_ptr + pid_n)
+        S = tl.load(ranges_ptr + pid_n + 1) - first
+        if S <= 1:
+            return
+        o_base = o_ptr + first * stride_os + pid_h * stride_oh + offs_l * stride_ol
+        lse_base = lse_ptr + first * stride_ls + pid_h * stride_lh
+    else:
+        o_base = o_ptr + pid_n * stride_on + pid_h * stride_oh + offs_l * stride_ol  # (BLOCK_L,)
+        lse_base = lse_ptr + pid_n * stride_ln + pid_h * stride_lh
 
     m = tl.full((), float("-inf"), tl.float32)  # running max of lse
     denom = tl.zeros((), tl.float32)
@@ -76,9 +86,23 @@ def _merge_into(
     if N == 0 or H == 0:
         return
     _lse_merge_kernel[(H, N)](
-        outs, lses, out, lse, S,
+        outs, lses, out, lse, lse, S,
         *outs.stride(), *lses.stride(), *out.stride(), *lse.stride(),
-        L=L, BLOCK_L=V.next_pow2(L, 16), num_warps=num_warps,
+        L=L, BLOCK_L=V.next_pow2(L, 16), RANGES=False, num_warps=num_warps,
+    )
+
+
+def _merge_ranges(outs: torch.Tensor, lses: torch.Tensor, ranges: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, num_warps: int = 4) -> None:
+    """Merge request n's partial rows ``outs[ranges[n]:ranges[n + 1], 0]`` (rows, 1, H, L) into
+    ``out[n]`` / ``lse[n]``; a request with one row already holds its output and is skipped."""
+    N, H, L = out.shape
+    if N == 0 or H == 0:
+        return
+    _lse_merge_kernel[(H, N)](
+        outs, lses, out, lse, ranges, 0,
+        *outs.stride(), *lses.stride(), *out.stride(), *lse.stride(),
+        L=L, BLOCK_L=V.next_pow2(L, 16), RANGES=True, num_warps=num_warps,
     )
 
 

@@ -65,6 +65,53 @@ def _split_bounds(seq_len_ptr, pid_s, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _balanced_split(seq_lens_ptr, stride_sl, N, P, p, meta_ptr, write_meta, MIN_TILES,
+                    BLOCK_N: tl.constexpr):
+    """Program ``p``'s share of a batch split by its total work: with T tiles over all N
+    requests, a split holds at most W = max(ceil(T / (P - N)), MIN_TILES) tiles (W = T when
+    P <= N + 1), request i gets s_i = max(ceil(t_i / W), 1) splits of equal tiles and the
+    splits are numbered request after request, so at most P programs have work. Every program
+    derives the same plan from ``seq_lens``; the one with ``write_meta`` stores the first split
+    of each request and the total (``meta`` (N + 1,)) for the merge. Returns (request, or N
+    past the last split; its splits; [start, end) and the end of its full tiles)."""
+    CH: tl.constexpr = 256
+    offs = tl.arange(0, CH)
+    total = 0
+    for c in range(0, N, CH):
+        lens = tl.load(seq_lens_ptr + (c + offs) * stride_sl, mask=c + offs < N, other=0)
+        total += tl.sum(tl.cdiv(lens.to(tl.int32), BLOCK_N))
+    W = tl.maximum(tl.cdiv(total, tl.maximum(P - N, 1)), MIN_TILES)
+    carry = 0
+    req = N
+    count = 1
+    start = 0
+    end = 0
+    for c in range(0, N, CH):
+        idx = c + offs
+        ok = idx < N
+        lens = tl.load(seq_lens_ptr + idx * stride_sl, mask=ok, other=0).to(tl.int32)
+        tiles = tl.cdiv(lens, BLOCK_N)
+        splits = tl.where(ok, tl.maximum(tl.cdiv(tiles, W), 1), 0)
+        ends = carry + tl.cumsum(splits, 0)
+        firsts = ends - splits
+        if write_meta:
+            tl.store(meta_ptr + idx, firsts, mask=ok)
+        mine = ok & (firsts <= p) & (p < ends)  # at most one request
+        per_split = tl.cdiv(tiles, tl.maximum(splits, 1)) * BLOCK_N
+        my_start = (p - firsts) * per_split
+        req = tl.minimum(req, tl.min(tl.where(mine, idx, N)))
+        count = tl.where(tl.sum(mine.to(tl.int32)) > 0, tl.sum(tl.where(mine, splits, 0)), count)
+        start = tl.where(tl.sum(mine.to(tl.int32)) > 0, tl.sum(tl.where(mine, my_start, 0)), start)
+        end = tl.where(tl.sum(mine.to(tl.int32)) > 0,
+                       tl.sum(tl.where(mine, tl.minimum(my_start + per_split, lens), 0)), end)
+        carry += tl.sum(splits)
+    if write_meta:
+        tl.store(meta_ptr + N, carry)
+    full_end = start + (tl.maximum(end - start, 0) // BLOCK_N) * BLOCK_N
+    return req, count, start, end, full_end
+
+
+@triton.jit
 def _softmax_totals(m_i, l_i):
     """The divisor (1 where no key was seen) and the natural-log lse (-inf there)."""
     has_keys = l_i > 0.0
@@ -179,18 +226,24 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_btn"])  # ints that vary by step: one binary for all
+@triton.jit(do_not_specialize=["num_splits", "stride_btn", "N", "P"])  # vary by step: one binary
 def _mla_decode_kernel(
     q_ptr,  # (N, H, D)
-    kv_ptr,  # (P, PS, D)
-    scale_ptr,  # (P, PS) fp32, fp8 caches only
+    kv_ptr,  # (pages, PS, D)
+    scale_ptr,  # (pages, PS) fp32, fp8 caches only
     bt_ptr,  # (N, max_pages) int
     seq_lens_ptr,  # (N,) int
-    o_ptr,  # (S, N, H, L) fp32 partials, or (N, H, L) output when S == 1
-    lse_ptr,  # (S, N, H) fp32, or (N, H)
+    o_ptr,  # (S, N, H, L) fp32 partials, or (N, H, L) output when S == 1; BALANCED: (P, 1, H, L)
+    lse_ptr,  # (S, N, H) fp32, or (N, H); BALANCED: (P, 1, H)
+    out_ptr,  # BALANCED: (N, H, L) output (requests of one split write it directly)
+    lse_out_ptr,  # BALANCED: (N, H) fp32
+    meta_ptr,  # BALANCED: (N + 1,) int32, each request's first split and the total
     qk_scale,  # sm_scale * log2(e)
     H,
     num_splits,
+    N,
+    P,  # BALANCED: programs a head group may fill
+    MIN_TILES,  # BALANCED: fewest tiles a split holds
     stride_qn, stride_qh, stride_qd,
     stride_kvp, stride_kvs, stride_kvd,
     stride_sp, stride_ss,
@@ -198,6 +251,8 @@ def _mla_decode_kernel(
     stride_sl,
     stride_os, stride_on, stride_oh, stride_ol,
     stride_ls, stride_ln, stride_lh,
+    stride_outn, stride_outh, stride_outl,
+    stride_lon, stride_loh,
     L: tl.constexpr,
     R: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -208,13 +263,22 @@ def _mla_decode_kernel(
     IS_FP8: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP8_FP16: tl.constexpr,
+    BALANCED: tl.constexpr,  # splits from the batch's total work (``_balanced_split``)
 ):
     pid_h = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    pid_n = tl.program_id(2)
-
-    start, end, full_end = _split_bounds(seq_lens_ptr + pid_n * stride_sl, pid_s, num_splits,
-                                         BLOCK_N)
+    if BALANCED:
+        pid_s = tl.program_id(1)
+        pid_n, count, start, end, full_end = _balanced_split(
+            seq_lens_ptr, stride_sl, N, P, pid_s, meta_ptr, (pid_h == 0) & (pid_s == 0),
+            MIN_TILES, BLOCK_N)
+        if pid_n >= N:
+            return
+    else:
+        pid_s = tl.program_id(1)
+        pid_n = tl.program_id(2)
+        count = 0
+        start, end, full_end = _split_bounds(seq_lens_ptr + pid_n * stride_sl, pid_s,
+                                             num_splits, BLOCK_N)
 
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
@@ -253,9 +317,22 @@ def _mla_decode_kernel(
         )
 
     l_safe, lse = _softmax_totals(m_i, l_i)
-    o_base = o_ptr + pid_s * stride_os + pid_n * stride_on
     out = acc / l_safe[:, None]  # (BLOCK_H, BLOCK_L)
-    o_ptrs = o_base + offs_h[:, None] * stride_oh + offs_l[None, :] * stride_ol
     o_mask = mask_h[:, None] & mask_l[None, :]
-    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=o_mask)
-    tl.store(lse_ptr + pid_s * stride_ls + pid_n * stride_ln + offs_h * stride_lh, lse, mask=mask_h)
+    if BALANCED:
+        if count == 1:  # the request's only split writes the final output
+            final_ptrs = out_ptr + pid_n * stride_outn + offs_h[:, None] * stride_outh \
+                + offs_l[None, :] * stride_outl
+            tl.store(final_ptrs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
+            tl.store(lse_out_ptr + pid_n * stride_lon + offs_h * stride_loh, lse, mask=mask_h)
+        else:  # partial row pid_s
+            part_ptrs = o_ptr + pid_s * stride_os + offs_h[:, None] * stride_oh \
+                + offs_l[None, :] * stride_ol
+            tl.store(part_ptrs, out, mask=o_mask)
+            tl.store(lse_ptr + pid_s * stride_ls + offs_h * stride_lh, lse, mask=mask_h)
+    else:
+        o_ptrs = o_ptr + pid_s * stride_os + pid_n * stride_on + offs_h[:, None] * stride_oh \
+            + offs_l[None, :] * stride_ol
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=o_mask)
+        tl.store(lse_ptr + pid_s * stride_ls + pid_n * stride_ln + offs_h * stride_lh, lse,
+                 mask=mask_h)

@@ -1,0 +1,86 @@
+"""mla_decode with balanced splits (``config["balanced"]``) against the default split count, on
+uniform and mixed-length batches (graph-timed, bf16 / fp8 KV, page 64).
+
+    python3 benchmarks/decode_balance.py --out benchmarks/results/h200/decode_balance.json
+
+A mixed batch (one long request among short ones) is where one split count for every request
+leaves a few programs streaming the long history while the rest of the GPU idles. Each row
+gives ms and GB/s of KV read for both launches and the largest difference of their outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+
+import torch
+from _results import save_json  # noqa: E402  (benchmarks/ is on sys.path)
+from _timing import ceilings
+from triton.testing import do_bench_cudagraph
+
+from splash import kernels_triton as K
+
+L, PS, D = 512, 64, 576
+BATCHES = [
+    ("16h 64x4K", 16, [4096] * 64, False), ("16h 64x32K", 16, [32768] * 64, False),
+    ("16h 16x128K", 16, [131072] * 16, False), ("128h 8x32K", 128, [32768] * 8, False),
+    ("16h fp8 64x4K", 16, [4096] * 64, True),
+    ("16h 1x128K + 63x1K", 16, [131072] + [1024] * 63, False),
+    ("16h 4x64K + 60x512", 16, [65536] * 4 + [512] * 60, False),
+    ("128h 1x128K + 15x2K", 128, [131072] + [2048] * 15, False),
+]
+
+
+def problem(heads: int, lens: list[int], fp8: bool, dev: torch.device):
+    g = torch.Generator(device=dev).manual_seed(0)
+    need = [-(-n // PS) for n in lens]
+    pages = sum(need)
+    scale = None
+    if fp8:
+        kv = torch.empty(pages, PS, D, device=dev, dtype=torch.float8_e4m3fn)
+        kv.view(torch.uint8).random_(0, 0x7E, generator=g)  # finite e4m3 bit patterns
+        scale = torch.rand(pages, PS, device=dev, generator=g) * 0.01 + 0.005
+    else:
+        kv = torch.randn(pages, PS, D, device=dev, dtype=torch.bfloat16, generator=g)
+    perm = torch.randperm(pages, device=dev, generator=g).to(torch.int32)
+    table = torch.zeros((len(lens), max(need)), dtype=torch.int32, device=dev)
+    start = 0
+    for i, n in enumerate(need):
+        table[i, :n] = perm[start:start + n]
+        start += n
+    q = torch.randn(len(lens), heads, D, device=dev, dtype=torch.bfloat16, generator=g)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+
+    def run(cfg=None):
+        return K.mla_decode(q, kv, table, seq_lens, D ** -0.5, L, kv_scale=scale, config=cfg)
+    return run, sum(lens) * (kv.element_size() * D + (4 if fp8 else 0))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results/h200/decode_balance.json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/decode_balance.py needs a GPU")
+    K.set_value_checks(False)
+    dev = torch.device("cuda")
+    rows = []
+    for name, heads, lens, fp8 in BATCHES:
+        run, nbytes = problem(heads, lens, fp8, dev)
+        row: dict = {"batch": name}
+        for tag, cfg in (("default", None), ("balanced", {"balanced": True})):
+            ms = float(do_bench_cudagraph(functools.partial(run, cfg), rep=30))
+            row[tag] = {"ms": round(ms, 4), "GBps": round(nbytes / ms / 1e6)}
+        row["max_abs_diff"] = float((run()[0].float() - run({"balanced": True})[0].float())
+                                    .abs().max())
+        rows.append(row)
+        print(row, flush=True)
+        run = None
+        torch.cuda.empty_cache()
+    save_json(args.out, {"benchmark": "decode_balance", "rows": rows, "ceilings": ceilings(dev)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
