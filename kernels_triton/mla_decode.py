@@ -214,6 +214,7 @@ def mla_decode(
             _merge_ranges(o_part, lse_part, meta, out, lse)
         return out, lse
 
+    assert isinstance(num_splits, int)  # checked above
     if num_splits == 1:
         o_part, lse_part = out, lse  # the program writes the final output itself
         stride_os, stride_ls = 0, 0
