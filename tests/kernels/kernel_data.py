@@ -102,3 +102,16 @@ def assert_lse(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None
     assert torch.equal(torch.isneginf(a), torch.isneginf(e)), "lse -inf pattern differs"
     finite = torch.isfinite(e)
     torch.testing.assert_close(a[finite], e[finite], atol=tol, rtol=tol)
+
+
+def decode_inputs(setting: Setting, L: int, R: int, PS: int, H: int, lens: list[int], seed: int = 0):
+    """One decode row per request: q (N, H, L+R), the paged cache (+ fp8 scales), the block
+    table and the lengths, on the setting's device and dtypes."""
+    gen = torch.Generator().manual_seed(seed)
+    dev = setting.device
+    num_pages = sum(-(-n // PS) for n in lens) + 3
+    kv, scale = paged_cache(num_pages, PS, L + R, setting.kv_dtype, dev, gen)
+    table = block_table(lens, PS, num_pages, dev, gen)
+    q = torch.randn(len(lens), H, L + R, generator=gen).to(setting.q_dtype).to(dev)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+    return q, kv, scale, table, seq_lens

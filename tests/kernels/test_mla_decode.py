@@ -7,6 +7,7 @@ import importlib
 import pytest
 import torch
 from kernel_data import assert_close, assert_lse, block_table, make_setting, paged_cache
+from kernel_data import decode_inputs as _inputs
 
 from splash.kernels_triton import mla_decode, mla_decode_ref
 
@@ -19,17 +20,6 @@ CASES = {
     "npow2-p64": (24, 8, 64, 5, [64, 65, 3]),
     "long-p64": (32, 16, 64, 16, [130]),
 }
-
-
-def _inputs(setting, L, R, PS, H, lens, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    dev = setting.device
-    num_pages = sum(-(-n // PS) for n in lens) + 3
-    kv, scale = paged_cache(num_pages, PS, L + R, setting.kv_dtype, dev, gen)
-    table = block_table(lens, PS, num_pages, dev, gen)
-    q = torch.randn(len(lens), H, L + R, generator=gen).to(setting.q_dtype).to(dev)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
-    return q, kv, scale, table, seq_lens
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, None])
@@ -46,52 +36,6 @@ def test_decode_matches_reference(setting, case, num_splits):
     assert_lse(lse, ref_lse, setting.lse_tol)
     empty = torch.tensor(lens) == 0
     assert torch.all(out.cpu()[empty] == 0) and torch.all(torch.isneginf(lse.cpu()[empty]))
-
-
-def _balanced_plan(lens, programs, min_tiles, block_n):
-    """The split plan the balanced launch is documented to follow, in Python: per request its
-    split count and token ranges."""
-    tiles = [-(-n // block_n) for n in lens]
-    w = max(-(-sum(tiles) // max(programs - len(lens), 1)), min_tiles)
-    plan = []
-    for n, t in zip(lens, tiles):
-        splits = max(-(-t // w), 1)
-        per = -(-t // splits) * block_n
-        plan.append([(j * per, min(j * per + per, n)) for j in range(splits)])
-    return plan
-
-
-# (lengths, programs per SM on the CPU's 4 "SMs", heads): one long request among short ones,
-# empty requests, a lone request split many ways, more requests than one 256-wide pass of the
-# plan (one of them long enough to split)
-BALANCED = {
-    "long-among-short": ([3, 300, 0, 17, 64, 1, 40], 8, 20),
-    "lone-long": ([250], 4, 20),
-    "many-requests": ([(7 * i) % 23 for i in range(259)] + [90], 100, 4),
-}
-
-
-@pytest.mark.parametrize("case", list(BALANCED))
-def test_balanced_splits_match_reference(case):
-    """The default launch splits the batch by its total work (a long request gets many splits,
-    short ones one each, which write the output directly); every request's result is the
-    reference's, and the plan gives at most ``programs`` splits with work."""
-    lens, per_sm, H = BALANCED[case]
-    setting = make_setting("fp32")
-    L, R, PS = 32, 16, 16
-    q, kv, scale, table, seq_lens = _inputs(setting, L, R, PS, H, lens, seed=4)
-    cfg = {"balanced": True, "programs_per_sm": per_sm, "min_split_tokens": 16}
-    out, lse = mla_decode(q, kv, table, seq_lens, 0.2, L, config=cfg)
-    ref_out, ref_lse = mla_decode_ref(q, kv, table, seq_lens, 0.2, L)
-    assert_close(out, ref_out, setting.atol, setting.rtol)
-    assert_lse(lse, ref_lse, setting.lse_tol)
-    full = decode_module.decode_config(H, setting.device, cfg)
-    programs = decode_module.balanced_programs(-(-H // full["BLOCK_H"]), setting.device, full)
-    plan = _balanced_plan(lens, programs, full["min_split_tokens"] // full["BLOCK_N"],
-                          full["BLOCK_N"])
-    assert sum(map(len, plan)) <= max(programs, len(lens))
-    assert all(r[0][0] == 0 and r[-1][1] == n for r, n in zip(plan, lens))
-    assert max(map(len, plan)) > 1  # the case does split a request
 
 
 # launch variants of the tuning tables, run on small shapes: tiles wider than a page, wider
