@@ -99,11 +99,11 @@ def _balanced_split(seq_lens_ptr, stride_sl, N, P, p, meta_ptr, write_meta, MIN_
         mine = ok & (firsts <= p) & (p < ends)  # at most one request
         per_split = tl.cdiv(tiles, tl.maximum(splits, 1)) * BLOCK_N
         my_start = (p - firsts) * per_split
-        req = tl.minimum(req, tl.min(tl.where(mine, idx, N)))
-        count = tl.where(tl.sum(mine.to(tl.int32)) > 0, tl.sum(tl.where(mine, splits, 0)), count)
-        start = tl.where(tl.sum(mine.to(tl.int32)) > 0, tl.sum(tl.where(mine, my_start, 0)), start)
-        end = tl.where(tl.sum(mine.to(tl.int32)) > 0,
-                       tl.sum(tl.where(mine, tl.minimum(my_start + per_split, lens), 0)), end)
+        hit = tl.sum(mine.to(tl.int32)) > 0  # p's request is in this pass
+        req = tl.where(hit, tl.sum(tl.where(mine, idx, 0)), req)
+        count = tl.where(hit, tl.sum(tl.where(mine, splits, 0)), count)
+        start = tl.where(hit, tl.sum(tl.where(mine, my_start, 0)), start)
+        end = tl.where(hit, tl.sum(tl.where(mine, tl.minimum(my_start + per_split, lens), 0)), end)
         carry += tl.sum(splits)
     if write_meta:
         tl.store(meta_ptr + N, carry)
