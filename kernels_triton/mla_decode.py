@@ -16,16 +16,18 @@ Design:
   program writes the final output directly. Head groups of a (request, split) sit next to each
   other in the grid, so they run together and share tiles through L2.
 - Balanced splits (``config["balanced"]``, opt-in): the split counts follow the batch's total
-  work instead of one count for every request. Each program derives the same plan from
-  ``seq_lens`` on the device (no host sync): with T tiles in all, a split holds at most
-  W = max(ceil(T / (P - N)), min_split_tokens / BLOCK_N) tiles, P being the programs a head
-  group may fill (``programs_per_sm`` x SMs / head groups), so a long request gets many splits
-  and a short one a single program that writes the output itself; the merge combines each
-  request's run of partial rows. Measured on an H200 (graph-timed, 16 heads, bf16): one 128K
-  request among 63 of 1K 1.763 -> 0.109 ms, four of 64K among 60 of 512 0.885 -> 0.133 ms;
-  128 heads, one 128K among 15 of 2K 0.299 -> 0.254 ms. On uniform batches it picks the same
-  splits but ran 5-7% slower at 16 heads and 20% at 128 (the in-kernel plan pushes the
-  128-head kernel into 152 bytes of spills, none without it), so it is not the default yet.
+  work instead of one count for every request. A one-launch plan (``_decode_plan_kernel``, from
+  ``seq_lens`` on the device: no host sync) gives each program its request and token range:
+  with T tiles in all, a split holds at most W = max(ceil(T / (P - N)), min_split_tokens /
+  BLOCK_N) tiles, P being the programs a head group may fill (``programs_per_sm`` x SMs / head
+  groups), so a long request gets many splits and a short one a single program that writes the
+  output itself; the merge combines each request's run of partial rows. Measured on an H200 with
+  the plan computed inside the attention kernel (graph-timed, 16 heads, bf16): one 128K request
+  among 63 of 1K 1.763 -> 0.109 ms, four of 64K among 60 of 512 0.885 -> 0.133 ms; 128 heads,
+  one 128K among 15 of 2K 0.299 -> 0.254 ms; but uniform batches, which get the same splits,
+  ran 5-7% slower at 16 heads and 20% at 128, where the in-kernel plan caused 152 bytes of
+  spills. The plan now has its own launch (no spills at 128 heads, fewer at 16, offline
+  ptxas); not yet re-measured, so not the default.
 - L and R need not be powers of two: tiles are padded to ``BLOCK_L``/``BLOCK_R`` and masked.
 - fp8 KV: a row is fp8 × one fp32 scale. The tile is widened exactly (fp8 values are fp16 and
   bf16 values), the scale multiplies the scores' column and p's column, so no per-element scaling
@@ -57,7 +59,12 @@ import triton
 from splash.backends import device_tuning
 from splash.kernels_triton import _validate as V
 from splash.kernels_triton.lse_merge import _merge_into, _merge_ranges
-from splash.kernels_triton.mla_decode_kernels import _LOG2E, _MAX_SPLITS, _mla_decode_kernel
+from splash.kernels_triton.mla_decode_kernels import (
+    _LOG2E,
+    _MAX_SPLITS,
+    _decode_plan_kernel,
+    _mla_decode_kernel,
+)
 from splash.kernels_triton.mla_decode_tokens_m import _mla_decode_tokens_m_kernel
 
 # fp32 queries on a GPU (the GPU test suite's exact-token runs): tiles twice as wide in bytes,
@@ -203,10 +210,14 @@ def mla_decode(
         o_part = torch.empty((rows, 1, H, L), dtype=torch.float32, device=q.device)
         lse_part = torch.empty((rows, 1, H), dtype=torch.float32, device=q.device)
         meta = torch.empty((N + 1,), dtype=torch.int32, device=q.device)
-        _mla_decode_kernel[(head_groups, max(programs, N))](
-            q, kv, scale, block_table, seq_lens, o_part, lse_part, out, lse, meta,
-            float(sm_scale) * _LOG2E, H, 1, N, programs,
-            max(1, int(cfg["min_split_tokens"]) // BLOCK_N), *inputs,
+        launched = max(programs, N)
+        items = torch.empty((launched, 4), dtype=torch.int32, device=q.device)
+        min_tiles = max(1, int(cfg["min_split_tokens"]) // BLOCK_N)
+        _decode_plan_kernel[(launched,)](seq_lens, seq_lens.stride(0), N, programs, min_tiles,
+                                         items, meta, BLOCK_N=BLOCK_N, num_warps=4)
+        _mla_decode_kernel[(head_groups, launched)](
+            q, kv, scale, block_table, seq_lens, o_part, lse_part, out, lse, items,
+            float(sm_scale) * _LOG2E, H, 1, N, *inputs,
             *o_part.stride(), *lse_part.stride(), *out.stride(), *lse.stride(),
             BALANCED=True, **consts,
         )
@@ -237,7 +248,7 @@ def mla_decode(
     else:
         _mla_decode_kernel[grid](
             q, kv, scale, block_table, seq_lens, o_part, lse_part, out, lse, seq_lens,
-            float(sm_scale) * _LOG2E, H, num_splits, N, 0, 1, *inputs, *parts,
+            float(sm_scale) * _LOG2E, H, num_splits, N, *inputs, *parts,
             *out.stride(), *lse.stride(), BALANCED=False, **consts,
         )
     if num_splits > 1:

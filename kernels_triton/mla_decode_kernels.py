@@ -81,34 +81,48 @@ def _balanced_split(seq_lens_ptr, stride_sl, N, P, p, meta_ptr, write_meta, MIN_
         lens = tl.load(seq_lens_ptr + (c + offs) * stride_sl, mask=c + offs < N, other=0)
         total += tl.sum(tl.cdiv(lens.to(tl.int32), BLOCK_N))
     W = tl.maximum(tl.cdiv(total, tl.maximum(P - N, 1)), MIN_TILES)
-    carry = 0
-    req = N
-    count = 1
-    start = 0
-    end = 0
+    carry = 0  # splits of the requests before this pass
+    req = 0  # requests whose splits all come before p
+    first = 0  # and their splits: p's request's first split
     for c in range(0, N, CH):
         idx = c + offs
         ok = idx < N
         lens = tl.load(seq_lens_ptr + idx * stride_sl, mask=ok, other=0).to(tl.int32)
-        tiles = tl.cdiv(lens, BLOCK_N)
-        splits = tl.where(ok, tl.maximum(tl.cdiv(tiles, W), 1), 0)
+        splits = tl.where(ok, tl.maximum(tl.cdiv(tl.cdiv(lens, BLOCK_N), W), 1), 0)
         ends = carry + tl.cumsum(splits, 0)
-        firsts = ends - splits
         if write_meta:
-            tl.store(meta_ptr + idx, firsts, mask=ok)
-        mine = ok & (firsts <= p) & (p < ends)  # at most one request
-        per_split = tl.cdiv(tiles, tl.maximum(splits, 1)) * BLOCK_N
-        my_start = (p - firsts) * per_split
-        hit = tl.sum(mine.to(tl.int32)) > 0  # p's request is in this pass
-        req = tl.where(hit, tl.sum(tl.where(mine, idx, 0)), req)
-        count = tl.where(hit, tl.sum(tl.where(mine, splits, 0)), count)
-        start = tl.where(hit, tl.sum(tl.where(mine, my_start, 0)), start)
-        end = tl.where(hit, tl.sum(tl.where(mine, tl.minimum(my_start + per_split, lens), 0)), end)
+            tl.store(meta_ptr + idx, ends - splits, mask=ok)
+        before = ok & (ends <= p)
+        req += tl.sum(before.to(tl.int32))
+        first += tl.sum(tl.where(before, splits, 0))
         carry += tl.sum(splits)
     if write_meta:
         tl.store(meta_ptr + N, carry)
+    # p's request (req < N) again, as scalars
+    n_tok = tl.load(seq_lens_ptr + tl.minimum(req, N - 1) * stride_sl).to(tl.int32)
+    tiles = tl.cdiv(n_tok, BLOCK_N)
+    count = tl.maximum(tl.cdiv(tiles, W), 1)
+    per_split = tl.cdiv(tiles, count) * BLOCK_N
+    start = (p - first) * per_split
+    end = tl.minimum(start + per_split, n_tok)
     full_end = start + (tl.maximum(end - start, 0) // BLOCK_N) * BLOCK_N
     return req, count, start, end, full_end
+
+
+@triton.jit(do_not_specialize=["N", "P"])  # vary by step: one binary
+def _decode_plan_kernel(seq_lens_ptr, stride_sl, N, P, MIN_TILES, items_ptr, meta_ptr,
+                        BLOCK_N: tl.constexpr):
+    """Balanced splits, planned once per launch: program p stores its (request, splits, start,
+    end) at ``items[4p:4p + 4]`` (request N: no work); program 0 also stores ``meta``. Kept out
+    of the attention kernel, whose registers it would crowd."""
+    p = tl.program_id(0)
+    req, count, start, end, _ = _balanced_split(seq_lens_ptr, stride_sl, N, P, p, meta_ptr,
+                                                p == 0, MIN_TILES, BLOCK_N)
+    item = items_ptr + p * 4
+    tl.store(item, req)
+    tl.store(item + 1, count)
+    tl.store(item + 2, start)
+    tl.store(item + 3, end)
 
 
 @triton.jit
@@ -226,7 +240,7 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_btn", "N", "P"])  # vary by step: one binary
+@triton.jit(do_not_specialize=["num_splits", "stride_btn", "N"])  # vary by step: one binary
 def _mla_decode_kernel(
     q_ptr,  # (N, H, D)
     kv_ptr,  # (pages, PS, D)
@@ -237,13 +251,11 @@ def _mla_decode_kernel(
     lse_ptr,  # (S, N, H) fp32, or (N, H); BALANCED: (P, 1, H)
     out_ptr,  # BALANCED: (N, H, L) output (requests of one split write it directly)
     lse_out_ptr,  # BALANCED: (N, H) fp32
-    meta_ptr,  # BALANCED: (N + 1,) int32, each request's first split and the total
+    meta_ptr,  # BALANCED: (programs, 4) int32, each program's work (``_decode_plan_kernel``)
     qk_scale,  # sm_scale * log2(e)
     H,
     num_splits,
     N,
-    P,  # BALANCED: programs a head group may fill
-    MIN_TILES,  # BALANCED: fewest tiles a split holds
     stride_qn, stride_qh, stride_qd,
     stride_kvp, stride_kvs, stride_kvd,
     stride_sp, stride_ss,
@@ -263,16 +275,19 @@ def _mla_decode_kernel(
     IS_FP8: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP8_FP16: tl.constexpr,
-    BALANCED: tl.constexpr,  # splits from the batch's total work (``_balanced_split``)
+    BALANCED: tl.constexpr,  # splits from the batch's total work (``_decode_plan_kernel``)
 ):
     pid_h = tl.program_id(0)
     if BALANCED:
         pid_s = tl.program_id(1)
-        pid_n, count, start, end, full_end = _balanced_split(
-            seq_lens_ptr, stride_sl, N, P, pid_s, meta_ptr, (pid_h == 0) & (pid_s == 0),
-            MIN_TILES, BLOCK_N)
+        item = meta_ptr + pid_s * 4  # _decode_plan_kernel's (request, splits, start, end)
+        pid_n = tl.load(item)
         if pid_n >= N:
             return
+        count = tl.load(item + 1)
+        start = tl.load(item + 2)
+        end = tl.load(item + 3)
+        full_end = start + (tl.maximum(end - start, 0) // BLOCK_N) * BLOCK_N
     else:
         pid_s = tl.program_id(1)
         pid_n = tl.program_id(2)
