@@ -56,3 +56,30 @@ def test_balanced_splits_match_reference(case):
     assert sum(map(len, plan)) <= max(programs, len(lens))
     assert all(r[0][0] == 0 and r[-1][1] == n for r, n in zip(plan, lens))
     assert max(map(len, plan)) > 1  # the case does split a request
+
+
+@pytest.mark.parametrize("case", list(BALANCED))
+def test_plan_kernel_follows_the_documented_plan(device, case):
+    """The plan launch gives program p exactly the p-th split of the documented plan (request,
+    split count, token range), no work past the last split, and each request's first split and
+    the total for the merge."""
+    import torch
+
+    from splash.kernels_triton.mla_decode_kernels import _decode_plan_kernel
+
+    lens, per_sm, _ = BALANCED[case]
+    block_n, min_tiles = 16, 1
+    programs = per_sm * 4
+    plan = _balanced_plan(lens, programs, min_tiles, block_n)
+    launched = max(programs, len(lens))
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    items = torch.full((launched, 4), -7, dtype=torch.int32, device=device)
+    meta = torch.full((len(lens) + 1,), -7, dtype=torch.int32, device=device)
+    _decode_plan_kernel[(launched,)](seq_lens, 1, len(lens), programs, min_tiles, items, meta,
+                                     BLOCK_N=block_n)
+    want = [[i, len(runs), a, b] for i, runs in enumerate(plan) for a, b in runs]
+    got = items.cpu().tolist()
+    assert got[:len(want)] == want
+    assert all(row[0] == len(lens) for row in got[len(want):])
+    firsts = [sum(map(len, plan[:i])) for i in range(len(lens) + 1)]
+    assert meta.cpu().tolist() == firsts
