@@ -17,11 +17,11 @@ import sys
 import torch
 from _results import save_json  # noqa: E402  (benchmarks/ is on sys.path)
 from _timing import ceilings
+from decode_configs import paged_problem
 from triton.testing import do_bench_cudagraph
 
 from splash import kernels_triton as K
 
-L, PS, D = 512, 64, 576
 BATCHES = [
     ("16h 64x4K", 16, [4096] * 64, False), ("16h 64x32K", 16, [32768] * 64, False),
     ("16h 16x128K", 16, [131072] * 16, False), ("128h 8x32K", 128, [32768] * 8, False),
@@ -30,31 +30,6 @@ BATCHES = [
     ("16h 4x64K + 60x512", 16, [65536] * 4 + [512] * 60, False),
     ("128h 1x128K + 15x2K", 128, [131072] + [2048] * 15, False),
 ]
-
-
-def problem(heads: int, lens: list[int], fp8: bool, dev: torch.device):
-    g = torch.Generator(device=dev).manual_seed(0)
-    need = [-(-n // PS) for n in lens]
-    pages = sum(need)
-    scale = None
-    if fp8:
-        kv = torch.empty(pages, PS, D, device=dev, dtype=torch.float8_e4m3fn)
-        kv.view(torch.uint8).random_(0, 0x7E, generator=g)  # finite e4m3 bit patterns
-        scale = torch.rand(pages, PS, device=dev, generator=g) * 0.01 + 0.005
-    else:
-        kv = torch.randn(pages, PS, D, device=dev, dtype=torch.bfloat16, generator=g)
-    perm = torch.randperm(pages, device=dev, generator=g).to(torch.int32)
-    table = torch.zeros((len(lens), max(need)), dtype=torch.int32, device=dev)
-    start = 0
-    for i, n in enumerate(need):
-        table[i, :n] = perm[start:start + n]
-        start += n
-    q = torch.randn(len(lens), heads, D, device=dev, dtype=torch.bfloat16, generator=g)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
-
-    def run(cfg=None):
-        return K.mla_decode(q, kv, table, seq_lens, D ** -0.5, L, kv_scale=scale, config=cfg)
-    return run, sum(lens) * (kv.element_size() * D + (4 if fp8 else 0))
 
 
 def main() -> int:
@@ -67,7 +42,7 @@ def main() -> int:
     dev = torch.device("cuda")
     rows = []
     for name, heads, lens, fp8 in BATCHES:
-        run, nbytes = problem(heads, lens, fp8, dev)
+        run, nbytes = paged_problem(heads, lens, dev, fp8)
         row: dict = {"batch": name}
         for tag, cfg in (("default", None), ("balanced", {"balanced": True})):
             ms = float(do_bench_cudagraph(functools.partial(run, cfg), rep=30))

@@ -33,9 +33,12 @@ FORMER = {"transposed": True, "pv_heads_m": True, "BLOCK_N": 32, "num_warps": 4,
           "num_stages": 3}
 
 
-def problem(heads: int, batch: int, context: int, dev: torch.device, fp8: bool = False):
+def paged_problem(heads: int, lens: list[int], dev: torch.device, fp8: bool = False):
+    """One decode row per request of ``lens`` over a paged cache in random page order:
+    ``(run(cfg=None, splits=None) -> mla_decode's result, KV bytes read)``."""
     g = torch.Generator(device=dev).manual_seed(0)
-    pages = batch * context // PS
+    need = [-(-n // PS) for n in lens]
+    pages = sum(need)
     scale = None
     if fp8:
         kv = torch.empty(pages, PS, D, device=dev, dtype=torch.float8_e4m3fn)
@@ -43,14 +46,24 @@ def problem(heads: int, batch: int, context: int, dev: torch.device, fp8: bool =
         scale = torch.rand(pages, PS, device=dev, generator=g) * 0.01 + 0.005
     else:
         kv = torch.randn(pages, PS, D, device=dev, dtype=torch.bfloat16, generator=g)
-    table = torch.randperm(pages, device=dev, generator=g).to(torch.int32).view(batch, -1)
-    q = torch.randn(batch, heads, D, device=dev, dtype=torch.bfloat16, generator=g)
-    lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
+    perm = torch.randperm(pages, device=dev, generator=g).to(torch.int32)
+    table = torch.zeros((len(lens), max(need)), dtype=torch.int32, device=dev)
+    start = 0
+    for i, n in enumerate(need):
+        table[i, :n] = perm[start:start + n]
+        start += n
+    q = torch.randn(len(lens), heads, D, device=dev, dtype=torch.bfloat16, generator=g)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
 
     def run(cfg=None, splits=None):
-        return K.mla_decode(q, kv, table, lens, D ** -0.5, L, kv_scale=scale,
+        return K.mla_decode(q, kv, table, seq_lens, D ** -0.5, L, kv_scale=scale,
                             num_splits=splits, config=cfg or None)
-    return run, batch * context * (kv.element_size() * D + (4 if fp8 else 0))
+    return run, sum(lens) * (kv.element_size() * D + (4 if fp8 else 0))
+
+
+def problem(heads: int, batch: int, context: int, dev: torch.device, fp8: bool = False):
+    """``batch`` requests of ``context`` tokens each (see ``paged_problem``)."""
+    return paged_problem(heads, [context] * batch, dev, fp8)
 
 
 def sweep(dev: torch.device) -> list[dict]:

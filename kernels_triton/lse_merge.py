@@ -79,30 +79,21 @@ def _lse_merge_kernel(
 
 
 def _merge_into(
-    outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, num_warps: int = 4
+    outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    ranges: torch.Tensor | None = None, num_warps: int = 4,
 ) -> None:
-    """Launch the merge of ``outs`` (S, N, H, L) / ``lses`` (S, N, H) into preallocated tensors."""
-    S, N, H, L = outs.shape
-    if N == 0 or H == 0:
-        return
-    _lse_merge_kernel[(H, N)](
-        outs, lses, out, lse, lse, S,
-        *outs.stride(), *lses.stride(), *out.stride(), *lse.stride(),
-        L=L, BLOCK_L=V.next_pow2(L, 16), RANGES=False, num_warps=num_warps,
-    )
-
-
-def _merge_ranges(outs: torch.Tensor, lses: torch.Tensor, ranges: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor, num_warps: int = 4) -> None:
-    """Merge request n's partial rows ``outs[ranges[n]:ranges[n + 1], 0]`` (rows, 1, H, L) into
-    ``out[n]`` / ``lse[n]``; a request with one row already holds its output and is skipped."""
+    """Launch the merge of ``outs`` (S, N, H, L) / ``lses`` (S, N, H) into preallocated tensors.
+    With ``ranges`` (N + 1,) int32, request n's partials are instead the rows
+    ``outs[ranges[n]:ranges[n + 1], 0]`` of (rows, 1, H, L) partials, and a request with a
+    single row (which already wrote its output) is skipped."""
     N, H, L = out.shape
     if N == 0 or H == 0:
         return
     _lse_merge_kernel[(H, N)](
-        outs, lses, out, lse, ranges, 0,
+        outs, lses, out, lse, lse if ranges is None else ranges,
+        outs.shape[0] if ranges is None else 0,
         *outs.stride(), *lses.stride(), *out.stride(), *lse.stride(),
-        L=L, BLOCK_L=V.next_pow2(L, 16), RANGES=True, num_warps=num_warps,
+        L=L, BLOCK_L=V.next_pow2(L, 16), RANGES=ranges is not None, num_warps=num_warps,
     )
 
 

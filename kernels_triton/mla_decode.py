@@ -58,7 +58,7 @@ import triton
 
 from splash.backends import device_tuning
 from splash.kernels_triton import _validate as V
-from splash.kernels_triton.lse_merge import _merge_into, _merge_ranges
+from splash.kernels_triton.lse_merge import _merge_into
 from splash.kernels_triton.mla_decode_kernels import (
     _LOG2E,
     _MAX_SPLITS,
@@ -222,7 +222,7 @@ def mla_decode(
             BALANCED=True, **consts,
         )
         if split:
-            _merge_ranges(o_part, lse_part, meta, out, lse)
+            _merge_into(o_part, lse_part, out, lse, ranges=meta)
         return out, lse
 
     assert isinstance(num_splits, int)  # checked above

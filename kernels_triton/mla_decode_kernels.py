@@ -60,8 +60,13 @@ def _split_bounds(seq_len_ptr, pid_s, num_splits, BLOCK_N: tl.constexpr):
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = pid_s * split_len
     end = tl.minimum(start + split_len, seq_len)
-    full_end = start + (tl.maximum(end - start, 0) // BLOCK_N) * BLOCK_N
-    return start, end, full_end
+    return start, end, _full_tiles_end(start, end, BLOCK_N)
+
+
+@triton.jit
+def _full_tiles_end(start, end, BLOCK_N: tl.constexpr):
+    """The end of the full tiles of [start, end) (the rest is one masked tail tile)."""
+    return start + (tl.maximum(end - start, 0) // BLOCK_N) * BLOCK_N
 
 
 @triton.jit
@@ -73,7 +78,7 @@ def _balanced_split(seq_lens_ptr, stride_sl, N, P, p, meta_ptr, write_meta, MIN_
     splits are numbered request after request, so at most P programs have work. Every program
     derives the same plan from ``seq_lens``; the one with ``write_meta`` stores the first split
     of each request and the total (``meta`` (N + 1,)) for the merge. Returns (request, or N
-    past the last split; its splits; [start, end) and the end of its full tiles)."""
+    past the last split; its splits; [start, end))."""
     CH: tl.constexpr = 256
     offs = tl.arange(0, CH)
     total = 0
@@ -105,8 +110,7 @@ def _balanced_split(seq_lens_ptr, stride_sl, N, P, p, meta_ptr, write_meta, MIN_
     per_split = tl.cdiv(tiles, count) * BLOCK_N
     start = (p - first) * per_split
     end = tl.minimum(start + per_split, n_tok)
-    full_end = start + (tl.maximum(end - start, 0) // BLOCK_N) * BLOCK_N
-    return req, count, start, end, full_end
+    return req, count, start, end
 
 
 @triton.jit(do_not_specialize=["N", "P"])  # vary by step: one binary
@@ -116,8 +120,8 @@ def _decode_plan_kernel(seq_lens_ptr, stride_sl, N, P, MIN_TILES, items_ptr, met
     end) at ``items[4p:4p + 4]`` (request N: no work); program 0 also stores ``meta``. Kept out
     of the attention kernel, whose registers it would crowd."""
     p = tl.program_id(0)
-    req, count, start, end, _ = _balanced_split(seq_lens_ptr, stride_sl, N, P, p, meta_ptr,
-                                                p == 0, MIN_TILES, BLOCK_N)
+    req, count, start, end = _balanced_split(seq_lens_ptr, stride_sl, N, P, p, meta_ptr, p == 0,
+                                             MIN_TILES, BLOCK_N)
     item = items_ptr + p * 4
     tl.store(item, req)
     tl.store(item + 1, count)
@@ -251,7 +255,7 @@ def _mla_decode_kernel(
     lse_ptr,  # (S, N, H) fp32, or (N, H); BALANCED: (P, 1, H)
     out_ptr,  # BALANCED: (N, H, L) output (requests of one split write it directly)
     lse_out_ptr,  # BALANCED: (N, H) fp32
-    meta_ptr,  # BALANCED: (programs, 4) int32, each program's work (``_decode_plan_kernel``)
+    plan_ptr,  # BALANCED: (programs, 4) int32, each program's work (``_decode_plan_kernel``)
     qk_scale,  # sm_scale * log2(e)
     H,
     num_splits,
@@ -280,14 +284,14 @@ def _mla_decode_kernel(
     pid_h = tl.program_id(0)
     if BALANCED:
         pid_s = tl.program_id(1)
-        item = meta_ptr + pid_s * 4  # _decode_plan_kernel's (request, splits, start, end)
+        item = plan_ptr + pid_s * 4  # _decode_plan_kernel's (request, splits, start, end)
         pid_n = tl.load(item)
         if pid_n >= N:
             return
         count = tl.load(item + 1)
         start = tl.load(item + 2)
         end = tl.load(item + 3)
-        full_end = start + (tl.maximum(end - start, 0) // BLOCK_N) * BLOCK_N
+        full_end = _full_tiles_end(start, end, BLOCK_N)
     else:
         pid_s = tl.program_id(1)
         pid_n = tl.program_id(2)
