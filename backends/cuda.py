@@ -30,9 +30,12 @@ class CUDABackend(BaseBackend):
         # fp8 KV: "fp8_fp16" runs the products on fp16 operands (native fp8 -> fp16
         # conversion; q clamped to fp16's range), off for many heads (0.61 vs 0.75 ms with it:
         # compute-bound, where the fp16 casts cost more than they save).
+        # "balanced": split counts from the batch's total work, planned on the device
+        # (benchmarks/results/h200/decode_balance.json: one 128K request among 63 of 1K 1.71 ->
+        # 0.105 ms at 16 heads; uniform batches 2-5% slower than the wave model's splits).
         "mla_decode": {
             "default": {
-                "transposed": False, "BLOCK_N": 64, "BLOCK_H": 16,
+                "transposed": False, "balanced": True, "BLOCK_N": 64, "BLOCK_H": 16,
                 "num_warps": 4, "num_stages": 3, "max_block_h": 64, "programs_per_sm": 2,
                 "split_overhead_tokens": 512, "min_split_tokens": 256,
                 "many_heads": {"transposed": False, "BLOCK_H": 64, "BLOCK_N": 64,

@@ -15,19 +15,19 @@ Design:
   normalised fp32 partial and its lse, and ``lse_merge``'s kernel combines them. With one split the
   program writes the final output directly. Head groups of a (request, split) sit next to each
   other in the grid, so they run together and share tiles through L2.
-- Balanced splits (``config["balanced"]``, opt-in): the split counts follow the batch's total
-  work instead of one count for every request. A one-launch plan (``_decode_plan_kernel``, from
-  ``seq_lens`` on the device: no host sync) gives each program its request and token range:
-  with T tiles in all, a split holds at most W = max(ceil(T / (P - N)), min_split_tokens /
-  BLOCK_N) tiles, P being the programs a head group may fill (``programs_per_sm`` x SMs / head
-  groups), so a long request gets many splits and a short one a single program that writes the
-  output itself; the merge combines each request's run of partial rows. Measured on an H200 with
-  the plan computed inside the attention kernel (graph-timed, 16 heads, bf16): one 128K request
-  among 63 of 1K 1.763 -> 0.109 ms, four of 64K among 60 of 512 0.885 -> 0.133 ms; 128 heads,
-  one 128K among 15 of 2K 0.299 -> 0.254 ms; but uniform batches, which get the same splits,
-  ran 5-7% slower at 16 heads and 20% at 128, where the in-kernel plan caused 152 bytes of
-  spills. The plan now has its own launch (no spills at 128 heads, fewer at 16, offline
-  ptxas); not yet re-measured, so not the default.
+- Balanced splits (``config["balanced"]``, the CUDA default): the split counts follow the
+  batch's total work instead of one count for every request. A one-launch plan
+  (``_decode_plan_kernel``, from ``seq_lens`` on the device: no host sync, graph-safe) gives each
+  program its request and token range: with T tiles in all, a split holds at most W = max(ceil(T
+  / (P - N)), min_split_tokens / BLOCK_N) tiles, P being the programs a head group may fill
+  (``programs_per_sm`` x SMs / head groups), so a long request gets many splits and a short one
+  a single program that writes the output itself; the merge combines each request's run of
+  partial rows. H200, graph-timed, against one count for all (the wave model below,
+  ``balanced: False``): 16 heads, one 128K request among 63 of 1K 1.71 -> 0.105 ms, four of 64K
+  among 60 of 512 0.95 -> 0.13 ms; 128 heads, one 128K among 15 of 2K 0.298 -> 0.212 ms; uniform
+  batches, which get the same splits, 2-5% slower (the plan launch and its loads).
+- Otherwise (``balanced: False``, ``transposed`` or an explicit ``num_splits``) every request
+  gets the split count of ``choose_num_splits``' wave model, from the block-table capacity.
 - L and R need not be powers of two: tiles are padded to ``BLOCK_L``/``BLOCK_R`` and masked.
 - fp8 KV: a row is fp8 × one fp32 scale. The tile is widened exactly (fp8 values are fp16 and
   bf16 values), the scale multiplies the scores' column and p's column, so no per-element scaling

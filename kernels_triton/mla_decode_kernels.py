@@ -159,14 +159,20 @@ def _load_kv_tile(
     offs_l = tl.arange(0, BLOCK_L)
     offs_r = tl.arange(0, BLOCK_R)
     if PAGE_SIZE % BLOCK_N == 0:
-        # tiles are BLOCK_N-aligned, so the whole tile sits in one page
+        # tiles are BLOCK_N-aligned, so the whole tile sits in one page: one scalar base, and
+        # the rows' offsets stay loop-invariant (as (t0 % PAGE_SIZE + offs_n) * stride the loop
+        # recomputed every row's address wherever t0's alignment is unknown to the compiler:
+        # 11% slower)
         page = tl.load(bt_row_ptr + (t0 // PAGE_SIZE) * stride_btp).to(tl.int64)
-        in_page = (t0 % PAGE_SIZE) + offs_n
+        in_page = t0 % PAGE_SIZE
+        row_off = page * stride_kvp + in_page * stride_kvs + offs_n * stride_kvs
+        scale_off = page * stride_sp + in_page * stride_ss + offs_n * stride_ss
     else:
         page = tl.load(bt_row_ptr + (offs_t // PAGE_SIZE) * stride_btp, mask=mask_t, other=0)
         page = page.to(tl.int64)
         in_page = offs_t % PAGE_SIZE
-    row_off = page * stride_kvp + in_page * stride_kvs  # (BLOCK_N,)
+        row_off = page * stride_kvp + in_page * stride_kvs  # (BLOCK_N,)
+        scale_off = page * stride_sp + in_page * stride_ss
     kv_nope = _load_tile(
         kv_ptr + row_off[:, None] + offs_l[None, :] * stride_kvd,
         mask_t, offs_l < L, MASK_T, BLOCK_L != L,
@@ -176,7 +182,7 @@ def _load_kv_tile(
         mask_t, offs_r < R, MASK_T, BLOCK_R != R,
     )  # (BLOCK_N, BLOCK_R)
     if IS_FP8:
-        scale_ptrs = scale_ptr + page * stride_sp + in_page * stride_ss
+        scale_ptrs = scale_ptr + scale_off
         if MASK_T:
             row_scale = tl.load(scale_ptrs, mask=mask_t, other=0.0)
         else:

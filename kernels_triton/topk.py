@@ -9,11 +9,15 @@ does not see). Winners are not sorted; equal values are taken in column order.
 Chunked selection: a program takes ``CHUNK`` (>= 2k) entries of ``ROWS`` rows (one on a GPU)
 and keeps each row's k largest, so a pass shrinks a row of M entries to ceil(M / CHUNK) · k
 candidates; passes repeat until one chunk remains (128K scores, k = 2048, CHUNK = 8192:
-128K -> 32K -> 8K -> 2K). Inside a program the k-th largest value is found exactly by a radix
-select over the order-preserving integer image of the fp32 values (rounds of a 256-bin or a
-16-bin histogram); the winners are then compacted with a prefix sum.
+128K -> 32K -> 8K -> 2K). Inside a program the k-th largest value is found exactly over the
+order-preserving integer image of the fp32 values: by bisection (``RADIX_BITS`` 1, the GPU
+default: 32 rounds, each keeping a bit when at least k keys reach the candidate, one compare
+and one sum a round) or by a radix select (rounds of a 256-, 16- or 4-bin histogram); the
+winners are then compacted with one prefix sum (counts of the entries above the threshold and
+of the ties packed in one int32 while a chunk has at most 16K entries).
 
-Tried on an H200 (16 rows, graph-timed) against these passes' 0.047 / 0.091 ms at 32K / 128K:
+Tried on an H200 (16 rows, graph-timed) against the radix passes' 0.047 / 0.091 ms at 32K /
+128K (now 0.035 / 0.069 with the bisection and the one scan):
 - an exact threshold in five launches whatever the row length (three levels of 2,048-bin
   counts, each chunk adding its ``tl.histogram`` to the row's table with atomics, then a count
   and a write of the winners in column order): 0.069 / 0.19 ms at best, slower;
@@ -53,8 +57,15 @@ def _kth_largest(key, K: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
     bins; with ATOMIC_HIST each key instead adds one to its bin in the program's zeroed
     scratch at ``hist_ptr`` ((32 / BITS) rounds × ROWS × 2^BITS int32), read back after a
     barrier, as the serving engines' radix top-k kernels count."""
-    BINS: tl.constexpr = 1 << BITS
     ukey = (key ^ _KEY_MIN).to(tl.uint32, bitcast=True)  # unsigned order = signed order
+    if BITS == 1:  # bisection: a bit stays set while at least K keys reach the candidate
+        prefix = tl.zeros((ROWS,), tl.uint32)
+        for r in tl.static_range(32):
+            cand = prefix | (tl.full((ROWS,), 1, tl.uint32) << (31 - r))
+            count = tl.sum((ukey >= cand[:, None]).to(tl.int32), 1)
+            prefix = tl.where(count >= K, cand, prefix)
+        return prefix.to(tl.int32, bitcast=True) ^ _KEY_MIN
+    BINS: tl.constexpr = 1 << BITS
     digits = tl.arange(0, BINS)
     row_bins = tl.arange(0, ROWS)[:, None] * BINS
     prefix = tl.zeros((ROWS,), tl.uint32)
@@ -134,10 +145,16 @@ def _topk_chunk_kernel(
     hist_ptr = hist_ptr + program * ((32 // RADIX_BITS) * ROWS * (1 << RADIX_BITS))
     thr = _kth_largest(key, K, ROWS, CHUNK, RADIX_BITS, hist_ptr, ATOMIC_HIST)  # (ROWS,)
     above = key > thr[:, None]
-    ties = (key == thr[:, None]).to(tl.int32)
+    ties = key == thr[:, None]
     room = K - tl.sum(above.to(tl.int32), 1)  # ties to take, in column order
-    take = above | ((ties > 0) & (tl.cumsum(ties, 1) <= room[:, None]))
-    dst = tl.cumsum(take.to(tl.int32), 1) - 1  # exactly K winners per row, in column order
+    if CHUNK <= 16384:  # one scan counts both, entries above (low 16 bits) and ties (high)
+        counts = tl.cumsum(above.to(tl.int32) + (ties.to(tl.int32) << 16), 1)
+        above_rank, tie_rank = counts & 0xFFFF, counts >> 16
+    else:
+        above_rank = tl.cumsum(above.to(tl.int32), 1)
+        tie_rank = tl.cumsum(ties.to(tl.int32), 1)
+    take = above | (ties & (tie_rank <= room[:, None]))  # the first `room` ties
+    dst = above_rank + tl.minimum(tie_rank, room[:, None]) - 1  # K winners, in column order
     chosen = key > _KEY_MIN
     idx = tl.where(chosen, idx, -1)
     if TO_SLOTS:
@@ -164,9 +181,12 @@ def _topk_chunk_kernel(
 # ROWS: rows per program (the interpreter pays per program, a GPU per register)
 # RADIX_BITS: digit width of the radix select (2, 4 or 8: rounds of 4, 16 or 256 bins);
 # atomic_hist: count the bins with atomics in scratch instead of tl.histogram
-# GPU: the best of benchmarks/dsa_sweep.py on an H200 (16 rows, graph-timed): 4-bit digits,
-# 0.047 / 0.091 ms at 32K / 128K against 0.061 / 0.119 with 8; atomic counts were slower.
-_GPU_DEFAULTS: dict[str, Any] = {"CHUNK": 8192, "ROWS": 1, "num_warps": 16, "RADIX_BITS": 4,
+# GPU (H200, 16 rows, k = 2,048, graph-timed; benchmarks/results/h200/topk_select.json): the
+# bisection with one scan for the winners, 0.035 / 0.069 ms at 32K / 128K, against 0.038 /
+# 0.074 for 4-bit radix digits with that scan and 0.045 / 0.088 with two scans (8-bit digits,
+# atomic counts, 8 or 32 warps and 4K chunks were slower still). A program's cost is its
+# instruction count: 8K entries on one SM, about 5K instructions a warp.
+_GPU_DEFAULTS: dict[str, Any] = {"CHUNK": 8192, "ROWS": 1, "num_warps": 16, "RADIX_BITS": 1,
                                  "atomic_hist": False}
 _CPU_DEFAULTS: dict[str, Any] = {"CHUNK": 256, "ROWS": 32, "num_warps": 4, "RADIX_BITS": 8,
                                  "atomic_hist": False}
@@ -179,8 +199,8 @@ def topk_config(device: torch.device, k: int, config: dict | None) -> dict[str, 
         value = cfg[key]
         if not isinstance(value, int) or value < low or value & (value - 1):
             raise ValueError(f"config {key}={value!r} must be a power of two >= {low}")
-    if cfg["RADIX_BITS"] not in (2, 4, 8):
-        raise ValueError(f"config RADIX_BITS={cfg['RADIX_BITS']!r} must be 2, 4 or 8")
+    if cfg["RADIX_BITS"] not in (1, 2, 4, 8):
+        raise ValueError(f"config RADIX_BITS={cfg['RADIX_BITS']!r} must be 1, 2, 4 or 8")
     chunk = cfg["CHUNK"]
     cfg["CHUNK"] = max(chunk, V.next_pow2(2 * k))  # each pass must at least halve a row
     return cfg
@@ -237,7 +257,7 @@ def topk_rows(
             bits, atomic = cfg["RADIX_BITS"], bool(cfg["atomic_hist"])
             # the atomic counts' zeroed scratch (never read otherwise: no allocation then)
             hist = torch.zeros(grid[0] * grid[1] * (32 // bits) * rows << bits,
-                               dtype=torch.int32, device=dev) if atomic else out_i
+                               dtype=torch.int32, device=dev) if atomic and bits > 1 else out_i
             _topk_chunk_kernel[grid](
                 v, idx_arg, out_v, out_i, bt, rr, hist, N, M,
                 *v.stride(), *idx_arg.stride(), *out_v.stride(), *out_i.stride(),

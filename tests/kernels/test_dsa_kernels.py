@@ -152,11 +152,12 @@ def _same_sets(index, ref_index):
 
 
 @pytest.mark.parametrize("atomic", [False, True])
-@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("bits", [8, 4, 2, 1])
 @pytest.mark.parametrize("chunk", [16, 64])
 def test_topk_matches_torch(device, chunk, bits, atomic):
     """Rows longer than a chunk (several passes), rows with fewer finite entries than k, a row
-    with none; radix digits of 8, 4 and 2 bits, counted by tl.histogram or by atomics."""
+    with none; radix digits of 8, 4 and 2 bits, counted by tl.histogram or by atomics, and
+    the bisection (1 bit)."""
     gen = torch.Generator().manual_seed(3)
     values = torch.randn(4, 300, generator=gen)
     values[1, 20:] = float("-inf")  # 20 finite: all of them, then -1
@@ -173,7 +174,8 @@ def test_topk_matches_torch(device, chunk, bits, atomic):
 
 
 @pytest.mark.parametrize("config", [{"CHUNK": 16, "RADIX_BITS": 8}, {"CHUNK": 16, "RADIX_BITS": 4},
-                                    {"CHUNK": 16, "RADIX_BITS": 4, "atomic_hist": True}])
+                                    {"CHUNK": 16, "RADIX_BITS": 4, "atomic_hist": True},
+                                    {"CHUNK": 16, "RADIX_BITS": 1}])
 def test_topk_ties_in_column_order(device, config):
     values = torch.zeros(3, 200, device=device)
     values[1, 150:] = 1.0
@@ -183,6 +185,22 @@ def test_topk_ties_in_column_order(device, config):
     assert sorted(i[0].tolist()) == [0, 1, 2, 3, 4]
     assert sorted(i[1].tolist()) == [150, 151, 152, 153, 154]
     assert sorted(i[2].tolist()) == [10, 100, 101, 102, 103]
+
+
+def test_topk_over_wide_chunks(device):
+    """k large enough that a chunk exceeds 16,384 entries, where the winners' two counts no
+    longer share one int32 scan."""
+    gen = torch.Generator().manual_seed(5)
+    values = torch.randn(2, 40000, generator=gen)
+    values[1, ::3] = 1.0  # ~4,200 entries above, then 13,334 ties at the threshold
+    k = 9000  # chunk next_pow2(2k) = 32768
+    v, i = topk_rows(values.to(device), k, config={"RADIX_BITS": 1})
+    ref_v, ref_i = topk_rows_ref(values, k)
+    torch.testing.assert_close(v.sort(dim=1, descending=True).values.cpu(), ref_v)
+    assert i[0].sort().values.cpu().tolist() == ref_i[0].sort().values.tolist()
+    above = (values[1] > 1.0).nonzero().flatten()
+    ties = (values[1] == 1.0).nonzero().flatten()[: k - len(above)]  # in column order
+    assert i[1].sort().values.cpu().tolist() == torch.cat((above, ties)).sort().values.tolist()
 
 
 def test_topk_carries_index_and_slots(device):

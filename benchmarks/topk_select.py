@@ -1,0 +1,66 @@
+"""topk_rows' selection variants at DSA decode sizes: 16 rows of 32K and 128K scores, k = 2048
+(graph-timed), each checked against torch.topk (same sorted values).
+
+    python3 benchmarks/topk_select.py --out benchmarks/results/h200/topk_select.json [--tag T]
+
+Rows: the default launch and the configs a pass may take (``RADIX_BITS`` 1 = bisection, 2 / 4
+= radix digits; warps; chunk). ``--tag`` names the tree measured, so runs of two trees (for
+instance before and after a change, in separate processes) can sit in one file side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+
+import torch
+from _results import save_json  # noqa: E402  (benchmarks/ is on sys.path)
+from triton.testing import do_bench_cudagraph
+
+from splash import kernels_triton as K
+from splash.kernels_triton import topk as T
+
+CONFIGS = [{}, {"RADIX_BITS": 1}, {"RADIX_BITS": 1, "num_warps": 8},
+           {"RADIX_BITS": 1, "num_warps": 32}, {"RADIX_BITS": 1, "CHUNK": 4096},
+           {"RADIX_BITS": 1, "CHUNK": 4096, "num_warps": 8}, {"RADIX_BITS": 4},
+           {"RADIX_BITS": 4, "num_warps": 32}, {"RADIX_BITS": 2}]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results/h200/topk_select.json")
+    ap.add_argument("--tag", default="this tree")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/topk_select.py needs a GPU")
+    K.set_value_checks(False)
+    dev = torch.device("cuda")
+    rows = []
+    for width in (32768, 131072):
+        g = torch.Generator(device=dev).manual_seed(0)
+        x = torch.randn(16, width, device=dev, generator=g).relu_() * 3 \
+            + torch.rand(16, width, device=dev, generator=g)
+        ref = T.topk_rows_ref(x, 2048)[0]
+        for cfg in CONFIGS:
+            try:
+                v, _ = T.topk_rows(x, 2048, config=cfg)
+            except ValueError as e:  # a config this tree does not have
+                rows.append({"tree": args.tag, "M": width, "cfg": cfg, "error": str(e)})
+                continue
+            exact = bool(torch.equal(v.sort(1, descending=True).values, ref))
+            ms = do_bench_cudagraph(functools.partial(T.topk_rows, x, 2048, config=cfg), rep=30)
+            rows.append({"tree": args.tag, "M": width, "cfg": cfg, "ms": round(ms, 4),
+                         "exact": exact})
+            print(rows[-1], flush=True)
+    if os.path.exists(args.out):  # keep other trees' rows
+        with open(args.out) as f:
+            rows = [r for r in json.load(f).get("rows", []) if r.get("tree") != args.tag] + rows
+    save_json(args.out, {"benchmark": "topk_select", "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
