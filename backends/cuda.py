@@ -28,8 +28,11 @@ class CUDABackend(BaseBackend):
         # decode_splits.json, 64 heads, 1 x 1K: 16 splits 13.8 us vs 4 splits 21.8 us; the
         # wave model then picks the measured-best split at 1-16 x 1K and keeps it elsewhere).
         # fp8 KV: "fp8_fp16" runs the products on fp16 operands (native fp8 -> fp16
-        # conversion; q clamped to fp16's range), off for many heads (0.61 vs 0.75 ms with it:
-        # compute-bound, where the fp16 casts cost more than they save).
+        # conversion; q clamped to fp16's range), the tile widened once in PTX for both
+        # products (benchmarks/results/h200/fp8_decode.json, 16 heads, 3 stages: 64 x 32K
+        # 1.046 ms with a plain cast -> 0.860; 128 heads 8 x 32K: fp16 products with 64-token
+        # tiles 0.551 ms, against 0.645 for bf16 products and 0.770 for fp16 products with
+        # 32-token tiles, fp8_decode_round1.json).
         # "balanced": split counts from the batch's total work, planned on the device
         # (benchmarks/results/h200/decode_balance.json: one 128K request among 63 of 1K 1.71 ->
         # 0.105 ms at 16 heads; uniform batches 2-5% slower than the wave model's splits).
@@ -41,10 +44,10 @@ class CUDABackend(BaseBackend):
                 "many_heads": {"transposed": False, "BLOCK_H": 64, "BLOCK_N": 64,
                                "num_warps": 8, "num_stages": 2, "programs_per_sm": 1,
                                "split_overhead_tokens": 64, "min_split_tokens": 64},
-                "fp8": {"transposed": False, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2,
+                "fp8": {"transposed": False, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3,
                         "programs_per_sm": 2, "split_overhead_tokens": 64, "fp8_fp16": True,
-                        "many_heads": {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2,
-                                       "programs_per_sm": 1, "fp8_fp16": False}},
+                        "many_heads": {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2,
+                                       "programs_per_sm": 1, "fp8_fp16": True}},
             },
         },
         # mla_sparse (benchmarks/results/h200/dsa_sweep.json, batch 16 x 2,048 selected rows):
@@ -53,7 +56,10 @@ class CUDABackend(BaseBackend):
         # heads bf16 0.057 ms); at 128 heads the launcher's 4 splits beat 2 / 8 / 16 and 3
         # stages lose with bf16 (0.066 ms) and gain 7% with fp8 (0.085 -> 0.079 ms,
         # dsa_sparse_splits.json): not taken, untried at 16 heads
-        "mla_sparse": {"default": {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2}},
+        # fp8 KV at many heads keeps bf16 products here (128 heads: 0.084 vs 0.094 ms with
+        # decode's fp16 products)
+        "mla_sparse": {"default": {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2,
+                                   "fp8": {"many_heads": {"fp8_fp16": False}}}},
         # mla_extend: 64-token KV tiles (298 vs 199 TFLOP/s); compute-bound, so fp8 KV keeps
         # bf16 products (185 vs 145 TFLOP/s with fp16 products)
         "mla_extend": {"default": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2,

@@ -48,6 +48,13 @@ def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in FP8_DTYPES
 
 
+def ptx_fp8_widen(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether fp8 tiles of ``dtype`` can widen to fp16 through PTX's native e4m3 conversion:
+    e4m3fn on an NVIDIA GPU of compute capability 8.9 or newer, compiled (not interpreted)."""
+    return (dtype == torch.float8_e4m3fn and device.type == "cuda" and torch.version.hip is None
+            and not interpreting() and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
 def fp8_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
 

@@ -37,7 +37,10 @@ Design:
   native conversion on Hopper (fp8 -> bf16 is emulated: the bf16-product kernel read an fp8 cache
   2.6x slower than a bf16 one). A query entry beyond fp16's range saturates at ±65504 rather than
   overflowing to inf / NaN; the references dequantise the same fp8 values with the unclamped q.
-  Without it (CPU default) the tile is widened to q's dtype.
+  Without it (CPU default) the tile is widened to q's dtype. With fp16 products on an NVIDIA
+  GPU of sm_89 or newer (``config["fp8_ptx"]``, default on there) the e4m3 tile widens once,
+  through PTX's conversion, before both products (``_widen_kv``): 16 heads, 64 x 32K 13% faster
+  than the cast that the compiler repeats in each product's operand layout.
 - Tokens on M (``config["transposed"]``, a tuning option): a second kernel puts the tokens on
   the MMA's M side (scoresᵀ = kv·qᵀ, accᵀ += kv_nopeᵀ·pᵀ), so a 64-token tile fills a Hopper
   MMA with only 16 heads. Measured on an H200 it reads 16 heads at 76-78% of the copy
@@ -200,6 +203,8 @@ def mla_decode(
         BLOCK_L=V.next_pow2(L), BLOCK_R=V.next_pow2(R), IS_FP8=is_fp8,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 and not fp16_products else None,
         FP8_FP16=fp16_products, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        FP8_PTX=fp16_products and bool(cfg.get("fp8_ptx", True))
+        and V.ptx_fp8_widen(kv.dtype, q.device),
     )
     inputs = (*q.stride(), *kv.stride(), *(scale.stride() if kv_scale is not None else (0, 0)),
               *block_table.stride(), seq_lens.stride(0))

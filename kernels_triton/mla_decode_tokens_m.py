@@ -12,6 +12,7 @@ from splash.kernels_triton.mla_decode_kernels import (
     _q_operand,
     _softmax_totals,
     _split_bounds,
+    _widen_kv,
 )
 
 
@@ -32,6 +33,7 @@ def _attend_tile_tokens_m(
     DOT_PRECISION: tl.constexpr,
     PV_HEADS_M: tl.constexpr,
     KV_IN_REGS: tl.constexpr,
+    FP8_PTX: tl.constexpr,
 ):
     """One KV tile [t0, t0 + BLOCK_N) with the tokens on the MMA's M side:
     scoresᵀ (BLOCK_N, BLOCK_H) = kv_nope · q_nopeᵀ + kv_rope · q_ropeᵀ and
@@ -71,7 +73,7 @@ def _attend_tile_tokens_m(
     )  # (BLOCK_N, BLOCK_R)
     if IS_FP8:
         row_scale = tl.load(scale_ptr + page * stride_sp + (offs_t % PAGE_SIZE) * stride_ss)
-        kv_nope = kv_nope.to(q_nope_t.dtype)  # exact, in registers; fp16 under FP8_FP16
+        kv_nope = _widen_kv(kv_nope, q_nope_t.dtype, FP8_PTX)  # exact; fp16 under FP8_FP16
         kv_rope = kv_rope.to(q_nope_t.dtype)
     elif KV_IN_REGS:
         kv_nope = tl.inline_asm_elementwise(
@@ -127,6 +129,7 @@ def _mla_decode_tokens_m_kernel(
     PV_HEADS_M: tl.constexpr,
     KV_IN_REGS: tl.constexpr,
     FP8_FP16: tl.constexpr,
+    FP8_PTX: tl.constexpr,  # _widen_kv
 ):
     """``_mla_decode_kernel`` with the tokens on the MMA's M side (``config["transposed"]``):
     same grid, arguments and outputs."""
@@ -167,14 +170,14 @@ def _mla_decode_tokens_m_kernel(
             q_nope_t, q_rope_t, m_i, l_i, acc_t, kv_ptr, scale_ptr, bt_row_ptr, t0, end, qk_scale,
             stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss,
             L, R, PAGE_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, False, IS_FP8, DOT_PRECISION,
-            PV_HEADS_M, KV_IN_REGS,
+            PV_HEADS_M, KV_IN_REGS, FP8_PTX,
         )
     if full_end < end:
         m_i, l_i, acc_t = _attend_tile_tokens_m(
             q_nope_t, q_rope_t, m_i, l_i, acc_t, kv_ptr, scale_ptr, bt_row_ptr, full_end, end,
             qk_scale, stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss,
             L, R, PAGE_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, True, IS_FP8, DOT_PRECISION,
-            PV_HEADS_M, KV_IN_REGS,
+            PV_HEADS_M, KV_IN_REGS, FP8_PTX,
         )
 
     l_safe, lse = _softmax_totals(m_i, l_i)

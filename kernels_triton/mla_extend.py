@@ -65,6 +65,7 @@ def _mla_extend_kernel(
     IS_FP8: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP8_FP16: tl.constexpr,
+    FP8_PTX: tl.constexpr,  # _widen_kv
     WARP_SPEC: tl.constexpr,  # producer/consumer warps for the unmasked KV loop (autoWS)
 ):
     pid_h = tl.program_id(0)
@@ -107,7 +108,7 @@ def _mla_extend_kernel(
                 t0, seq_len, qk_scale,
                 stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss,
                 L, R, PAGE_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, False, IS_FP8, False,
-                DOT_PRECISION,
+                DOT_PRECISION, FP8_PTX,
             )
         # the diagonal: causal mask per row
         hi = tl.minimum(seq_len, prefix + m0 + BLOCK_M)
@@ -117,7 +118,7 @@ def _mla_extend_kernel(
                 t0, seq_len, qk_scale,
                 stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss,
                 L, R, PAGE_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, True, IS_FP8, True,
-                DOT_PRECISION,
+                DOT_PRECISION, FP8_PTX,
             )
 
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -231,7 +232,9 @@ def mla_extend(
         BLOCK_L=V.next_pow2(L), BLOCK_R=V.next_pow2(R),
         IS_FP8=is_fp8,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 and not fp16_products else None,
-        FP8_FP16=fp16_products, WARP_SPEC=bool(cfg.get("warp_specialize", False)),
+        FP8_FP16=fp16_products, FP8_PTX=fp16_products and bool(cfg.get("fp8_ptx", True))
+        and V.ptx_fp8_widen(kv.dtype, q.device),
+        WARP_SPEC=bool(cfg.get("warp_specialize", False)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out, lse

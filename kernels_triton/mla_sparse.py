@@ -28,7 +28,12 @@ from splash.backends import device_tuning
 from splash.kernels_triton import _validate as V
 from splash.kernels_triton.lse_merge import _merge_into
 from splash.kernels_triton.mla_decode import choose_num_splits, decode_config
-from splash.kernels_triton.mla_decode_kernels import _LOG2E, _q_operand, _softmax_totals
+from splash.kernels_triton.mla_decode_kernels import (
+    _LOG2E,
+    _q_operand,
+    _softmax_totals,
+    _widen_kv,
+)
 
 
 @triton.jit
@@ -58,6 +63,7 @@ def _mla_sparse_kernel(
     BLOCK_R: tl.constexpr,
     IS_FP8: tl.constexpr,
     FP8_FP16: tl.constexpr,
+    FP8_PTX: tl.constexpr,  # _widen_kv
     DOT_PRECISION: tl.constexpr,
 ):
     pid_h = tl.program_id(0)
@@ -99,7 +105,7 @@ def _mla_sparse_kernel(
         if IS_FP8:
             row_scale = tl.load(scale_ptr + (slot // PAGE_SIZE) * stride_sp
                                 + (slot % PAGE_SIZE) * stride_ss, mask=valid, other=0.0)
-            kv_nope = kv_nope.to(q_nope.dtype)  # exact: fp8 values fit fp16 / bf16 / fp32
+            kv_nope = _widen_kv(kv_nope, q_nope.dtype, FP8_PTX)  # exact: fp8 fits fp16/bf16/fp32
             kv_rope = kv_rope.to(q_nope.dtype)
             col = col * row_scale
         qk = tl.dot(q_nope, tl.trans(kv_nope), input_precision=DOT_PRECISION)
@@ -188,6 +194,7 @@ def mla_sparse(
         *slots.stride(), stride_os, *o_part.stride()[-3:], stride_ls, *lse_part.stride()[-2:],
         L=L, R=R, PAGE_SIZE=PS, BLOCK_H=block_h, BLOCK_N=block_n,
         BLOCK_L=V.next_pow2(L), BLOCK_R=V.next_pow2(R), IS_FP8=fp8, FP8_FP16=fp16,
+        FP8_PTX=fp16 and bool(cfg.get("fp8_ptx", True)) and V.ptx_fp8_widen(kv.dtype, dev),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 and not fp16 else None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

@@ -59,15 +59,17 @@ def test_decode_launch_variants(device, config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_kind", ["bf16", "fp8", "fp8-bf16-products"])
+@pytest.mark.parametrize("kv_kind", ["bf16", "fp8", "fp8-bf16-products", "fp8-cast"])
 @pytest.mark.parametrize("heads", [16, 128])
 def test_decode_deepseek_shapes(gpu_device, heads, kv_kind):
     """The production shapes (L=512, R=64, page 64) with the default GPU launch parameters (fp8:
-    fp16 products), and fp8 KV with products in q's dtype (bf16; ``fp8_fp16`` off)."""
+    fp16 products, the tile widened in PTX), fp8 KV with products in q's dtype (bf16;
+    ``fp8_fp16`` off), and fp16 products with the tile widened by a plain cast."""
     gen = torch.Generator().manual_seed(3)
     L, R, PS = 512, 64, 64
     kv_dtype = torch.float8_e4m3fn if kv_kind.startswith("fp8") else torch.bfloat16
-    config = {"fp8_fp16": False} if kv_kind == "fp8-bf16-products" else None
+    config = {"fp8-bf16-products": {"fp8_fp16": False},
+              "fp8-cast": {"fp8_fp16": True, "fp8_ptx": False}}.get(kv_kind)
     lens = [1, 700, 2500]
     num_pages = sum(-(-n // PS) for n in lens) + 2
     kv, scale = paged_cache(num_pages, PS, L + R, kv_dtype, gpu_device, gen)
@@ -324,8 +326,8 @@ def test_decode_fp8_fp16_saturates_huge_q(device, kernel):
 @pytest.mark.parametrize("heads", [16, 128])
 def test_fp8_fp16_is_the_cuda_default(heads, fp8):
     """The launcher's GPU defaults and the CUDA backend's table agree: fp16 products for fp8 KV
-    with few heads (memory-bound; with many heads the bf16 products measured faster), and the
-    CPU defaults leave it off."""
+    at every head count (the tile widened once for both products), and the CPU defaults leave
+    them off; sparse MLA keeps bf16 products with many heads (measured faster there)."""
     from splash.backends.base import _REGISTRY
 
     cuda = _REGISTRY["cuda"].TUNING["mla_decode"]["default"]
@@ -333,7 +335,9 @@ def test_fp8_fp16_is_the_cuda_default(heads, fp8):
     assert decode_module.decode_config(heads, gpu, None, fp8=fp8) == decode_module.decode_config(
         heads, gpu, cuda, fp8=fp8
     )
-    assert decode_module.decode_config(heads, gpu, None, fp8=True)["fp8_fp16"] is (heads <= 32)
+    assert decode_module.decode_config(heads, gpu, None, fp8=True)["fp8_fp16"] is True
+    sparse = _REGISTRY["cuda"].TUNING["mla_sparse"]["default"]
+    assert decode_module.decode_config(heads, gpu, sparse, fp8=True)["fp8_fp16"] is (heads <= 32)
     cpu_cfg = decode_module.decode_config(heads, torch.device("cpu"), None, fp8=True)
     assert cpu_cfg["fp8_fp16"] is False
 
