@@ -34,8 +34,9 @@ class CUDABackend(BaseBackend):
         # tiles 0.551 ms, against 0.645 for bf16 products and 0.770 for fp16 products with
         # 32-token tiles, fp8_decode_round1.json).
         # "balanced": split counts from the batch's total work, planned on the device
-        # (benchmarks/results/h200/decode_balance.json: one 128K request among 63 of 1K 1.71 ->
-        # 0.105 ms at 16 heads; uniform batches 2-5% slower than the wave model's splits).
+        # (benchmarks/results/h200/decode_balance.json, 16 heads: one 128K request among 63 of
+        # 1K 1.72 -> 0.104 ms, 64 over 1K-32K 0.532 -> 0.447; uniform batches 2-5% slower than
+        # the wave model's splits).
         "mla_decode": {
             "default": {
                 "transposed": False, "balanced": True, "BLOCK_N": 64, "BLOCK_H": 16,

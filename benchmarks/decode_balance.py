@@ -30,6 +30,9 @@ BATCHES = [
     ("16h 1x128K + 63x1K", 16, [131072] + [1024] * 63, False),
     ("16h 4x64K + 60x512", 16, [65536] * 4 + [512] * 60, False),
     ("128h 1x128K + 15x2K", 128, [131072] + [2048] * 15, False),
+    # serving-like: lengths spread evenly over 1K-32K (a fixed draw)
+    ("16h 64 x 1K-32K", 16, [1024 + (i * 7919) % 31745 for i in range(64)], False),
+    ("128h 16 x 1K-32K", 128, [1024 + (i * 7919) % 31745 for i in range(16)], False),
 ]
 
 

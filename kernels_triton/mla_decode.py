@@ -23,9 +23,11 @@ Design:
   (``programs_per_sm`` x SMs / head groups), so a long request gets many splits and a short one
   a single program that writes the output itself; the merge combines each request's run of
   partial rows. H200, graph-timed, against one count for all (the wave model below,
-  ``balanced: False``): 16 heads, one 128K request among 63 of 1K 1.71 -> 0.105 ms, four of 64K
-  among 60 of 512 0.95 -> 0.13 ms; 128 heads, one 128K among 15 of 2K 0.298 -> 0.212 ms; uniform
-  batches, which get the same splits, 2-5% slower (the plan launch and its loads).
+  ``balanced: False``): 16 heads, one 128K request among 63 of 1K 1.72 -> 0.104 ms, four of 64K
+  among 60 of 512 0.87 -> 0.13 ms, 64 requests spread over 1K-32K 0.532 -> 0.447 ms; 128 heads,
+  one 128K among 15 of 2K 0.298 -> 0.213 ms, 16 over 1K-32K 0.498 -> 0.354 ms; uniform batches,
+  which get the same splits, 2-5% slower (the plan launch, the merge's ranges, and an attention
+  kernel 2.5% slower at 64 x 32K for reasons not found).
 - Otherwise (``balanced: False``, ``transposed`` or an explicit ``num_splits``) every request
   gets the split count of ``choose_num_splits``' wave model, from the block-table capacity.
 - L and R need not be powers of two: tiles are padded to ``BLOCK_L``/``BLOCK_R`` and masked.
