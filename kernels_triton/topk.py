@@ -11,13 +11,14 @@ and keeps each row's k largest, so a pass shrinks a row of M entries to ceil(M /
 candidates; passes repeat until one chunk remains (128K scores, k = 2048, CHUNK = 8192:
 128K -> 32K -> 8K -> 2K). Inside a program the k-th largest value is found exactly over the
 order-preserving integer image of the fp32 values: by bisection (``RADIX_BITS`` 1, the GPU
-default: 32 rounds, each keeping a bit when at least k keys reach the candidate, one compare
-and one sum a round) or by a radix select (rounds of a 256-, 16- or 4-bin histogram); the
-winners are then compacted with one prefix sum (counts of the entries above the threshold and
-of the ties packed in one int32 while a chunk has at most 16K entries).
+default: a round per bit from the top, keeping the bit when at least k keys reach the candidate,
+one compare and one sum a round, until exactly k keys reach it or 32 rounds) or by a radix
+select (rounds of a 256-, 16- or 4-bin histogram); the winners are then compacted with one
+prefix sum (counts of the entries above the threshold and of the ties packed in one int32 while
+a chunk has at most 16K entries).
 
 Tried on an H200 (16 rows, graph-timed) against the radix passes' 0.047 / 0.091 ms at 32K /
-128K (now 0.035 / 0.069 with the bisection and the one scan):
+128K (now 0.032 / 0.061 with the bisection and the one scan):
 - an exact threshold in five launches whatever the row length (three levels of 2,048-bin
   counts, each chunk adding its ``tl.histogram`` to the row's table with atomics, then a count
   and a write of the winners in column order): 0.069 / 0.19 ms at best, slower;
@@ -49,8 +50,8 @@ _KEY_MIN = tl.constexpr(-2147483648)  # below every finite value's key (and -inf
 @triton.jit
 def _kth_largest(key, K: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
                  BITS: tl.constexpr, hist_ptr, ATOMIC_HIST: tl.constexpr):
-    """Each row's K-th largest of ``key`` (ROWS, CHUNK) int32, exactly: a radix select over the
-    keys' unsigned images, ``BITS`` bits a round (a 2^BITS-bin histogram of the keys that share
+    """Each row's K-th largest of ``key`` (ROWS, CHUNK) int32, exactly, over the keys' unsigned
+    images: with BITS 1 by bisection (see the loop), else a radix select, ``BITS`` bits a round (a 2^BITS-bin histogram of the keys that share
     the digits chosen so far, then the digit where the count from the top reaches what is
     left). ``tl.histogram`` costs about its bin count per element on a GPU (ballots per bin
     bit, then a population count per bin a lane owns), so fewer bits a round trade rounds for
@@ -58,13 +59,21 @@ def _kth_largest(key, K: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
     scratch at ``hist_ptr`` ((32 / BITS) rounds × ROWS × 2^BITS int32), read back after a
     barrier, as the serving engines' radix top-k kernels count."""
     ukey = (key ^ _KEY_MIN).to(tl.uint32, bitcast=True)  # unsigned order = signed order
-    if BITS == 1:  # bisection: a bit stays set while at least K keys reach the candidate
+    if BITS == 1:
+        # bisection: a bit stays set while at least K keys reach the candidate; a row is done
+        # once exactly K do (its K-th largest is then the least of them), else after 32 bits
         prefix = tl.zeros((ROWS,), tl.uint32)
-        for r in tl.static_range(32):
+        done = tl.zeros((ROWS,), tl.int1)
+        r = 0
+        while (r < 32) & (tl.sum((~done).to(tl.int32)) > 0):
             cand = prefix | (tl.full((ROWS,), 1, tl.uint32) << (31 - r))
             count = tl.sum((ukey >= cand[:, None]).to(tl.int32), 1)
-            prefix = tl.where(count >= K, cand, prefix)
-        return prefix.to(tl.int32, bitcast=True) ^ _KEY_MIN
+            keep = (count >= K) & ~done
+            prefix = tl.where(keep, cand, prefix)
+            done = done | (keep & (count == K))
+            r += 1
+        top = tl.where(ukey >= prefix[:, None], ukey, tl.full(ukey.shape, 0xFFFFFFFF, tl.uint32))
+        return tl.min(top, 1).to(tl.int32, bitcast=True) ^ _KEY_MIN
     BINS: tl.constexpr = 1 << BITS
     digits = tl.arange(0, BINS)
     row_bins = tl.arange(0, ROWS)[:, None] * BINS
@@ -179,14 +188,17 @@ def _topk_chunk_kernel(
 # launcher
 
 # ROWS: rows per program (the interpreter pays per program, a GPU per register)
-# RADIX_BITS: digit width of the radix select (2, 4 or 8: rounds of 4, 16 or 256 bins);
+# RADIX_BITS: 1 for the bisection, else the radix select's digit width (2, 4 or 8: rounds of 4,
+# 16 or 256 bins);
 # atomic_hist: count the bins with atomics in scratch instead of tl.histogram
 # GPU (H200, 16 rows, k = 2,048, graph-timed; benchmarks/results/h200/topk_select.json): the
-# bisection with one scan for the winners, 0.035 / 0.069 ms at 32K / 128K, against 0.038 /
-# 0.074 for 4-bit radix digits with that scan and 0.045 / 0.088 with two scans (8-bit digits,
-# atomic counts, 8 or 32 warps and 4K chunks were slower still). A program's cost is its
-# instruction count: 8K entries on one SM, about 5K instructions a warp.
-_GPU_DEFAULTS: dict[str, Any] = {"CHUNK": 8192, "ROWS": 1, "num_warps": 16, "RADIX_BITS": 1,
+# bisection with its early exit and one scan for the winners on 8 warps, 0.032 / 0.061 ms at
+# 32K / 128K, against 0.033 / 0.064 on 16 warps, 0.035 / 0.069 for 32 unrolled rounds, 0.038 /
+# 0.074 for 4-bit radix digits and 0.045 / 0.088 for those with two scans (8-bit digits, atomic
+# counts, 32 warps and 4K chunks were slower still). 16K chunks: 0.058 at 128K (one pass
+# fewer) but 0.055 at 32K; a length-dependent chunk is untried. A program's cost is its
+# instruction count: 8K entries on one SM.
+_GPU_DEFAULTS: dict[str, Any] = {"CHUNK": 8192, "ROWS": 1, "num_warps": 8, "RADIX_BITS": 1,
                                  "atomic_hist": False}
 _CPU_DEFAULTS: dict[str, Any] = {"CHUNK": 256, "ROWS": 32, "num_warps": 4, "RADIX_BITS": 8,
                                  "atomic_hist": False}
