@@ -7,8 +7,7 @@ times carry the launches' host cost, which decides nothing about a graph-replaye
   TILES × num_warps × num_stages at 32K and 128K;
 - ``index_scores`` e4m3 products with the keys on M only (``--only index_tiles``): BLOCK_T ×
   TILES × num_warps × num_stages, finer and deeper than the above;
-- ``topk_rows`` at 32K and 128K: bins counted by tl.histogram or atomics × RADIX_BITS ×
-  CHUNK × num_warps;
+- ``topk_rows`` at 32K and 128K: CHUNK × num_warps;
 - ``mla_sparse`` at 128 heads (``--only sparse_splits``, a study: its winner feeds no record):
   num_splits × tiles × stages;
 - ``mla_sparse`` over 2,048 selected slots, 16 and 128 heads, bf16 and fp8 KV: BLOCK_N ×
@@ -45,9 +44,8 @@ INDEX_TILES_SPACE = [{"BLOCK_T": t, "TILES": n, "num_warps": w, "num_stages": st
                       "tokens_m": True}
                      for t, n, w, st in itertools.product((64, 128, 256), (4, 8, 16, 32), (4, 8),
                                                           (2, 3, 4))]
-TOPK_SPACE = [{"CHUNK": c, "num_warps": w, "RADIX_BITS": b, "atomic_hist": a}
-              for a, b, c, w in itertools.product((False, True), (8, 4), (8192, 16384),
-                                                  (8, 16, 32))]
+TOPK_SPACE = [{"CHUNK": c, "num_warps": w}
+              for c, w in itertools.product((4096, 8192, 16384), (4, 8, 16, 32))]
 # the split of each row's slot list at 128 heads (None: the launcher's choice) with the table's
 # tiles and deeper ones: ``--only sparse_splits``
 SPARSE_SPLITS_SPACE = [{"num_splits": s, **cfg} for s in (None, 2, 4, 8, 16)

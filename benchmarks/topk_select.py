@@ -3,8 +3,9 @@
 
     python3 benchmarks/topk_select.py --out benchmarks/results/h200/topk_select.json [--tag T]
 
-Rows: the default launch and the configs a pass may take (``RADIX_BITS`` 1 = bisection, 2 / 4
-= radix digits; warps; chunk). ``--tag`` names the tree measured, so runs of two trees (for
+Rows: the default launch and the configs a pass may take (warps, chunk); rows of earlier trees
+name their own configs (``RADIX_BITS`` 2 / 4 / 8: radix digits, 1: the bisection, before the
+radix select was removed). ``--tag`` names the tree measured, so runs of two trees (for
 instance before and after a change, in separate processes) can sit in one file side by side.
 """
 
@@ -23,9 +24,8 @@ from triton.testing import do_bench_cudagraph
 from splash import kernels_triton as K
 from splash.kernels_triton import topk as T
 
-CONFIGS = [{}, {"RADIX_BITS": 1, "num_warps": 8}, {"RADIX_BITS": 1, "num_warps": 32},
-           {"RADIX_BITS": 1, "CHUNK": 4096}, {"RADIX_BITS": 1, "CHUNK": 16384},
-           {"RADIX_BITS": 4}]
+CONFIGS = [{}, {"num_warps": 16}, {"num_warps": 32}, {"CHUNK": 4096}, {"CHUNK": 16384},
+           {"CHUNK": 16384, "num_warps": 16}]
 
 
 def main() -> int:

@@ -10,15 +10,17 @@ Chunked selection: a program takes ``CHUNK`` (>= 2k) entries of ``ROWS`` rows (o
 and keeps each row's k largest, so a pass shrinks a row of M entries to ceil(M / CHUNK) · k
 candidates; passes repeat until one chunk remains (128K scores, k = 2048, CHUNK = 8192:
 128K -> 32K -> 8K -> 2K). Inside a program the k-th largest value is found exactly over the
-order-preserving integer image of the fp32 values: by bisection (``RADIX_BITS`` 1, the GPU
-default: a round per bit from the top, keeping the bit when at least k keys reach the candidate,
-one compare and one sum a round, until exactly k keys reach it or 32 rounds) or by a radix
-select (rounds of a 256-, 16- or 4-bin histogram); the winners are then compacted with one
-prefix sum (counts of the entries above the threshold and of the ties packed in one int32 while
-a chunk has at most 16K entries).
+order-preserving integer image of the fp32 values by bisection: a round per bit from the top,
+keeping the bit when at least k keys reach the candidate (one compare and one sum a round),
+until exactly k keys reach it or the 32 bits are spent. The winners are then compacted with
+one prefix sum (counts of the entries above the threshold and of the ties packed in one int32
+while a chunk has at most 16K entries).
 
-Tried on an H200 (16 rows, graph-timed) against the radix passes' 0.047 / 0.091 ms at 32K /
-128K (now 0.032 / 0.061 with the bisection and the one scan):
+Tried on an H200 (16 rows, k = 2048, graph-timed), against 0.032 / 0.061 ms at 32K / 128K now:
+- a radix select in each program instead of the bisection (rounds of 16- or 256-bin
+  ``tl.histogram`` counts, or counts with atomics in scratch, then the digit where the count
+  from the top reaches what is left), with two scans for the winners: 0.047 / 0.091 ms at best
+  (4-bit digits, 16 warps), 0.038 / 0.074 with the one scan (removed);
 - an exact threshold in five launches whatever the row length (three levels of 2,048-bin
   counts, each chunk adding its ``tl.histogram`` to the row's table with atomics, then a count
   and a write of the winners in column order): 0.069 / 0.19 ms at best, slower;
@@ -48,59 +50,23 @@ _KEY_MIN = tl.constexpr(-2147483648)  # below every finite value's key (and -inf
 
 
 @triton.jit
-def _kth_largest(key, K: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
-                 BITS: tl.constexpr, hist_ptr, ATOMIC_HIST: tl.constexpr):
-    """Each row's K-th largest of ``key`` (ROWS, CHUNK) int32, exactly, over the keys' unsigned
-    images: with BITS 1 by bisection (see the loop), else a radix select, ``BITS`` bits a round (a 2^BITS-bin histogram of the keys that share
-    the digits chosen so far, then the digit where the count from the top reaches what is
-    left). ``tl.histogram`` costs about its bin count per element on a GPU (ballots per bin
-    bit, then a population count per bin a lane owns), so fewer bits a round trade rounds for
-    bins; with ATOMIC_HIST each key instead adds one to its bin in the program's zeroed
-    scratch at ``hist_ptr`` ((32 / BITS) rounds × ROWS × 2^BITS int32), read back after a
-    barrier, as the serving engines' radix top-k kernels count."""
+def _kth_largest(key, K: tl.constexpr, ROWS: tl.constexpr):
+    """Each row's K-th largest of ``key`` (ROWS, CHUNK) int32, exactly, by bisection over the
+    keys' unsigned images: a bit stays set while at least K keys reach the candidate; a row is
+    done once exactly K do (its K-th largest is then the least of them), else after 32 bits."""
     ukey = (key ^ _KEY_MIN).to(tl.uint32, bitcast=True)  # unsigned order = signed order
-    if BITS == 1:
-        # bisection: a bit stays set while at least K keys reach the candidate; a row is done
-        # once exactly K do (its K-th largest is then the least of them), else after 32 bits
-        prefix = tl.zeros((ROWS,), tl.uint32)
-        done = tl.zeros((ROWS,), tl.int1)
-        r = 0
-        while (r < 32) & (tl.sum((~done).to(tl.int32)) > 0):
-            cand = prefix | (tl.full((ROWS,), 1, tl.uint32) << (31 - r))
-            count = tl.sum((ukey >= cand[:, None]).to(tl.int32), 1)
-            keep = (count >= K) & ~done
-            prefix = tl.where(keep, cand, prefix)
-            done = done | (keep & (count == K))
-            r += 1
-        top = tl.where(ukey >= prefix[:, None], ukey, tl.full(ukey.shape, 0xFFFFFFFF, tl.uint32))
-        return tl.min(top, 1).to(tl.int32, bitcast=True) ^ _KEY_MIN
-    BINS: tl.constexpr = 1 << BITS
-    digits = tl.arange(0, BINS)
-    row_bins = tl.arange(0, ROWS)[:, None] * BINS
     prefix = tl.zeros((ROWS,), tl.uint32)
-    need = tl.full((ROWS,), K, tl.int32)  # winners still to place at or below the prefix
-    for r in tl.static_range(32 // BITS):
-        shift = 32 - BITS * (r + 1)
-        digit = ((ukey >> shift) & (BINS - 1)).to(tl.int32)
-        if r == 0:
-            match = digit >= 0
-        else:
-            match = (ukey >> (shift + BITS)) == (prefix >> (shift + BITS))[:, None]
-        if ATOMIC_HIST:
-            bins = hist_ptr + r * ROWS * BINS
-            tl.atomic_add(bins + row_bins + digit, tl.full(digit.shape, 1, tl.int32),
-                          mask=match, sem="relaxed", scope="cta")
-            tl.debug_barrier()
-            hist = tl.load(bins + row_bins + digits[None, :], cache_modifier=".cg")
-        else:
-            hist = tl.histogram(tl.reshape(row_bins + digit, (ROWS * CHUNK,)), ROWS * BINS,
-                                mask=tl.reshape(match, (ROWS * CHUNK,)))
-            hist = tl.reshape(hist, (ROWS, BINS))
-        at_least = tl.sum(hist, 1)[:, None] - tl.cumsum(hist, 1) + hist  # count >= digit
-        d = tl.max(tl.where(at_least >= need[:, None], digits[None, :], -1), 1)
-        need -= tl.sum(tl.where(digits[None, :] == d[:, None], at_least - hist, 0), 1)
-        prefix = prefix | (d.to(tl.uint32) << shift)
-    return prefix.to(tl.int32, bitcast=True) ^ _KEY_MIN
+    done = tl.zeros((ROWS,), tl.int1)
+    r = 0
+    while (r < 32) & (tl.sum((~done).to(tl.int32)) > 0):
+        cand = prefix | (tl.full((ROWS,), 1, tl.uint32) << (31 - r))
+        count = tl.sum((ukey >= cand[:, None]).to(tl.int32), 1)
+        keep = (count >= K) & ~done
+        prefix = tl.where(keep, cand, prefix)
+        done = done | (keep & (count == K))
+        r += 1
+    top = tl.where(ukey >= prefix[:, None], ukey, tl.full(ukey.shape, 0xFFFFFFFF, tl.uint32))
+    return tl.min(top, 1).to(tl.int32, bitcast=True) ^ _KEY_MIN
 
 
 # ints that vary by step: one binary for all (tests check the warm-up against them)
@@ -115,7 +81,6 @@ def _topk_chunk_kernel(
     out_i_ptr,  # (N, num_chunks * K) int32
     bt_ptr,  # (B, W) int (TO_SLOTS)
     row_req_ptr,  # (N,) int (TO_SLOTS and HAS_ROW_REQ)
-    hist_ptr,  # zeroed int32 scratch per program (ATOMIC_HIST)
     N,
     M,
     stride_vn, stride_vm,
@@ -127,8 +92,6 @@ def _topk_chunk_kernel(
     K: tl.constexpr,
     CHUNK: tl.constexpr,
     ROWS: tl.constexpr,
-    RADIX_BITS: tl.constexpr,
-    ATOMIC_HIST: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     HAS_INDEX: tl.constexpr,
     TO_SLOTS: tl.constexpr,
@@ -150,9 +113,7 @@ def _topk_chunk_kernel(
     bits = v.to(tl.int32, bitcast=True)
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed order = float order
     key = tl.where(v > float("-inf"), key, _KEY_MIN)
-    program = (tl.program_id(1) * tl.num_programs(0) + pid_c).to(tl.int64)
-    hist_ptr = hist_ptr + program * ((32 // RADIX_BITS) * ROWS * (1 << RADIX_BITS))
-    thr = _kth_largest(key, K, ROWS, CHUNK, RADIX_BITS, hist_ptr, ATOMIC_HIST)  # (ROWS,)
+    thr = _kth_largest(key, K, ROWS)  # (ROWS,)
     above = key > thr[:, None]
     ties = key == thr[:, None]
     room = K - tl.sum(above.to(tl.int32), 1)  # ties to take, in column order
@@ -188,31 +149,25 @@ def _topk_chunk_kernel(
 # launcher
 
 # ROWS: rows per program (the interpreter pays per program, a GPU per register)
-# RADIX_BITS: 1 for the bisection, else the radix select's digit width (2, 4 or 8: rounds of 4,
-# 16 or 256 bins);
-# atomic_hist: count the bins with atomics in scratch instead of tl.histogram
-# GPU (H200, 16 rows, k = 2,048, graph-timed; benchmarks/results/h200/topk_select.json): the
-# bisection with its early exit and one scan for the winners on 8 warps, 0.032 / 0.061 ms at
-# 32K / 128K, against 0.033 / 0.064 on 16 warps, 0.035 / 0.069 for 32 unrolled rounds, 0.038 /
-# 0.074 for 4-bit radix digits and 0.045 / 0.088 for those with two scans (8-bit digits, atomic
-# counts, 32 warps and 4K chunks were slower still). 16K chunks: 0.058 at 128K (one pass
-# fewer) but 0.055 at 32K; a length-dependent chunk is untried. A program's cost is its
-# instruction count: 8K entries on one SM.
-_GPU_DEFAULTS: dict[str, Any] = {"CHUNK": 8192, "ROWS": 1, "num_warps": 8, "RADIX_BITS": 1,
-                                 "atomic_hist": False}
-_CPU_DEFAULTS: dict[str, Any] = {"CHUNK": 256, "ROWS": 32, "num_warps": 4, "RADIX_BITS": 8,
-                                 "atomic_hist": False}
+# GPU (H200, 16 rows, k = 2,048, graph-timed; benchmarks/results/h200/topk_select.json): 8
+# warps, 0.032 / 0.061 ms at 32K / 128K, against 0.033 / 0.064 on 16 warps and 0.035 / 0.069
+# for 32 unrolled rounds without the early exit (32 warps and 4K chunks were slower). 16K
+# chunks: 0.058 at 128K (one pass fewer) but 0.055 at 32K; a length-dependent chunk is untried.
+# A program's cost is its instruction count: 8K entries on one SM.
+_GPU_DEFAULTS: dict[str, Any] = {"CHUNK": 8192, "ROWS": 1, "num_warps": 8}
+_CPU_DEFAULTS: dict[str, Any] = {"CHUNK": 256, "ROWS": 32, "num_warps": 4}
 
 
 def topk_config(device: torch.device, k: int, config: dict | None) -> dict[str, Any]:
     cfg = dict(_GPU_DEFAULTS if device.type == "cuda" else _CPU_DEFAULTS)
+    unknown = sorted(set(config or {}) - set(cfg))
+    if unknown:
+        raise ValueError(f"topk_rows config: unknown keys {unknown}; known: {sorted(cfg)}")
     cfg.update(config or {})
     for key, low in (("CHUNK", 16), ("ROWS", 1)):
         value = cfg[key]
         if not isinstance(value, int) or value < low or value & (value - 1):
             raise ValueError(f"config {key}={value!r} must be a power of two >= {low}")
-    if cfg["RADIX_BITS"] not in (1, 2, 4, 8):
-        raise ValueError(f"config RADIX_BITS={cfg['RADIX_BITS']!r} must be 1, 2, 4 or 8")
     chunk = cfg["CHUNK"]
     cfg["CHUNK"] = max(chunk, V.next_pow2(2 * k))  # each pass must at least halve a row
     return cfg
@@ -266,16 +221,11 @@ def topk_rows(
             rr = row_req if to_slots and row_req is not None else out_i
             rows = min(cfg["ROWS"], V.next_pow2(N, 1))
             grid = (num_chunks, triton.cdiv(N, rows))
-            bits, atomic = cfg["RADIX_BITS"], bool(cfg["atomic_hist"])
-            # the atomic counts' zeroed scratch (never read otherwise: no allocation then)
-            hist = torch.zeros(grid[0] * grid[1] * (32 // bits) * rows << bits,
-                               dtype=torch.int32, device=dev) if atomic and bits > 1 else out_i
             _topk_chunk_kernel[grid](
-                v, idx_arg, out_v, out_i, bt, rr, hist, N, M,
+                v, idx_arg, out_v, out_i, bt, rr, N, M,
                 *v.stride(), *idx_arg.stride(), *out_v.stride(), *out_i.stride(),
                 *bt.stride(), rr.stride(0),
-                K=k, CHUNK=chunk, ROWS=rows, RADIX_BITS=bits, ATOMIC_HIST=atomic,
-                PAGE_SIZE=page_size, HAS_INDEX=idx is not None, TO_SLOTS=to_slots,
+                K=k, CHUNK=chunk, ROWS=rows, PAGE_SIZE=page_size, HAS_INDEX=idx is not None, TO_SLOTS=to_slots,
                 HAS_ROW_REQ=row_req is not None, num_warps=cfg["num_warps"],
             )
         if last:
