@@ -48,11 +48,19 @@ def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in FP8_DTYPES
 
 
-def ptx_fp8_widen(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether fp8 tiles of ``dtype`` can widen to fp16 through PTX's native e4m3 conversion:
-    e4m3fn on an NVIDIA GPU of compute capability 8.9 or newer, compiled (not interpreted)."""
-    return (dtype == torch.float8_e4m3fn and device.type == "cuda" and torch.version.hip is None
-            and not interpreting() and torch.cuda.get_device_capability(device) >= (8, 9))
+def ptx_fp8_widen(cfg: dict, fp16_products: bool, dtype: torch.dtype,
+                  device: torch.device) -> bool:
+    """Whether a launch widens its fp8 tiles to fp16 through PTX's native e4m3 conversion
+    (``_widen_kv``): fp16 products, ``cfg["fp8_ptx"]`` (default on), an e4m3fn cache, and an
+    NVIDIA GPU of compute capability 8.9 or newer, compiled (not interpreted)."""
+    return (fp16_products and bool(cfg.get("fp8_ptx", True)) and dtype == torch.float8_e4m3fn
+            and device.type == "cuda" and torch.version.hip is None and not interpreting()
+            and _capability(device.index) >= (8, 9))
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index or 0)
 
 
 def fp8_max(dtype: torch.dtype) -> float:

@@ -232,8 +232,7 @@ def mla_extend(
         BLOCK_L=V.next_pow2(L), BLOCK_R=V.next_pow2(R),
         IS_FP8=is_fp8,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 and not fp16_products else None,
-        FP8_FP16=fp16_products, FP8_PTX=fp16_products and bool(cfg.get("fp8_ptx", True))
-        and V.ptx_fp8_widen(kv.dtype, q.device),
+        FP8_FP16=fp16_products, FP8_PTX=V.ptx_fp8_widen(cfg, fp16_products, kv.dtype, q.device),
         WARP_SPEC=bool(cfg.get("warp_specialize", False)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

@@ -194,7 +194,7 @@ def mla_sparse(
         *slots.stride(), stride_os, *o_part.stride()[-3:], stride_ls, *lse_part.stride()[-2:],
         L=L, R=R, PAGE_SIZE=PS, BLOCK_H=block_h, BLOCK_N=block_n,
         BLOCK_L=V.next_pow2(L), BLOCK_R=V.next_pow2(R), IS_FP8=fp8, FP8_FP16=fp16,
-        FP8_PTX=fp16 and bool(cfg.get("fp8_ptx", True)) and V.ptx_fp8_widen(kv.dtype, dev),
+        FP8_PTX=V.ptx_fp8_widen(cfg, fp16, kv.dtype, dev),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 and not fp16 else None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
