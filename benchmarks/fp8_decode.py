@@ -5,8 +5,9 @@ default launch (tokens/s ratio) and its largest difference from the first varian
     python3 benchmarks/fp8_decode.py --out benchmarks/results/h200/fp8_decode.json
 
 Variants: the tuned default; ``fp8_ptx: False`` (the tile widened by a plain cast, which the
-compiler copies into both products' operand layouts); tile and stage choices; for many heads
-fp16 products (``fp8_fp16``), which the native widening makes cheap.
+compiler copies into both products' operand layouts); tile and stage choices; the dimension-
+chunked kernel (``dim_chunks``) with and without a register cap (``maxnreg``), also for the bf16
+cache at few heads; for many heads fp16 products (``fp8_fp16``).
 """
 
 from __future__ import annotations
@@ -24,8 +25,12 @@ from triton.testing import do_bench_cudagraph
 from splash import kernels_triton as K
 
 SHAPES = [(16, 64, 4096), (16, 64, 32768), (16, 16, 131072), (128, 8, 32768), (128, 64, 4096)]
-FEW_HEADS = [{}, {"fp8_ptx": False}, {"BLOCK_N": 64}, {"num_stages": 3},
-             {"BLOCK_N": 64, "num_warps": 8}]
+FEW_HEADS = [{}, {"fp8_ptx": False}, {"BLOCK_N": 64}, {"num_stages": 2},
+             {"dim_chunks": True}, {"dim_chunks": True, "maxnreg": 168},
+             {"dim_chunks": True, "maxnreg": 168, "num_stages": 2}]
+# bf16 launches beside the default, at few heads (their ms in "bf16_variants")
+BF16_FEW_HEADS = [{"dim_chunks": True}, {"dim_chunks": True, "maxnreg": 168},
+                  {"dim_chunks": True, "maxnreg": 168, "BLOCK_N": 32}]
 MANY_HEADS = [{}, {"fp8_fp16": True}, {"fp8_fp16": True, "fp8_ptx": False},
               {"fp8_fp16": True, "BLOCK_N": 64}]
 
@@ -47,6 +52,8 @@ def main() -> int:
         lens = [context] * batch
         bf16_run, bf16_bytes = paged_problem(heads, lens, dev, fp8=False)
         bf16_ms = _ms(bf16_run, None)
+        bf16_variants = [{"cfg": c, "ms": round(_ms(bf16_run, c), 4)}
+                         for c in (BF16_FEW_HEADS if heads <= 32 else [])]
         bf16_run = None
         run, nbytes = paged_problem(heads, lens, dev, fp8=True)
         first = None
@@ -62,6 +69,7 @@ def main() -> int:
             rows.append({"heads": heads, "batch": batch, "context": context, "cfg": cfg,
                          "ms": round(ms, 4), "GBps": round(nbytes / ms / 1e6),
                          "bf16_ms": round(bf16_ms, 4), "vs_bf16": round(bf16_ms / ms, 3),
+                         "bf16_variants": bf16_variants,
                          "max_abs_diff": float((out - first).abs().max())})
             print(rows[-1], flush=True)
         run = None

@@ -49,6 +49,12 @@ Design:
   bandwidth against 94% for the head-group kernel with 64-token tiles and 3 stages, which is
   now the default at every head count. Its tail tile clamps rows past the length to the last valid row
   (every load unmasked and in bounds) and sets their scores to -inf before the max.
+- Dimension chunks (``config["dim_chunks"]``, a tuning option for few heads): a second form of
+  the head-group kernel (``mla_decode_chunked.py``) splits the latent dims into four column
+  chunks, each feeding both products, and re-reads the query every tile instead of holding it
+  in every warp: no spills against 600 B (offline sm_90, fp8 KV, 16 heads), and under
+  ``config["maxnreg"]`` 168 (a register cap passed to ptxas, CUDA only) 4-108 B, so a Hopper SM
+  could hold three programs instead of two. Not yet timed on a GPU.
 - Full tiles load without a token mask; only a split's last partial tile is masked. When the
   page size is a multiple of ``BLOCK_N`` a tile lies in one page and its page id is one load.
 """
@@ -64,12 +70,9 @@ import triton
 from splash.backends import device_tuning
 from splash.kernels_triton import _validate as V
 from splash.kernels_triton.lse_merge import _merge_into
-from splash.kernels_triton.mla_decode_kernels import (
-    _LOG2E,
-    _MAX_SPLITS,
-    _decode_plan_kernel,
-    _mla_decode_kernel,
-)
+from splash.kernels_triton.mla_decode_chunked import CHUNKS, _mla_decode_chunked_kernel
+from splash.kernels_triton.mla_decode_kernels import _LOG2E, _MAX_SPLITS, _mla_decode_kernel
+from splash.kernels_triton.mla_decode_plan import _decode_plan_kernel
 from splash.kernels_triton.mla_decode_tokens_m import _mla_decode_tokens_m_kernel
 
 # fp32 queries on a GPU (the GPU test suite's exact-token runs): tiles twice as wide in bytes,
@@ -207,6 +210,19 @@ def mla_decode(
         FP8_FP16=fp16_products, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         FP8_PTX=V.ptx_fp8_widen(cfg, fp16_products, kv.dtype, q.device),
     )
+    if cfg.get("maxnreg") and q.is_cuda and torch.version.hip is None:
+        consts["maxnreg"] = int(cfg["maxnreg"])  # a register cap for ptxas (occupancy)
+    kernel = _mla_decode_kernel
+    if cfg.get("dim_chunks"):
+        if transposed:
+            raise ValueError("config dim_chunks is a form of the heads-on-M kernel, not of "
+                             "transposed")
+        if consts["BLOCK_L"] < 16 * CHUNKS.value:
+            raise ValueError(f"config dim_chunks needs kv_lora_rank > {8 * CHUNKS.value} "
+                             f"(chunks of at least 16 columns), got {L}")
+        kernel = _mla_decode_chunked_kernel
+        if fp16_products:  # re-read every tile: cast once, as _q_operand would
+            q = q.float().clamp_(-65504.0, 65504.0).to(torch.float16)
     inputs = (*q.stride(), *kv.stride(), *(scale.stride() if kv_scale is not None else (0, 0)),
               *block_table.stride(), seq_lens.stride(0))
     if balanced:
@@ -221,7 +237,7 @@ def mla_decode(
         min_tiles = max(1, int(cfg["min_split_tokens"]) // BLOCK_N)
         _decode_plan_kernel[(launched,)](seq_lens, seq_lens.stride(0), N, programs, min_tiles,
                                          items, meta, BLOCK_N=BLOCK_N, num_warps=4)
-        _mla_decode_kernel[(head_groups, launched)](
+        kernel[(head_groups, launched)](
             q, kv, scale, block_table, seq_lens, o_part, lse_part, out, lse, items,
             float(sm_scale) * _LOG2E, H, 1, N, *inputs,
             *o_part.stride(), *lse_part.stride(), *out.stride(), *lse.stride(),
@@ -252,7 +268,7 @@ def mla_decode(
             and kv.dtype in (torch.bfloat16, torch.float16), **consts,
         )
     else:
-        _mla_decode_kernel[grid](
+        kernel[grid](
             q, kv, scale, block_table, seq_lens, o_part, lse_part, out, lse, seq_lens,
             float(sm_scale) * _LOG2E, H, num_splits, N, *inputs, *parts,
             *out.stride(), *lse.stride(), BALANCED=False, **consts,

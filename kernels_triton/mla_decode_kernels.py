@@ -85,72 +85,50 @@ def _full_tiles_end(start, end, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _balanced_split(seq_lens_ptr, stride_sl, N, P, p, meta_ptr, write_meta, MIN_TILES,
-                    BLOCK_N: tl.constexpr):
-    """Program ``p``'s share of a batch split by its total work: with T tiles over all N
-    requests, a split holds at most W = max(ceil(T / (P - N)), MIN_TILES) tiles (W = T when
-    P <= N + 1), request i gets s_i = max(ceil(t_i / W), 1) splits of equal tiles and the
-    splits are numbered request after request, so at most P programs have work. Every program
-    derives the same plan from ``seq_lens``; the one with ``write_meta`` stores the first split
-    of each request and the total (``meta`` (N + 1,)) for the merge. Returns (request, or N
-    past the last split; its splits; [start, end))."""
-    CH: tl.constexpr = 256
-    offs = tl.arange(0, CH)
-    total = 0
-    for c in range(0, N, CH):
-        lens = tl.load(seq_lens_ptr + (c + offs) * stride_sl, mask=c + offs < N, other=0)
-        total += tl.sum(tl.cdiv(lens.to(tl.int32), BLOCK_N))
-    W = tl.maximum(tl.cdiv(total, tl.maximum(P - N, 1)), MIN_TILES)
-    carry = 0  # splits of the requests before this pass
-    req = 0  # requests whose splits all come before p
-    first = 0  # and their splits: p's request's first split
-    for c in range(0, N, CH):
-        idx = c + offs
-        ok = idx < N
-        lens = tl.load(seq_lens_ptr + idx * stride_sl, mask=ok, other=0).to(tl.int32)
-        splits = tl.where(ok, tl.maximum(tl.cdiv(tl.cdiv(lens, BLOCK_N), W), 1), 0)
-        ends = carry + tl.cumsum(splits, 0)
-        if write_meta:
-            tl.store(meta_ptr + idx, ends - splits, mask=ok)
-        before = ok & (ends <= p)
-        req += tl.sum(before.to(tl.int32))
-        first += tl.sum(tl.where(before, splits, 0))
-        carry += tl.sum(splits)
-    if write_meta:
-        tl.store(meta_ptr + N, carry)
-    # p's request (req < N) again, as scalars
-    n_tok = tl.load(seq_lens_ptr + tl.minimum(req, N - 1) * stride_sl).to(tl.int32)
-    tiles = tl.cdiv(n_tok, BLOCK_N)
-    count = tl.maximum(tl.cdiv(tiles, W), 1)
-    per_split = tl.cdiv(tiles, count) * BLOCK_N
-    start = (p - first) * per_split
-    end = tl.minimum(start + per_split, n_tok)
-    return req, count, start, end
-
-
-@triton.jit(do_not_specialize=["N", "P"])  # vary by step: one binary
-def _decode_plan_kernel(seq_lens_ptr, stride_sl, N, P, MIN_TILES, items_ptr, meta_ptr,
-                        BLOCK_N: tl.constexpr):
-    """Balanced splits, planned once per launch: program p stores its (request, splits, start,
-    end) at ``items[4p:4p + 4]`` (request N: no work); program 0 also stores ``meta``. Kept out
-    of the attention kernel, whose registers it would crowd."""
-    p = tl.program_id(0)
-    req, count, start, end = _balanced_split(seq_lens_ptr, stride_sl, N, P, p, meta_ptr, p == 0,
-                                             MIN_TILES, BLOCK_N)
-    item = items_ptr + p * 4
-    tl.store(item, req)
-    tl.store(item + 1, count)
-    tl.store(item + 2, start)
-    tl.store(item + 3, end)
-
-
-@triton.jit
 def _softmax_totals(m_i, l_i):
     """The divisor (1 where no key was seen) and the natural-log lse (-inf there)."""
     has_keys = l_i > 0.0
     l_safe = tl.where(has_keys, l_i, 1.0)
     lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     return l_safe, lse
+
+
+@triton.jit
+def _kv_rows(
+    scale_ptr, bt_row_ptr, t0, end, stride_btp, stride_kvp, stride_kvs, stride_sp, stride_ss,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK_T: tl.constexpr,
+    IS_FP8: tl.constexpr,
+):
+    """Rows [t0, t0 + BLOCK_N) of one request's paged KV: each row's offset in the pool, the
+    token mask (rows before ``end``) and the per-row fp8 scale (1.0 when not fp8)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_t = t0 + offs_n  # (BLOCK_N,) token positions
+    mask_t = offs_t < end
+    if PAGE_SIZE % BLOCK_N == 0:
+        # tiles are BLOCK_N-aligned, so the whole tile sits in one page: one scalar base, and
+        # the rows' offsets stay loop-invariant (as (t0 % PAGE_SIZE + offs_n) * stride the loop
+        # recomputed every row's address wherever t0's alignment is unknown to the compiler:
+        # 11% slower)
+        page = tl.load(bt_row_ptr + (t0 // PAGE_SIZE) * stride_btp).to(tl.int64)
+        in_page = t0 % PAGE_SIZE
+        row_off = page * stride_kvp + in_page * stride_kvs + offs_n * stride_kvs
+        scale_off = page * stride_sp + in_page * stride_ss + offs_n * stride_ss
+    else:
+        page = tl.load(bt_row_ptr + (offs_t // PAGE_SIZE) * stride_btp, mask=mask_t, other=0)
+        page = page.to(tl.int64)
+        in_page = offs_t % PAGE_SIZE
+        row_off = page * stride_kvp + in_page * stride_kvs  # (BLOCK_N,)
+        scale_off = page * stride_sp + in_page * stride_ss
+    if IS_FP8:
+        if MASK_T:
+            row_scale = tl.load(scale_ptr + scale_off, mask=mask_t, other=0.0)
+        else:
+            row_scale = tl.load(scale_ptr + scale_off)
+    else:
+        row_scale = tl.full((BLOCK_N,), 1.0, tl.float32)
+    return row_off, mask_t, row_scale
 
 
 @triton.jit
@@ -168,26 +146,11 @@ def _load_kv_tile(
 ):
     """Rows [t0, t0 + BLOCK_N) of one request: nope (BLOCK_N, BLOCK_L), rope (BLOCK_N, BLOCK_R),
     the token mask and the per-row fp8 scale (1.0 when not fp8)."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_t = t0 + offs_n  # (BLOCK_N,) token positions
-    mask_t = offs_t < end
     offs_l = tl.arange(0, BLOCK_L)
     offs_r = tl.arange(0, BLOCK_R)
-    if PAGE_SIZE % BLOCK_N == 0:
-        # tiles are BLOCK_N-aligned, so the whole tile sits in one page: one scalar base, and
-        # the rows' offsets stay loop-invariant (as (t0 % PAGE_SIZE + offs_n) * stride the loop
-        # recomputed every row's address wherever t0's alignment is unknown to the compiler:
-        # 11% slower)
-        page = tl.load(bt_row_ptr + (t0 // PAGE_SIZE) * stride_btp).to(tl.int64)
-        in_page = t0 % PAGE_SIZE
-        row_off = page * stride_kvp + in_page * stride_kvs + offs_n * stride_kvs
-        scale_off = page * stride_sp + in_page * stride_ss + offs_n * stride_ss
-    else:
-        page = tl.load(bt_row_ptr + (offs_t // PAGE_SIZE) * stride_btp, mask=mask_t, other=0)
-        page = page.to(tl.int64)
-        in_page = offs_t % PAGE_SIZE
-        row_off = page * stride_kvp + in_page * stride_kvs  # (BLOCK_N,)
-        scale_off = page * stride_sp + in_page * stride_ss
+    row_off, mask_t, row_scale = _kv_rows(scale_ptr, bt_row_ptr, t0, end, stride_btp,
+                                          stride_kvp, stride_kvs, stride_sp, stride_ss,
+                                          PAGE_SIZE, BLOCK_N, MASK_T, IS_FP8)
     kv_nope = _load_tile(
         kv_ptr + row_off[:, None] + offs_l[None, :] * stride_kvd,
         mask_t, offs_l < L, MASK_T, BLOCK_L != L,
@@ -196,14 +159,6 @@ def _load_kv_tile(
         kv_ptr + row_off[:, None] + (L + offs_r)[None, :] * stride_kvd,
         mask_t, offs_r < R, MASK_T, BLOCK_R != R,
     )  # (BLOCK_N, BLOCK_R)
-    if IS_FP8:
-        scale_ptrs = scale_ptr + scale_off
-        if MASK_T:
-            row_scale = tl.load(scale_ptrs, mask=mask_t, other=0.0)
-        else:
-            row_scale = tl.load(scale_ptrs)
-    else:
-        row_scale = tl.full((BLOCK_N,), 1.0, tl.float32)
     return kv_nope, kv_rope, mask_t, row_scale
 
 
@@ -266,6 +221,40 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
+@triton.jit
+def _store_out(
+    out, lse, offs_h, mask_h, cols, mask_c, WRITE_LSE: tl.constexpr,
+    pid_n, pid_s, count, o_ptr, lse_ptr, out_ptr, lse_out_ptr,
+    stride_os, stride_on, stride_oh, stride_ol, stride_ls, stride_ln, stride_lh,
+    stride_outn, stride_outh, stride_outl, stride_lon, stride_loh,
+    BALANCED: tl.constexpr,
+):
+    """A program's normalised output columns ``cols`` (and, with WRITE_LSE, its lse): balanced,
+    a request's only split writes the final output, else partial row ``pid_s``; the wave model
+    writes split ``pid_s`` of request ``pid_n`` (the final output when it is the only split)."""
+    o_mask = mask_h[:, None] & mask_c[None, :]
+    if BALANCED:
+        if count == 1:
+            final_ptrs = out_ptr + pid_n * stride_outn + offs_h[:, None] * stride_outh \
+                + cols[None, :] * stride_outl
+            tl.store(final_ptrs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
+            if WRITE_LSE:
+                tl.store(lse_out_ptr + pid_n * stride_lon + offs_h * stride_loh, lse, mask=mask_h)
+        else:
+            part_ptrs = o_ptr + pid_s * stride_os + offs_h[:, None] * stride_oh \
+                + cols[None, :] * stride_ol
+            tl.store(part_ptrs, out, mask=o_mask)
+            if WRITE_LSE:
+                tl.store(lse_ptr + pid_s * stride_ls + offs_h * stride_lh, lse, mask=mask_h)
+    else:
+        o_ptrs = o_ptr + pid_s * stride_os + pid_n * stride_on + offs_h[:, None] * stride_oh \
+            + cols[None, :] * stride_ol
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=o_mask)
+        if WRITE_LSE:
+            tl.store(lse_ptr + pid_s * stride_ls + pid_n * stride_ln + offs_h * stride_lh, lse,
+                     mask=mask_h)
+
+
 @triton.jit(do_not_specialize=["num_splits", "stride_btn", "N"])  # vary by step: one binary
 def _mla_decode_kernel(
     q_ptr,  # (N, H, D)
@@ -309,7 +298,7 @@ def _mla_decode_kernel(
         pid_s = tl.program_id(1)
         item = plan_ptr + pid_s * 4  # _decode_plan_kernel's (request, splits, start, end)
         pid_n = tl.load(item)
-        if pid_n >= N:
+        if pid_n >= N:  # before the other loads: the loop then compiles 6% shorter
             return
         count = tl.load(item + 1)
         start = tl.load(item + 2)
@@ -361,22 +350,7 @@ def _mla_decode_kernel(
         )
 
     l_safe, lse = _softmax_totals(m_i, l_i)
-    out = acc / l_safe[:, None]  # (BLOCK_H, BLOCK_L)
-    o_mask = mask_h[:, None] & mask_l[None, :]
-    if BALANCED:
-        if count == 1:  # the request's only split writes the final output
-            final_ptrs = out_ptr + pid_n * stride_outn + offs_h[:, None] * stride_outh \
-                + offs_l[None, :] * stride_outl
-            tl.store(final_ptrs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
-            tl.store(lse_out_ptr + pid_n * stride_lon + offs_h * stride_loh, lse, mask=mask_h)
-        else:  # partial row pid_s
-            part_ptrs = o_ptr + pid_s * stride_os + offs_h[:, None] * stride_oh \
-                + offs_l[None, :] * stride_ol
-            tl.store(part_ptrs, out, mask=o_mask)
-            tl.store(lse_ptr + pid_s * stride_ls + offs_h * stride_lh, lse, mask=mask_h)
-    else:
-        o_ptrs = o_ptr + pid_s * stride_os + pid_n * stride_on + offs_h[:, None] * stride_oh \
-            + offs_l[None, :] * stride_ol
-        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=o_mask)
-        tl.store(lse_ptr + pid_s * stride_ls + pid_n * stride_ln + offs_h * stride_lh, lse,
-                 mask=mask_h)
+    _store_out(acc / l_safe[:, None], lse, offs_h, mask_h, offs_l, mask_l, True,
+               pid_n, pid_s, count, o_ptr, lse_ptr, out_ptr, lse_out_ptr,
+               stride_os, stride_on, stride_oh, stride_ol, stride_ls, stride_ln, stride_lh,
+               stride_outn, stride_outh, stride_outl, stride_lon, stride_loh, BALANCED)

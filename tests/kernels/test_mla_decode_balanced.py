@@ -65,7 +65,7 @@ def test_plan_kernel_follows_the_documented_plan(device, case):
     the total for the merge."""
     import torch
 
-    from splash.kernels_triton.mla_decode_kernels import _decode_plan_kernel
+    from splash.kernels_triton.mla_decode_plan import _decode_plan_kernel
 
     lens, per_sm, _ = BALANCED[case]
     block_n, min_tiles = 16, 1
