@@ -178,19 +178,19 @@ def _mla_decode_chunked_kernel(
         )
     l_safe, lse = _softmax_totals(m_i, l_i)
     offs_c = tl.arange(0, CH)
-    _store_out(acc0 / l_safe[:, None], lse, offs_h, mask_h, offs_c, offs_c < L, True,
+    _store_out(acc0 / l_safe[:, None], lse, offs_h, mask_h, offs_c, L, True,
                pid_n, pid_s, count, o_ptr, lse_ptr, out_ptr, lse_out_ptr,
                stride_os, stride_on, stride_oh, stride_ol, stride_ls, stride_ln, stride_lh,
                stride_outn, stride_outh, stride_outl, stride_lon, stride_loh, BALANCED)
-    _store_out(acc1 / l_safe[:, None], lse, offs_h, mask_h, offs_c + CH, offs_c + CH < L, False,
+    _store_out(acc1 / l_safe[:, None], lse, offs_h, mask_h, offs_c + CH, L, False,
                pid_n, pid_s, count, o_ptr, lse_ptr, out_ptr, lse_out_ptr,
                stride_os, stride_on, stride_oh, stride_ol, stride_ls, stride_ln, stride_lh,
                stride_outn, stride_outh, stride_outl, stride_lon, stride_loh, BALANCED)
-    _store_out(acc2 / l_safe[:, None], lse, offs_h, mask_h, offs_c + 2 * CH,
-               offs_c + 2 * CH < L, False, pid_n, pid_s, count, o_ptr, lse_ptr, out_ptr,
-               lse_out_ptr, stride_os, stride_on, stride_oh, stride_ol, stride_ls, stride_ln,
-               stride_lh, stride_outn, stride_outh, stride_outl, stride_lon, stride_loh, BALANCED)
-    _store_out(acc3 / l_safe[:, None], lse, offs_h, mask_h, offs_c + 3 * CH,
-               offs_c + 3 * CH < L, False, pid_n, pid_s, count, o_ptr, lse_ptr, out_ptr,
-               lse_out_ptr, stride_os, stride_on, stride_oh, stride_ol, stride_ls, stride_ln,
-               stride_lh, stride_outn, stride_outh, stride_outl, stride_lon, stride_loh, BALANCED)
+    _store_out(acc2 / l_safe[:, None], lse, offs_h, mask_h, offs_c + 2 * CH, L, False,
+               pid_n, pid_s, count, o_ptr, lse_ptr, out_ptr, lse_out_ptr,
+               stride_os, stride_on, stride_oh, stride_ol, stride_ls, stride_ln, stride_lh,
+               stride_outn, stride_outh, stride_outl, stride_lon, stride_loh, BALANCED)
+    _store_out(acc3 / l_safe[:, None], lse, offs_h, mask_h, offs_c + 3 * CH, L, False,
+               pid_n, pid_s, count, o_ptr, lse_ptr, out_ptr, lse_out_ptr,
+               stride_os, stride_on, stride_oh, stride_ol, stride_ls, stride_ln, stride_lh,
+               stride_outn, stride_outh, stride_outl, stride_lon, stride_loh, BALANCED)

@@ -223,16 +223,17 @@ def _attend_tile(
 
 @triton.jit
 def _store_out(
-    out, lse, offs_h, mask_h, cols, mask_c, WRITE_LSE: tl.constexpr,
+    out, lse, offs_h, mask_h, cols, L: tl.constexpr, WRITE_LSE: tl.constexpr,
     pid_n, pid_s, count, o_ptr, lse_ptr, out_ptr, lse_out_ptr,
     stride_os, stride_on, stride_oh, stride_ol, stride_ls, stride_ln, stride_lh,
     stride_outn, stride_outh, stride_outl, stride_lon, stride_loh,
     BALANCED: tl.constexpr,
 ):
-    """A program's normalised output columns ``cols`` (and, with WRITE_LSE, its lse): balanced,
+    """A program's normalised output columns ``cols`` (those below L; with WRITE_LSE also its
+    lse): balanced,
     a request's only split writes the final output, else partial row ``pid_s``; the wave model
     writes split ``pid_s`` of request ``pid_n`` (the final output when it is the only split)."""
-    o_mask = mask_h[:, None] & mask_c[None, :]
+    o_mask = mask_h[:, None] & (cols < L)[None, :]
     if BALANCED:
         if count == 1:
             final_ptrs = out_ptr + pid_n * stride_outn + offs_h[:, None] * stride_outh \
@@ -350,7 +351,7 @@ def _mla_decode_kernel(
         )
 
     l_safe, lse = _softmax_totals(m_i, l_i)
-    _store_out(acc / l_safe[:, None], lse, offs_h, mask_h, offs_l, mask_l, True,
+    _store_out(acc / l_safe[:, None], lse, offs_h, mask_h, offs_l, L, True,
                pid_n, pid_s, count, o_ptr, lse_ptr, out_ptr, lse_out_ptr,
                stride_os, stride_on, stride_oh, stride_ol, stride_ls, stride_ln, stride_lh,
                stride_outn, stride_outh, stride_outl, stride_lon, stride_loh, BALANCED)

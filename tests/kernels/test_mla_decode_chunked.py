@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_data import assert_close, assert_lse, decode_inputs
+from kernel_data import assert_close, assert_lse, decode_inputs, make_setting
 
 from splash.kernels_triton import mla_decode, mla_decode_ref
 
@@ -35,8 +35,6 @@ def test_chunked_matches_reference(setting, case, splits):
 def test_chunked_fp16_products_saturate_like_the_head_group_kernel(device):
     """fp8 KV with fp16 products: the launcher's one cast of q clamps to fp16's range exactly as
     the head-group kernel's in-kernel cast does, so both forms give the same result."""
-    from kernel_data import make_setting
-
     setting = make_setting("fp16-fp8kv")
     L, R, PS, H, lens = CASES["full-chunks"]
     q, kv, scale, table, seq_lens = decode_inputs(setting, L, R, PS, H, lens, seed=7)
