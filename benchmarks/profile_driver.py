@@ -41,6 +41,12 @@ CASES: dict[str, tuple[str, int, str]] = {
     "moe_bf16_v2lite_4k": ("^_moe_gemm", 2,
                            "fused_moe V2-Lite experts (64 x 2048 x 1408, top-6), 4096 tokens, "
                            "bf16: gate_up then down GEMM"),
+    "dsa_index_16x128k": ("^_index_scores", 1,
+                          "index_scores 16 decode rows x 128K, 64 index heads of 128, fp8 keys"),
+    "dsa_topk_16x128k": ("^_topk_chunk", 3, "topk_rows 16 rows x 128K scores, k 2048 "
+                         "(the three passes)"),
+    "dsa_sparse_16h_16x2k": ("^_mla_sparse", 1,
+                             "mla_sparse 16 rows x 16 heads over 2048 chosen bf16 latent rows"),
 }
 
 
@@ -89,7 +95,38 @@ def build(case: str) -> Callable[[], Any]:
         weights = torch.softmax(top.values, dim=-1).float()
         ids = top.indices.to(torch.int32)
         return lambda: K.fused_moe(x, w13, w2, weights, ids)
+    if case.startswith("dsa_"):
+        return _dsa(case, dev, gen)
     raise SystemExit(f"unknown case {case!r}; cases: {', '.join(CASES)}")
+
+
+def _dsa(case: str, dev, gen) -> Callable[[], Any]:
+    """DSA decode stages at benchmarks/dsa_kernels.py's shapes (batch 16, 128K history)."""
+    import torch
+    from dsa_kernels import INDEX_DIM, INDEX_HEADS, TOPK, _pools
+
+    import splash.kernels_triton as K
+
+    batch, context = 16, 131072
+    kv, scale, keys, key_scale, table = _pools(batch, context, "bf16", dev, gen)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
+    starts = torch.arange(batch + 1, dtype=torch.int32, device=dev)
+    iq = torch.randn(batch, INDEX_HEADS, INDEX_DIM, device=dev, dtype=torch.bfloat16,
+                     generator=gen)
+    w = torch.randn(batch, INDEX_HEADS, device=dev, generator=gen) * INDEX_HEADS ** -0.5
+
+    def scores():
+        return K.index_scores(iq, w, keys, table, lens, starts, INDEX_DIM ** -0.5, context,
+                              index_scale=key_scale)
+
+    if case == "dsa_index_16x128k":
+        return scores
+    s = scores()
+    if case == "dsa_topk_16x128k":
+        return lambda: K.topk_rows(s, TOPK, block_table=table, page_size=PAGE)
+    slots = K.topk_rows(s, TOPK, block_table=table, page_size=PAGE)[1]
+    q = torch.randn(batch, 16, D, device=dev, dtype=torch.bfloat16, generator=gen)
+    return lambda: K.mla_sparse(q, kv, slots, SM_SCALE, L)
 
 
 def kernel_info() -> list[dict[str, Any]]:
@@ -170,6 +207,7 @@ _WANTED: list[tuple[str, list[tuple[str, str]]]] = [
     ]),
     ("l2_hit_pct", [("Memory Workload", "L2 Hit Rate")]),
     ("issue_slots_busy_pct", [("Compute Workload", "Issue Slots Busy")]),
+    ("warp_cycles_per_issue", [("Warp State", "Warp Cycles Per Issued Instruction")]),
 ]
 _SCALE = {  # unit -> factor to the base unit (seconds, bytes, bytes/s)
     "nsecond": 1e-9, "ns": 1e-9, "usecond": 1e-6, "us": 1e-6, "msecond": 1e-3, "ms": 1e-3,
@@ -233,6 +271,11 @@ def summarise_csv(case: str, path: str) -> list[dict[str, Any]]:
                 else:
                     rec[label] = num
                 break
+        stalls = {n.split("issue_stalled_")[1].split("_per_issue")[0]: _number(v)
+                  for (_, n), (_, v) in found.items() if "issue_stalled_" in n}
+        if stalls:  # cycles each issued instruction waited, by reason, largest first
+            rec["stalls"] = dict(sorted(((k, v) for k, v in stalls.items() if v is not None),
+                                        key=lambda kv: -kv[1]))
         out.append(rec)
     return out
 
@@ -271,6 +314,12 @@ def summarise(outdir: str) -> None:
         vals = [rec.get(c, "-") for c in cols]
         lines.append(" | ".join(str(x) for x in
                                 [rec["case"], rec["launch"], rec["kernel"], rec["grid"], *vals]))
+    stalled = [r for r in records if "stalls" in r]
+    if stalled:
+        lines += ["", "# warp stalls (cycles per issued instruction, by reason)"]
+        lines += [f"{r['case']} | {r['launch']} | "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in list(r["stalls"].items())[:6])
+                  for r in stalled]
     infos = [r for r in records if r.get("tag") == "kernel_info"]
     if infos:
         lines += ["", "# compiled Triton kernels (registers, local-memory = spill bytes per "

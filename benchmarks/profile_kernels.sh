@@ -58,6 +58,12 @@ if [ -n "$NCU" ]; then
   for base in sm__pipe_tensor_cycles_active sm__pipe_tensor_op_hmma_cycles_active; do
     if have "$base"; then add "$base.avg.pct_of_peak_sustained_active"; break; fi
   done
+  # why warps wait: cycles stalled per issued instruction, by reason
+  for r in long_scoreboard short_scoreboard barrier wait mio_throttle lg_throttle \
+           math_pipe_throttle not_selected no_instruction membar dispatch_stall; do
+    m=smsp__average_warps_issue_stalled_${r}_per_issue_active
+    have "$m" && add "$m.ratio"
+  done
   echo "extra metrics: ${METRICS:-none}"
 fi
 

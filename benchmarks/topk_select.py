@@ -25,7 +25,8 @@ from splash import kernels_triton as K
 from splash.kernels_triton import topk as T
 
 CONFIGS = [{}, {"num_warps": 16}, {"num_warps": 32}, {"CHUNK": 4096}, {"CHUNK": 16384},
-           {"CHUNK": 16384, "num_warps": 16}]
+           {"CHUNK": 16384, "num_warps": 16}, {"CHUNK": 32768, "num_warps": 16},
+           {"CHUNK": 32768, "num_warps": 32}]
 
 
 def main() -> int:
