@@ -37,12 +37,18 @@ class CUDABackend(BaseBackend):
         # (benchmarks/results/h200/decode_balance.json, 16 heads: one 128K request among 63 of
         # 1K 1.72 -> 0.104 ms, 64 over 1K-32K 0.532 -> 0.447; uniform batches 2-5% slower than
         # the wave model's splits).
+        # "dim_chunks" (few heads): the latent dims in four column chunks, no register spills
+        # (benchmarks/results/h200/fp8_decode.json, 16 heads, bf16: 64 x 4K 0.098 -> 0.087 ms,
+        # 64 x 32K 0.601 -> 0.556, 16 x 128K 0.602 -> 0.559; fp8 0.900 -> 0.838 at 64 x 32K;
+        # a ptxas cap of 168 registers lost 8-13%).
         "mla_decode": {
             "default": {
-                "transposed": False, "balanced": True, "BLOCK_N": 64, "BLOCK_H": 16,
+                "transposed": False, "balanced": True, "dim_chunks": True, "BLOCK_N": 64,
+                "BLOCK_H": 16,
                 "num_warps": 4, "num_stages": 3, "max_block_h": 64, "programs_per_sm": 2,
                 "split_overhead_tokens": 512, "min_split_tokens": 256,
-                "many_heads": {"transposed": False, "BLOCK_H": 64, "BLOCK_N": 64,
+                "many_heads": {"transposed": False, "dim_chunks": False, "BLOCK_H": 64,
+                               "BLOCK_N": 64,
                                "num_warps": 8, "num_stages": 2, "programs_per_sm": 1,
                                "split_overhead_tokens": 64, "min_split_tokens": 64},
                 "fp8": {"transposed": False, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3,
