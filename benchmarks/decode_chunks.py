@@ -27,6 +27,9 @@ FEW = [{}, {"dim_chunks": False}, {"dim_chunks": True, "num_stages": 2},
        {"dim_chunks": True, "BLOCK_N": 32, "num_stages": 4},
        {"dim_chunks": True, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
        {"dim_chunks": True, "programs_per_sm": 3}]
+# fp8 KV at few heads (its table entry has 32-token tiles): the chunked kernel on 64-token ones
+FP8_FEW = [{}, {"dim_chunks": False}, {"BLOCK_N": 64}, {"BLOCK_N": 64, "num_stages": 2},
+           {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2}, {"num_stages": 4}]
 MANY = [{}, {"dim_chunks": True}, {"dim_chunks": True, "BLOCK_H": 32, "num_warps": 4},
         {"dim_chunks": True, "BLOCK_N": 32}]
 
@@ -34,6 +37,8 @@ MANY = [{}, {"dim_chunks": True}, {"dim_chunks": True, "BLOCK_H": 32, "num_warps
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results/h200/decode_chunks.json")
+    ap.add_argument("--kinds", default="bf16,fp8", help="KV kinds, comma-separated")
+    ap.add_argument("--max-heads", type=int, default=128, help="skip shapes with more heads")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/decode_chunks.py needs a GPU")
@@ -41,11 +46,12 @@ def main() -> int:
     dev = torch.device("cuda")
     ceil = ceilings(dev)
     rows = []
-    for kind in ("bf16", "fp8"):
-        for heads, batch, context in SHAPES:
+    for kind in args.kinds.split(","):
+        for heads, batch, context in [s for s in SHAPES if s[0] <= args.max_heads]:
             run, nbytes = paged_problem(heads, [context] * batch, dev, fp8=kind == "fp8")
             first = None
-            for cfg in FEW if heads <= 32 else MANY:
+            few = FP8_FEW if kind == "fp8" else FEW
+            for cfg in few if heads <= 32 else MANY:
                 row = {"kv": kind, "heads": heads, "batch": batch, "context": context, "cfg": cfg}
                 try:
                     out = run(cfg)[0].float()

@@ -8,8 +8,8 @@ times carry the launches' host cost, which decides nothing about a graph-replaye
 - ``index_scores`` e4m3 products with the keys on M only (``--only index_tiles``): BLOCK_T ×
   TILES × num_warps × num_stages, finer and deeper than the above;
 - ``topk_rows`` at 32K and 128K: CHUNK × num_warps;
-- ``mla_sparse`` at 128 heads (``--only sparse_splits``, a study: its winner feeds no record):
-  num_splits × tiles × stages;
+- ``mla_sparse`` at 128 heads (``--only sparse_splits``) and at 16 (``--only
+  sparse_splits_few``), studies whose winners feed no record: num_splits × tiles × stages;
 - ``mla_sparse`` over 2,048 selected slots, 16 and 128 heads, bf16 and fp8 KV: BLOCK_N ×
   num_warps × num_stages.
 A config is the winner of a kernel when its summed time over the swept shapes is lowest
@@ -50,6 +50,9 @@ TOPK_SPACE = [{"CHUNK": c, "num_warps": w}
 # tiles and deeper ones: ``--only sparse_splits``
 SPARSE_SPLITS_SPACE = [{"num_splits": s, **cfg} for s in (None, 2, 4, 8, 16)
                        for cfg in ({}, {"num_stages": 3}, {"BLOCK_N": 32, "num_stages": 3})]
+# the same at 16 heads, to 32 splits: ``--only sparse_splits_few``
+SPARSE_SPLITS_FEW = [{"num_splits": s, **cfg} for s in (None, 2, 4, 8, 16, 32)
+                     for cfg in ({}, {"num_stages": 3}, {"BLOCK_N": 32, "num_stages": 3})]
 SPARSE_SPACE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
                 for n, w, st in itertools.product((16, 32, 64), (4, 8), (1, 2))]
 
@@ -141,19 +144,21 @@ def main() -> None:
     only = args.only.split(",")
     result: dict = {"triton": triton.__version__, "batch": BATCH, "sweeps": {}}
     many_heads = {t: f for t, f in sparse_shapes.items() if t.startswith("128h")}
+    few_heads = {t: f for t, f in sparse_shapes.items() if t.startswith("16h")}
     winners = {}  # kernel -> the winning launch config (a study's sweep sets none)
     for name, kernel, space, shapes in (
             ("index_scores", "index_scores", INDEX_SPACE, index_shapes),
             ("index_tiles", "index_scores", INDEX_TILES_SPACE, index_shapes),
             ("topk", "topk", TOPK_SPACE, topk_shapes),
             ("mla_sparse", "mla_sparse", SPARSE_SPACE, sparse_shapes),
-            ("sparse_splits", None, SPARSE_SPLITS_SPACE, many_heads)):
+            ("sparse_splits", None, SPARSE_SPLITS_SPACE, many_heads),
+            ("sparse_splits_few", None, SPARSE_SPLITS_FEW, few_heads)):
         if name in only:
             result["sweeps"][name] = _sweep(name, space, shapes)
             save_json(args.out, result)
             if kernel and result["sweeps"][name]["best"]:
                 winners[kernel] = result["sweeps"][name]["best"]
-    del index_shapes, topk_shapes, sparse_shapes, many_heads
+    del index_shapes, topk_shapes, sparse_shapes, many_heads, few_heads
     torch.cuda.empty_cache()
     if args.no_records:
         return

@@ -27,6 +27,8 @@ from splash.kernels_triton import topk as T
 CONFIGS = [{}, {"num_warps": 16}, {"num_warps": 32}, {"CHUNK": 4096}, {"CHUNK": 16384},
            {"CHUNK": 16384, "num_warps": 16}, {"CHUNK": 32768, "num_warps": 16},
            {"CHUNK": 32768, "num_warps": 32}]
+# at 64K and 256K: the two chunks that suit 32K and 128K rows
+LENGTH_CONFIGS = [{}, {"CHUNK": 8192, "num_warps": 8}, {"CHUNK": 16384, "num_warps": 16}]
 
 
 def main() -> int:
@@ -39,12 +41,12 @@ def main() -> int:
     K.set_value_checks(False)
     dev = torch.device("cuda")
     rows = []
-    for width in (32768, 131072):
+    for width in (32768, 65536, 131072, 262144):
         g = torch.Generator(device=dev).manual_seed(0)
         x = torch.randn(16, width, device=dev, generator=g).relu_() * 3 \
             + torch.rand(16, width, device=dev, generator=g)
         ref = T.topk_rows_ref(x, 2048)[0]
-        for cfg in CONFIGS:
+        for cfg in CONFIGS if width in (32768, 131072) else LENGTH_CONFIGS:
             try:
                 v, _ = T.topk_rows(x, 2048, config=cfg)
             except ValueError as e:  # a config this tree does not have
