@@ -78,6 +78,104 @@ def _lse_merge_kernel(
     tl.store(lse_out_ptr + pid_n * stride_lon + pid_h * stride_loh, lse)
 
 
+@triton.jit
+def _merge_rows(o_rows, lse_rows, stride_os, stride_ol, stride_ls, splits, mask_h, out_rows,
+                lse_out_rows, stride_outl, L: tl.constexpr, BLOCK_H: tl.constexpr,
+                BLOCK_L: tl.constexpr):
+    """``_lse_merge_kernel``'s sum for a head group (rows ``o_rows`` / ``lse_rows`` of the first
+    partial, (BLOCK_H,) pointers; partial s is ``stride_os`` / ``stride_ls`` further on) into
+    ``out_rows`` / ``lse_out_rows``. Read past L1 (``.cg``): other programs wrote them, and L1
+    may hold stale lines."""
+    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    for s in range(0, splits):
+        m = tl.maximum(m, tl.load(lse_rows + s * stride_ls, mask=mask_h, other=float("-inf"),
+                                  cache_modifier=".cg"))
+    m_safe = tl.where(m > float("-inf"), m, 0.0)
+    denom = tl.zeros((BLOCK_H,), tl.float32)
+    for s in range(0, splits):
+        lse_s = tl.load(lse_rows + s * stride_ls, mask=mask_h, other=float("-inf"),
+                        cache_modifier=".cg")
+        denom += tl.where(lse_s > float("-inf"), tl.exp(lse_s - m_safe), 0.0)
+    has_any = denom > 0.0
+    inv = 1.0 / tl.where(has_any, denom, 1.0)
+    COLS: tl.constexpr = 128 if BLOCK_L > 128 else BLOCK_L  # a bounded slice of registers
+    for c in tl.static_range(0, BLOCK_L, COLS):
+        cols = c + tl.arange(0, COLS)
+        o_mask = mask_h[:, None] & (cols < L)[None, :]
+        acc = tl.zeros((BLOCK_H, COLS), tl.float32)
+        for s in range(0, splits):
+            lse_s = tl.load(lse_rows + s * stride_ls, mask=mask_h, other=float("-inf"),
+                            cache_modifier=".cg")
+            w = tl.where(lse_s > float("-inf"), tl.exp(lse_s - m_safe), 0.0) * inv
+            o_s = tl.load(o_rows[:, None] + s * stride_os + cols[None, :] * stride_ol,
+                          mask=o_mask, other=0.0, cache_modifier=".cg")
+            acc += w[:, None] * tl.where((lse_s > float("-inf"))[:, None], o_s, 0.0)
+        tl.store(out_rows[:, None] + cols[None, :] * stride_outl,
+                 acc.to(out_rows.dtype.element_ty), mask=o_mask)
+    lse = tl.where(has_any, m_safe + tl.log(tl.where(has_any, denom, 1.0)), float("-inf"))
+    tl.store(lse_out_rows, lse, mask=mask_h)
+
+
+@triton.jit
+def _merge_if_last(
+    sem_ptr, meta_ptr, pid_n, splits, offs_h, mask_h,
+    o_ptr, lse_ptr, out_ptr, lse_out_ptr,
+    stride_os, stride_on, stride_oh, stride_ol,
+    stride_ls, stride_ln, stride_lh,
+    stride_outn, stride_outh, stride_outl,
+    stride_lon, stride_loh,
+    L: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BALANCED: tl.constexpr,
+):
+    """Split-KV decode's merge inside the attention kernel: each of a (request, head group)'s
+    ``splits`` (> 1) programs, its partial stored, takes a ticket from the pair's arrival
+    counter (``sem`` (N * head groups,) int32, zero between launches); the last to arrive
+    resets it and merges the partials (rows [meta[n], meta[n] + splits) of (P, 1, H, L) when
+    BALANCED, else splits 0..splits-1 of (S, N, H, L)) into the output. The barrier puts every
+    thread's stores before the ticket, whose atomic releases them at GPU scope."""
+    if splits > 1:  # (a request of one split wrote its output itself)
+        tl.debug_barrier()
+        slot = sem_ptr + pid_n * tl.num_programs(0) + tl.program_id(0)
+        if tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu") == splits - 1:
+            tl.store(slot, 0)  # for the next launch (stream order publishes it)
+            first = tl.load(meta_ptr + pid_n) if BALANCED else 0
+            row = first * stride_os if BALANCED else pid_n * stride_on
+            lse_row = first * stride_ls if BALANCED else pid_n * stride_ln
+            _merge_rows(o_ptr + row + offs_h * stride_oh, lse_ptr + lse_row + offs_h * stride_lh,
+                        stride_os, stride_ol, stride_ls, splits, mask_h,
+                        out_ptr + pid_n * stride_outn + offs_h * stride_outh,
+                        lse_out_ptr + pid_n * stride_lon + offs_h * stride_loh, stride_outl,
+                        L, BLOCK_H, BLOCK_L)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # outgrown counters: graphs captured with them still run
+
+
+def arrival_counters(device: torch.device, need: int) -> torch.Tensor | None:
+    """The device's int32 arrival counters for ``_merge_if_last`` (at least ``need``; zero
+    between launches, each launch's last programs reset theirs), grown by doubling. None while
+    a CUDA graph is being captured and they are too small (memory allocated then would be the
+    graph's): the caller then merges in a launch of its own. One set per device: attention
+    launches of a device run in stream order."""
+    key = torch.device(device.type, device.index if device.index is not None else
+                       (torch.cuda.current_device() if device.type == "cuda" else None))
+    buf = _COUNTERS.get(key)
+    if buf is not None and buf.numel() >= need:
+        return buf
+    if key.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    if buf is not None:
+        _RETIRED.append(buf)
+    buf = torch.zeros(V.next_pow2(max(need, 1024)), dtype=torch.int32, device=key)
+    if key.type == "cuda":
+        torch.cuda.current_stream(key).synchronize()  # zero before any stream's launch
+    _COUNTERS[key] = buf
+    return buf
+
+
 def _merge_into(
     outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     ranges: torch.Tensor | None = None, num_warps: int = 4,
