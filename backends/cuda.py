@@ -43,8 +43,8 @@ class CUDABackend(BaseBackend):
         # a ptxas cap of 168 registers lost 8-13%).
         "mla_decode": {
             "default": {
-                "transposed": False, "balanced": True, "dim_chunks": True, "fused_merge": True,
-                "BLOCK_N": 64, "BLOCK_H": 16,
+                "transposed": False, "balanced": True, "dim_chunks": True, "BLOCK_N": 64,
+                "BLOCK_H": 16,
                 "num_warps": 4, "num_stages": 3, "max_block_h": 64, "programs_per_sm": 2,
                 "split_overhead_tokens": 512, "min_split_tokens": 256,
                 "many_heads": {"transposed": False, "dim_chunks": False, "BLOCK_H": 64,

@@ -3,11 +3,6 @@ request (the wave model, ``balanced: False``), on uniform and mixed-length batch
 bf16 / fp8 KV, page 64; the two launches interleaved, the best of two runs each).
 
     python3 benchmarks/decode_balance.py --out benchmarks/results/h200/decode_balance.json
-    python3 benchmarks/decode_balance.py --compare merge --out .../decode_merge.json
-
-``--compare merge`` instead sets the split merge in the attention kernel (``fused_merge``, the
-default) against a merge launch of its own, with balanced splits; ``merge_wave`` the same under
-the wave model.
 
 A mixed batch (one long request among short ones) is where one split count for every request
 leaves a few programs streaming the long history while the rest of the GPU idles. Each row
@@ -41,18 +36,9 @@ BATCHES = [
 ]
 
 
-COMPARE = {
-    "balance": (("wave", {"balanced": False}), ("balanced", {"balanced": True})),
-    "merge": (("merge_launch", {"fused_merge": False}), ("fused_merge", {"fused_merge": True})),
-    "merge_wave": (("merge_launch", {"balanced": False, "fused_merge": False}),
-                   ("fused_merge", {"balanced": False, "fused_merge": True})),
-}
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results/h200/decode_balance.json")
-    ap.add_argument("--compare", choices=sorted(COMPARE), default="balance")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/decode_balance.py needs a GPU")
@@ -63,21 +49,21 @@ def main() -> int:
         run, nbytes = paged_problem(heads, lens, dev, fp8)
         row: dict = {"batch": name}
         # interleaved (A B A B), the best of each kept: the GPU's clock drifts with its load
-        (tag_a, cfg_a), (tag_b, cfg_b) = COMPARE[args.compare]
-        times: dict = {tag_a: [], tag_b: []}
+        times: dict = {"wave": [], "balanced": []}
         for _ in range(2):
-            for tag, cfg in ((tag_a, cfg_a), (tag_b, cfg_b)):
+            for tag, cfg in (("wave", {"balanced": False}), ("balanced", {"balanced": True})):
                 times[tag].append(float(do_bench_cudagraph(functools.partial(run, cfg), rep=30)))
         for tag, runs in times.items():
             row[tag] = {"ms": round(min(runs), 4), "GBps": round(nbytes / min(runs) / 1e6),
                         "runs_ms": [round(t, 4) for t in runs]}
-        row["max_abs_diff"] = float((run(cfg_a)[0].float() - run(cfg_b)[0].float()).abs().max())
+        row["max_abs_diff"] = float((run({"balanced": False})[0].float()
+                                     - run({"balanced": True})[0].float())
+                                    .abs().max())
         rows.append(row)
         print(row, flush=True)
         run = None
         torch.cuda.empty_cache()
-    save_json(args.out, {"benchmark": "decode_balance", "compare": args.compare, "rows": rows,
-                         "ceilings": ceilings(dev)})
+    save_json(args.out, {"benchmark": "decode_balance", "rows": rows, "ceilings": ceilings(dev)})
     return 0
 
 

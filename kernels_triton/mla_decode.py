@@ -71,7 +71,7 @@ import triton
 
 from splash.backends import device_tuning
 from splash.kernels_triton import _validate as V
-from splash.kernels_triton.lse_merge import _merge_into, arrival_counters
+from splash.kernels_triton.lse_merge import _merge_into
 from splash.kernels_triton.mla_decode_chunked import CHUNKS, _mla_decode_chunked_kernel
 from splash.kernels_triton.mla_decode_kernels import _LOG2E, _MAX_SPLITS, _mla_decode_kernel
 from splash.kernels_triton.mla_decode_plan import _decode_plan_kernel
@@ -222,12 +222,6 @@ def mla_decode(
             q = q.float().clamp_(-65504.0, 65504.0).to(torch.float16)
     inputs = (*q.stride(), *kv.stride(), *(scale.stride() if kv_scale is not None else (0, 0)),
               *block_table.stride(), seq_lens.stride(0))
-    # the last split of a request merges them in the kernel (the tokens-on-M kernel has no
-    # such epilogue): no merge launch
-    sem = None
-    if cfg.get("fused_merge") and not transposed:
-        sem = arrival_counters(q.device, N * head_groups)
-    consts["FUSED_MERGE"] = sem is not None
     if balanced:
         programs = balanced_programs(head_groups, q.device, cfg)
         split = programs > N + 1  # else every request is one program's
@@ -242,11 +236,11 @@ def mla_decode(
                                          items, meta, BLOCK_N=BLOCK_N, num_warps=4)
         kernel[(head_groups, launched)](
             q, kv, scale, block_table, seq_lens, o_part, lse_part, out, lse, items,
-            meta if sem is None else sem, meta, float(sm_scale) * _LOG2E, H, 1, N, *inputs,
+            float(sm_scale) * _LOG2E, H, 1, N, *inputs,
             *o_part.stride(), *lse_part.stride(), *out.stride(), *lse.stride(),
             BALANCED=True, **consts,
         )
-        if split and sem is None:
+        if split:
             _merge_into(o_part, lse_part, out, lse, ranges=meta)
         return out, lse
 
@@ -263,7 +257,6 @@ def mla_decode(
     if transposed:
         if cfg.get("kv_in_regs") and not cfg.get("pv_heads_m"):  # faults on an H200 (Triton 3.6)
             raise ValueError("config kv_in_regs needs pv_heads_m (the tokens-on-M kernel)")
-        consts.pop("FUSED_MERGE")
         _mla_decode_tokens_m_kernel[grid](
             q, kv, scale, block_table, seq_lens, o_part, lse_part,
             float(sm_scale) * _LOG2E, H, num_splits, *inputs, *parts,
@@ -274,12 +267,9 @@ def mla_decode(
     else:
         kernel[grid](
             q, kv, scale, block_table, seq_lens, o_part, lse_part, out, lse, seq_lens,
-            seq_lens if sem is None else sem, seq_lens, float(sm_scale) * _LOG2E, H,
-            num_splits, N, *inputs, *parts, *out.stride(), *lse.stride(), BALANCED=False,
-            **consts,
+            float(sm_scale) * _LOG2E, H, num_splits, N, *inputs, *parts,
+            *out.stride(), *lse.stride(), BALANCED=False, **consts,
         )
-        if sem is not None:
-            return out, lse
     if num_splits > 1:
         _merge_into(o_part, lse_part, out, lse)
     return out, lse

@@ -20,7 +20,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from splash.kernels_triton.lse_merge import _merge_if_last
 from splash.kernels_triton.mla_decode_kernels import (
     _full_tiles_end,
     _kv_rows,
@@ -112,7 +111,7 @@ def _attend_tile_chunked(
 @triton.jit(do_not_specialize=["num_splits", "stride_btn", "N"])  # vary by step: one binary
 def _mla_decode_chunked_kernel(
     q_ptr, kv_ptr, scale_ptr, bt_ptr, seq_lens_ptr, o_ptr, lse_ptr, out_ptr, lse_out_ptr,
-    plan_ptr, sem_ptr, meta_ptr, qk_scale, H, num_splits, N,
+    plan_ptr, qk_scale, H, num_splits, N,
     stride_qn, stride_qh, stride_qd,
     stride_kvp, stride_kvs, stride_kvd,
     stride_sp, stride_ss,
@@ -134,7 +133,6 @@ def _mla_decode_chunked_kernel(
     FP8_FP16: tl.constexpr,  # unused: q arrives in the products' dtype
     FP8_PTX: tl.constexpr,
     BALANCED: tl.constexpr,
-    FUSED_MERGE: tl.constexpr,
 ):
     pid_h = tl.program_id(0)
     if BALANCED:
@@ -196,9 +194,3 @@ def _mla_decode_chunked_kernel(
                pid_n, pid_s, count, o_ptr, lse_ptr, out_ptr, lse_out_ptr,
                stride_os, stride_on, stride_oh, stride_ol, stride_ls, stride_ln, stride_lh,
                stride_outn, stride_outh, stride_outl, stride_lon, stride_loh, BALANCED)
-    if FUSED_MERGE:
-        _merge_if_last(sem_ptr, meta_ptr, pid_n, count if BALANCED else num_splits, offs_h,
-                       mask_h, o_ptr, lse_ptr, out_ptr, lse_out_ptr,
-                       stride_os, stride_on, stride_oh, stride_ol, stride_ls, stride_ln,
-                       stride_lh, stride_outn, stride_outh, stride_outl, stride_lon, stride_loh,
-                       L, BLOCK_H, BLOCK_L, BALANCED)

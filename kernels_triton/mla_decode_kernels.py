@@ -21,8 +21,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from splash.kernels_triton.lse_merge import _merge_if_last
-
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
 
@@ -270,8 +268,6 @@ def _mla_decode_kernel(
     out_ptr,  # BALANCED: (N, H, L) output (requests of one split write it directly)
     lse_out_ptr,  # BALANCED: (N, H) fp32
     plan_ptr,  # BALANCED: (programs, 4) int32, each program's work (``_decode_plan_kernel``)
-    sem_ptr,  # FUSED_MERGE: (N * head groups,) int32 arrival counters, zero between launches
-    meta_ptr,  # FUSED_MERGE and BALANCED: (N + 1,) int32, each request's first partial row
     qk_scale,  # sm_scale * log2(e)
     H,
     num_splits,
@@ -297,7 +293,6 @@ def _mla_decode_kernel(
     FP8_FP16: tl.constexpr,
     FP8_PTX: tl.constexpr,  # _widen_kv
     BALANCED: tl.constexpr,  # splits from the batch's total work (``_decode_plan_kernel``)
-    FUSED_MERGE: tl.constexpr,  # the last split of a request merges them (``_merge_if_last``)
 ):
     pid_h = tl.program_id(0)
     if BALANCED:
@@ -360,9 +355,3 @@ def _mla_decode_kernel(
                pid_n, pid_s, count, o_ptr, lse_ptr, out_ptr, lse_out_ptr,
                stride_os, stride_on, stride_oh, stride_ol, stride_ls, stride_ln, stride_lh,
                stride_outn, stride_outh, stride_outl, stride_lon, stride_loh, BALANCED)
-    if FUSED_MERGE:
-        _merge_if_last(sem_ptr, meta_ptr, pid_n, count if BALANCED else num_splits, offs_h,
-                       mask_h, o_ptr, lse_ptr, out_ptr, lse_out_ptr,
-                       stride_os, stride_on, stride_oh, stride_ol, stride_ls, stride_ln,
-                       stride_lh, stride_outn, stride_outh, stride_outl, stride_lon, stride_loh,
-                       L, BLOCK_H, BLOCK_L, BALANCED)
