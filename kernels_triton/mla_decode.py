@@ -27,7 +27,10 @@ Design:
   among 60 of 512 0.87 -> 0.13 ms, 64 requests spread over 1K-32K 0.532 -> 0.447 ms; 128 heads,
   one 128K among 15 of 2K 0.298 -> 0.213 ms, 16 over 1K-32K 0.498 -> 0.354 ms; uniform batches,
   which get the same splits, 2-5% slower (the plan launch, the merge's ranges, and an attention
-  kernel 2.5% slower at 64 x 32K for reasons not found).
+  kernel 2.5% slower at 64 x 32K for reasons not found). Tried: the merge inside the attention
+  kernel (the last split of a request, found by an arrival counter, merged the partials):
+  slower at every shape, and 2.8x slower with one long request among short ones, whose many
+  partials one program then merged alone.
 - Otherwise (``balanced: False``, ``transposed`` or an explicit ``num_splits``) every request
   gets the split count of ``choose_num_splits``' wave model, from the block-table capacity.
 - L and R need not be powers of two: tiles are padded to ``BLOCK_L``/``BLOCK_R`` and masked.
