@@ -26,9 +26,11 @@ from splash.kernels_triton import topk as T
 
 CONFIGS = [{}, {"num_warps": 16}, {"num_warps": 32}, {"CHUNK": 4096}, {"CHUNK": 16384},
            {"CHUNK": 16384, "num_warps": 16}, {"CHUNK": 32768, "num_warps": 16},
-           {"CHUNK": 32768, "num_warps": 32}]
+           {"CHUNK": 32768, "num_warps": 32}, {"PARTS": 2}, {"PARTS": 4}, {"PARTS": 8},
+           {"PARTS": 4, "num_warps": 4}, {"CHUNK": 16384, "num_warps": 16, "PARTS": 8}]
 # at 64K and 256K: the two chunks that suit 32K and 128K rows
-LENGTH_CONFIGS = [{}, {"CHUNK": 8192, "num_warps": 8}, {"CHUNK": 16384, "num_warps": 16}]
+LENGTH_CONFIGS = [{}, {"CHUNK": 8192, "num_warps": 8}, {"CHUNK": 16384, "num_warps": 16},
+                  {"PARTS": 4}]
 
 
 def main() -> int:

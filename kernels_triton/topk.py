@@ -15,7 +15,13 @@ keeping the bit when at least k keys reach the candidate (one compare and one su
 until exactly k keys reach it or the 32 bits are spent (a chunk with at most k finite entries,
 as a short request's columns past its history are, skips the rounds: all of them win). The
 winners are then compacted with one prefix sum (counts of the entries above the threshold and
-of the ties packed in one int32 while a chunk has at most 16K entries).
+of the ties packed in one int32), ``PARTS`` column parts (at most 16K entries each) one after
+another, each part's values read again: only the keys stay in registers through the rounds.
+Offline sm_90 (Triton 3.6, 8K chunk, 8 warps): 243 / 255 registers with one part before the
+values were re-read (one program an SM: the first pass of a 128K row, 256 programs, ran in two
+waves, 29.6 of 63 us under ncu), 212 / 255 now with one part, 111 / 117 with four (two programs
+an SM), 80 / 95 with eight (without / with an index). The GPU default keeps one part until
+four are timed (``topk_select.py`` measures them).
 
 Tried on an H200 (16 rows, k = 2048, graph-timed), against 0.032 / 0.061 ms at 32K / 128K now:
 - a radix select in each program instead of the bisection (rounds of 16- or 256-bin
@@ -51,13 +57,22 @@ _KEY_MIN = tl.constexpr(-2147483648)  # below every finite value's key (and -inf
 
 
 @triton.jit
-def _kth_largest(key, K: tl.constexpr, ROWS: tl.constexpr):
-    """Each row's K-th largest of ``key`` (ROWS, CHUNK) int32, exactly, by bisection over the
-    keys' unsigned images: a bit stays set while at least K keys reach the candidate; a row is
-    done once exactly K do (its K-th largest is then the least of them), else after 32 bits.
-    A row with at most K chosen keys (``_KEY_MIN`` marks the rest: a short request's columns
-    past its history) is done at once: all of them win."""
-    ukey = (key ^ _KEY_MIN).to(tl.uint32, bitcast=True)  # unsigned order = signed order
+def _order_key(v):
+    """fp32 -> uint32 in the floats' order; -inf (a masked entry: never chosen) -> 0, below
+    every finite value's image."""
+    bits = v.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed order = float order
+    key = tl.where(v > float("-inf"), key, _KEY_MIN)
+    return (key ^ _KEY_MIN).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _kth_largest(ukey, K: tl.constexpr, ROWS: tl.constexpr):
+    """Each row's K-th largest of ``ukey`` (ROWS, CHUNK) uint32 (``_order_key``), exactly, by
+    bisection: a bit stays set while at least K keys reach the candidate; a row is done once
+    exactly K do (its K-th largest is then the least of them), else after 32 bits. A row with
+    at most K chosen keys (key 0 marks the rest: a short request's columns past its history)
+    is done at once: all of them win."""
     prefix = tl.zeros((ROWS,), tl.uint32)
     done = tl.sum((ukey > 0).to(tl.int32), 1) <= K
     r = 0
@@ -69,7 +84,7 @@ def _kth_largest(key, K: tl.constexpr, ROWS: tl.constexpr):
         done = done | (keep & (count == K))
         r += 1
     top = tl.where(ukey >= prefix[:, None], ukey, tl.full(ukey.shape, 0xFFFFFFFF, tl.uint32))
-    return tl.min(top, 1).to(tl.int32, bitcast=True) ^ _KEY_MIN
+    return tl.min(top, 1)
 
 
 # ints that vary by step: one binary for all (tests check the warm-up against them)
@@ -99,6 +114,7 @@ def _topk_chunk_kernel(
     HAS_INDEX: tl.constexpr,
     TO_SLOTS: tl.constexpr,
     HAS_ROW_REQ: tl.constexpr,
+    PARTS: tl.constexpr,  # the winners are placed in PARTS column parts, one after another
 ):
     pid_c = tl.program_id(0)
     rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
@@ -106,46 +122,54 @@ def _topk_chunk_kernel(
     rows = rows.to(tl.int64)
     cols = pid_c * CHUNK + tl.arange(0, CHUNK)  # (CHUNK,)
     inside = mask_r[:, None] & (cols < M)[None, :]  # (ROWS, CHUNK)
-    v = tl.load(vals_ptr + rows[:, None] * stride_vn + cols[None, :] * stride_vm, mask=inside,
-                other=float("-inf"))
-    if HAS_INDEX:
-        idx = tl.load(idx_ptr + rows[:, None] * stride_in + cols[None, :] * stride_im,
-                      mask=inside, other=-1)
-    else:
-        idx = tl.zeros((ROWS, CHUNK), tl.int32) + cols[None, :]
-    bits = v.to(tl.int32, bitcast=True)
-    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed order = float order
-    key = tl.where(v > float("-inf"), key, _KEY_MIN)
-    thr = _kth_largest(key, K, ROWS)  # (ROWS,)
-    above = key > thr[:, None]
-    ties = key == thr[:, None]
-    room = K - tl.sum(above.to(tl.int32), 1)  # ties to take, in column order
-    if CHUNK <= 16384:  # one scan counts both, entries above (low 16 bits) and ties (high)
-        counts = tl.cumsum(above.to(tl.int32) + (ties.to(tl.int32) << 16), 1)
-        above_rank, tie_rank = counts & 0xFFFF, counts >> 16
-    else:
-        above_rank = tl.cumsum(above.to(tl.int32), 1)
-        tie_rank = tl.cumsum(ties.to(tl.int32), 1)
-    take = above | (ties & (tie_rank <= room[:, None]))  # the first `room` ties
-    dst = above_rank + tl.minimum(tie_rank, room[:, None]) - 1  # K winners, in column order
-    chosen = key > _KEY_MIN
-    idx = tl.where(chosen, idx, -1)
+    # the keys live through the rounds alone; the winners are then placed a part at a time,
+    # each part's values read again (registers: two programs an SM)
+    ukey = _order_key(tl.load(vals_ptr + rows[:, None] * stride_vn + cols[None, :] * stride_vm,
+                              mask=inside, other=float("-inf")))
+    thr = _kth_largest(ukey, K, ROWS)  # (ROWS,)
+    room = K - tl.sum((ukey > thr[:, None]).to(tl.int32), 1)  # ties to take, in column order
     if TO_SLOTS:
         if HAS_ROW_REQ:
             req = tl.load(row_req_ptr + rows * stride_rr, mask=mask_r, other=0).to(tl.int64)
         else:
             req = rows
-        has_pos = chosen & (idx >= 0)
-        pos = tl.where(has_pos, idx, 0)
-        page = tl.load(bt_ptr + req[:, None] * stride_btn + (pos // PAGE_SIZE) * stride_btp,
-                       mask=take & has_pos & mask_r[:, None], other=0)
-        idx = tl.where(has_pos, page * PAGE_SIZE + pos % PAGE_SIZE, -1)
-    out_col = pid_c * K + dst
-    store = take & mask_r[:, None]
-    tl.store(out_v_ptr + rows[:, None] * stride_ovn + out_col * stride_ovk,
-             tl.where(chosen, v, float("-inf")), mask=store)
-    tl.store(out_i_ptr + rows[:, None] * stride_oin + out_col * stride_oik, idx.to(tl.int32),
-             mask=store)
+    PART: tl.constexpr = CHUNK // PARTS
+    n_above = tl.zeros((ROWS,), tl.int32)  # winners above the threshold in the parts before
+    n_ties = tl.zeros((ROWS,), tl.int32)
+    for part in tl.static_range(PARTS):
+        pcols = pid_c * CHUNK + part * PART + tl.arange(0, PART)
+        p_in = mask_r[:, None] & (pcols < M)[None, :]
+        v_ptrs = vals_ptr + rows[:, None] * stride_vn + pcols[None, :] * stride_vm
+        pkey = _order_key(tl.load(v_ptrs, mask=p_in, other=float("-inf")))
+        above = pkey > thr[:, None]
+        ties = pkey == thr[:, None]
+        # one scan counts both, entries above (low 16 bits) and ties (high): PART <= 16K
+        counts = tl.cumsum(above.to(tl.int32) + (ties.to(tl.int32) << 16), 1)
+        above_rank = (counts & 0xFFFF) + n_above[:, None]
+        tie_rank = (counts >> 16) + n_ties[:, None]
+        n_above += tl.sum(above.to(tl.int32), 1)
+        n_ties += tl.sum(ties.to(tl.int32), 1)
+        take = above | (ties & (tie_rank <= room[:, None]))  # the first `room` ties
+        dst = above_rank + tl.minimum(tie_rank, room[:, None]) - 1  # in column order
+        chosen = pkey > 0
+        store = take & mask_r[:, None]
+        if HAS_INDEX:
+            idx = tl.load(idx_ptr + rows[:, None] * stride_in + pcols[None, :] * stride_im,
+                          mask=store & chosen, other=-1)
+        else:
+            idx = tl.zeros((ROWS, PART), tl.int32) + pcols[None, :]
+        idx = tl.where(chosen, idx, -1)
+        if TO_SLOTS:
+            has_pos = chosen & (idx >= 0)
+            pos = tl.where(has_pos, idx, 0)
+            page = tl.load(bt_ptr + req[:, None] * stride_btn + (pos // PAGE_SIZE) * stride_btp,
+                           mask=store & has_pos, other=0)
+            idx = tl.where(has_pos, page * PAGE_SIZE + pos % PAGE_SIZE, -1)
+        out_col = pid_c * K + dst
+        v = tl.load(v_ptrs, mask=store & chosen, other=float("-inf"))
+        tl.store(out_v_ptr + rows[:, None] * stride_ovn + out_col * stride_ovk, v, mask=store)
+        tl.store(out_i_ptr + rows[:, None] * stride_oin + out_col * stride_oik,
+                 idx.to(tl.int32), mask=store)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,10 +179,12 @@ def _topk_chunk_kernel(
 # GPU (H200, 16 rows, k = 2,048, graph-timed; benchmarks/results/h200/topk_select.json): 8
 # warps, 0.032 / 0.061 ms at 32K / 128K, against 0.033 / 0.064 on 16 warps and 0.035 / 0.069
 # for 32 unrolled rounds without the early exit (32 warps and 4K chunks were slower). 16K
-# chunks: 0.058 at 128K (one pass fewer) but 0.055 at 32K; a length-dependent chunk is untried.
-# A program's cost is its instruction count: 8K entries on one SM.
-_GPU_DEFAULTS: dict[str, Any] = {"CHUNK": 8192, "ROWS": 1, "num_warps": 8}
-_CPU_DEFAULTS: dict[str, Any] = {"CHUNK": 256, "ROWS": 32, "num_warps": 4}
+# chunks: 0.058 at 128K (one pass fewer) but 0.055 at 32K, and at 64K / 256K 8K chunks win
+# (0.048 / 0.103 vs 0.060 / 0.114). A program's cost is its instruction count: 8K entries on
+# one SM. ncu at 16 x 128K: the three passes 29.6 / 17.1 / 20.1 us, stalls on fixed-latency
+# dependencies and shared memory, 230-255 registers (12.7% occupancy).
+_GPU_DEFAULTS: dict[str, Any] = {"CHUNK": 8192, "ROWS": 1, "num_warps": 8, "PARTS": 1}
+_CPU_DEFAULTS: dict[str, Any] = {"CHUNK": 256, "ROWS": 32, "num_warps": 4, "PARTS": 2}
 
 
 def topk_config(device: torch.device, k: int, config: dict | None) -> dict[str, Any]:
@@ -167,12 +193,14 @@ def topk_config(device: torch.device, k: int, config: dict | None) -> dict[str, 
     if unknown:
         raise ValueError(f"topk_rows config: unknown keys {unknown}; known: {sorted(cfg)}")
     cfg.update(config or {})
-    for key, low in (("CHUNK", 16), ("ROWS", 1)):
+    for key, low in (("CHUNK", 16), ("ROWS", 1), ("PARTS", 1)):
         value = cfg[key]
         if not isinstance(value, int) or value < low or value & (value - 1):
             raise ValueError(f"config {key}={value!r} must be a power of two >= {low}")
     chunk = cfg["CHUNK"]
     cfg["CHUNK"] = max(chunk, V.next_pow2(2 * k))  # each pass must at least halve a row
+    # parts of at most 16K columns (the packed scan's 16-bit counts), at most one a column
+    cfg["PARTS"] = min(max(cfg["PARTS"], cfg["CHUNK"] // 16384), cfg["CHUNK"])
     return cfg
 
 
@@ -229,7 +257,7 @@ def topk_rows(
                 *v.stride(), *idx_arg.stride(), *out_v.stride(), *out_i.stride(),
                 *bt.stride(), rr.stride(0),
                 K=k, CHUNK=chunk, ROWS=rows, PAGE_SIZE=page_size, HAS_INDEX=idx is not None, TO_SLOTS=to_slots,
-                HAS_ROW_REQ=row_req is not None, num_warps=cfg["num_warps"],
+                HAS_ROW_REQ=row_req is not None, PARTS=cfg["PARTS"], num_warps=cfg["num_warps"],
             )
         if last:
             return out_v, out_i

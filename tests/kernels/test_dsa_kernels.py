@@ -151,11 +151,13 @@ def _same_sets(index, ref_index):
         assert sorted(row) == sorted(ref_row)
 
 
+@pytest.mark.parametrize("parts", [1, 4])
 @pytest.mark.parametrize("rows", [1, 32])
 @pytest.mark.parametrize("chunk", [16, 64])
-def test_topk_matches_torch(device, chunk, rows):
+def test_topk_matches_torch(device, chunk, rows, parts):
     """Rows longer than a chunk (several passes), rows with fewer finite entries than k, a row
-    with none; one row a program (a GPU's) and several (the interpreter's)."""
+    with none; one row a program (a GPU's) and several (the interpreter's); the winners placed
+    in one column part or in several."""
     gen = torch.Generator().manual_seed(3)
     values = torch.randn(4, 300, generator=gen)
     values[1, 20:] = float("-inf")  # 20 finite: all of them, then -1
@@ -163,14 +165,15 @@ def test_topk_matches_torch(device, chunk, rows):
     values[3, ::2] = float("-inf")
     values = values.to(device)
     k = 8 if chunk == 16 else 24
-    v, i = topk_rows(values, k, config={"CHUNK": chunk, "ROWS": rows})
+    v, i = topk_rows(values, k, config={"CHUNK": chunk, "ROWS": rows, "PARTS": parts})
     ref_v, ref_i = topk_rows_ref(values, k)
     assert v.shape == i.shape == (4, k) and i.dtype == torch.int32
     _same_sets(i, ref_i)
     torch.testing.assert_close(v.sort(dim=1, descending=True).values.cpu(), ref_v.cpu())
 
 
-@pytest.mark.parametrize("config", [{"CHUNK": 16}, {"CHUNK": 16, "ROWS": 1}])
+@pytest.mark.parametrize("config", [{"CHUNK": 16}, {"CHUNK": 16, "ROWS": 1},
+                                    {"CHUNK": 16, "ROWS": 1, "PARTS": 4}])
 def test_topk_ties_in_column_order(device, config):
     values = torch.zeros(3, 200, device=device)
     values[1, 150:] = 1.0
