@@ -26,6 +26,16 @@ rounded once, and since that scale is positive it moves through the relu into th
 ``config["tokens_m"]`` puts the key tile on the product's M side instead of the queries (the
 head sum then stays within each thread's row of the accumulator, and the widened keys can
 feed the product from registers).
+
+Latency: ncu on an H200 (16 rows x 128K, the GPU default) finds the kernel waiting on global
+loads (long scoreboard 4.3 of ~8 cycles per instruction, 23% occupancy, 2.8 TB/s), and its SASS
+shows why: the pipelined loop issues the next tile's copies after this tile's product and
+waits for all of them at the top of the next iteration, so no load overlaps compute (3 stages
+the same). ``config["prefetch"]`` (use with ``num_stages`` 1) loads the next tile into
+registers before this one's product instead; offline sm_90 its loads issue beside the product
+and the epilogue, at 200 registers on 4 warps with 128-token tiles (127 on 8 warps, 125 with
+64-token tiles). The CPU default; on GPUs not yet timed (``benchmarks/dsa_sweep.py --only
+index_prefetch``).
 """
 
 from __future__ import annotations
@@ -41,6 +51,55 @@ from splash.kernels_triton.mla_decode_kernels import _q_operand
 
 # ints that vary by step: one binary for all (tests check the warm-up against them)
 SHAPE_INTS = ["stride_btn"]
+
+
+@triton.jit
+def _key_tile(k_ptr, ks_ptr, bt_row, t0, lim, softmax_scale, stride_kp, stride_ks, stride_kd,
+              stride_sp, stride_ss, stride_btp, q_dtype: tl.constexpr, I: tl.constexpr,
+              PAGE_SIZE: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_T: tl.constexpr,
+              IS_FP8: tl.constexpr, FP8_DOT: tl.constexpr):
+    """Key tile [t0, t0 + BLOCK_T) (tokens < ``lim``; the rest 0) through the page table, in
+    the product's dtype, and its score columns' factor (softmax scale x the fp8 key scale)."""
+    offs_t = t0 + tl.arange(0, BLOCK_T)
+    offs_i = tl.arange(0, BLOCK_I)
+    mask_t = offs_t < lim
+    page = tl.load(bt_row + (offs_t // PAGE_SIZE) * stride_btp, mask=mask_t, other=0)
+    row_off = page.to(tl.int64) * stride_kp + (offs_t % PAGE_SIZE) * stride_ks
+    k = tl.load(k_ptr + row_off[:, None] + offs_i[None, :] * stride_kd,
+                mask=mask_t[:, None] & (offs_i < I)[None, :], other=0.0)
+    col = tl.full((BLOCK_T,), 1.0, tl.float32) * softmax_scale
+    if IS_FP8:
+        if not FP8_DOT:
+            k = k.to(q_dtype)  # exact: fp8 values fit fp16 / bf16 / fp32
+        col = col * tl.load(ks_ptr + page.to(tl.int64) * stride_sp
+                            + (offs_t % PAGE_SIZE) * stride_ss, mask=mask_t, other=0.0)
+    return k, col
+
+
+@triton.jit
+def _tile_scores(q, w, k, col, t0, pos, mask_m, out_rows, T, stride_ot,
+                 BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
+                 TOKENS_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The head-weighted relu sum of one key tile against the rows' queries, stored (tokens
+    past a row's position -inf)."""
+    offs_t = t0 + tl.arange(0, BLOCK_T)
+    if TOKENS_M:  # tokens on the product's M side: heads fold within a thread's row
+        s = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_T, BM*BH)
+        s = tl.maximum(s * col[:, None], 0.0) * w[None, :]
+        if BLOCK_M == 1:
+            score = tl.sum(s, axis=1)[None, :]
+        else:
+            score = tl.trans(tl.sum(tl.reshape(s, (BLOCK_T, BLOCK_M, BLOCK_H)), axis=2))
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BM*BH, BLOCK_T)
+        s = tl.maximum(s * col[None, :], 0.0) * w[:, None]
+        if BLOCK_M == 1:  # decode: fold the heads without a reshape
+            score = tl.sum(s, axis=0)[None, :]
+        else:
+            score = tl.sum(tl.reshape(s, (BLOCK_M, BLOCK_H, BLOCK_T)), axis=1)
+    score = tl.where(offs_t[None, :] <= pos[:, None], score, float("-inf"))
+    tl.store(out_rows + offs_t[None, :] * stride_ot, score,
+             mask=mask_m[:, None] & (offs_t < T)[None, :])
 
 
 @triton.jit(do_not_specialize=SHAPE_INTS)
@@ -76,6 +135,7 @@ def _index_scores_kernel(
     FP8_DOT: tl.constexpr,
     TOKENS_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -114,36 +174,26 @@ def _index_scores_kernel(
         # tiles holding keys: a loop with bounds, which the compiler pipelines
         t_keys = tl.maximum(tl.minimum(t_hi, seq_len) - t_lo, 0)
         t_mid = t_lo + tl.cdiv(t_keys, BLOCK_T) * BLOCK_T
-        for t0 in range(t_lo, t_mid, BLOCK_T):
-            offs_t = t0 + tl.arange(0, BLOCK_T)
-            mask_t = offs_t < seq_len
-            page = tl.load(bt_row + (offs_t // PAGE_SIZE) * stride_btp, mask=mask_t, other=0)
-            row_off = page.to(tl.int64) * stride_kp + (offs_t % PAGE_SIZE) * stride_ks
-            k = tl.load(k_ptr + row_off[:, None] + offs_i[None, :] * stride_kd,
-                        mask=mask_t[:, None] & (offs_i < I)[None, :], other=0.0)
-            col = tl.full((BLOCK_T,), 1.0, tl.float32) * softmax_scale
-            if IS_FP8:
-                if not FP8_DOT:
-                    k = k.to(q.dtype)  # exact: fp8 values fit fp16 / bf16 / fp32
-                col = col * tl.load(ks_ptr + page.to(tl.int64) * stride_sp
-                                    + (offs_t % PAGE_SIZE) * stride_ss, mask=mask_t, other=0.0)
-            if TOKENS_M:  # tokens on the product's M side: heads fold within a thread's row
-                s = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_T, BM*BH)
-                s = tl.maximum(s * col[:, None], 0.0) * w[None, :]
-                if BLOCK_M == 1:
-                    score = tl.sum(s, axis=1)[None, :]
-                else:
-                    score = tl.trans(tl.sum(tl.reshape(s, (BLOCK_T, BLOCK_M, BLOCK_H)), axis=2))
-            else:
-                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BM*BH, BLOCK_T)
-                s = tl.maximum(s * col[None, :], 0.0) * w[:, None]
-                if BLOCK_M == 1:  # decode: fold the heads without a reshape
-                    score = tl.sum(s, axis=0)[None, :]
-                else:
-                    score = tl.sum(tl.reshape(s, (BLOCK_M, BLOCK_H, BLOCK_T)), axis=1)
-            score = tl.where(offs_t[None, :] <= pos[:, None], score, float("-inf"))
-            tl.store(out_rows + offs_t[None, :] * stride_ot, score,
-                     mask=mask_m[:, None] & (offs_t < T)[None, :])
+        lim = tl.minimum(seq_len, t_mid)
+        if PREFETCH:  # the next tile's keys load while this one's product runs (registers)
+            k, col = _key_tile(k_ptr, ks_ptr, bt_row, t_lo, lim, softmax_scale, stride_kp,
+                               stride_ks, stride_kd, stride_sp, stride_ss, stride_btp, q.dtype,
+                               I, PAGE_SIZE, BLOCK_I, BLOCK_T, IS_FP8, FP8_DOT)
+            for t0 in range(t_lo, t_mid, BLOCK_T):
+                k_next, col_next = _key_tile(k_ptr, ks_ptr, bt_row, t0 + BLOCK_T, lim,
+                                             softmax_scale, stride_kp, stride_ks, stride_kd,
+                                             stride_sp, stride_ss, stride_btp, q.dtype, I,
+                                             PAGE_SIZE, BLOCK_I, BLOCK_T, IS_FP8, FP8_DOT)
+                _tile_scores(q, w, k, col, t0, pos, mask_m, out_rows, T, stride_ot, BLOCK_M,
+                             BLOCK_H, BLOCK_T, TOKENS_M, DOT_PRECISION)
+                k, col = k_next, col_next
+        else:
+            for t0 in range(t_lo, t_mid, BLOCK_T):
+                k, col = _key_tile(k_ptr, ks_ptr, bt_row, t0, lim, softmax_scale, stride_kp,
+                                   stride_ks, stride_kd, stride_sp, stride_ss, stride_btp,
+                                   q.dtype, I, PAGE_SIZE, BLOCK_I, BLOCK_T, IS_FP8, FP8_DOT)
+                _tile_scores(q, w, k, col, t0, pos, mask_m, out_rows, T, stride_ot, BLOCK_M,
+                             BLOCK_H, BLOCK_T, TOKENS_M, DOT_PRECISION)
         for t0 in range(t_mid, t_hi, BLOCK_T):  # columns past the history
             offs_t = t0 + tl.arange(0, BLOCK_T)
             tl.store(out_rows + offs_t[None, :] * stride_ot,
@@ -162,10 +212,10 @@ def _index_scores_kernel(
 # 1,024 programs of TILES 4 / 16; deeper pipelines and other tiles gained nothing).
 _GPU_DEFAULTS: dict[str, Any] = {"BLOCK_T": 128, "TILES": None, "BLOCK_M_EXTEND": 4,
                                  "num_warps": 4, "num_stages": 2, "fp8_fp16": True,
-                                 "fp8_dot": True, "tokens_m": True}
+                                 "fp8_dot": True, "tokens_m": True, "prefetch": False}
 _CPU_DEFAULTS: dict[str, Any] = {"BLOCK_T": 128, "TILES": 1, "BLOCK_M_EXTEND": 16, "num_warps": 4,
                                  "num_stages": 1, "fp8_fp16": False, "fp8_dot": False,
-                                 "tokens_m": False}
+                                 "tokens_m": False, "prefetch": True}
 
 
 def index_config(device: torch.device, config: dict | None) -> dict[str, Any]:
@@ -276,6 +326,7 @@ def index_scores(
         HI=HI, I=I, PAGE_SIZE=PS, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_I=V.next_pow2(I),
         BLOCK_T=cfg["BLOCK_T"], TILES=tiles, IS_FP8=fp8, FP8_FP16=fp16,
         FP8_DOT=fp8 and bool(cfg["fp8_dot"]), TOKENS_M=bool(cfg["tokens_m"]),
+        PREFETCH=bool(cfg["prefetch"]),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 and not fp16 else None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
