@@ -7,8 +7,9 @@ times carry the launches' host cost, which decides nothing about a graph-replaye
   TILES × num_warps × num_stages at 32K and 128K;
 - ``index_scores`` e4m3 products with the keys on M only (``--only index_tiles``): BLOCK_T ×
   TILES × num_warps × num_stages, finer and deeper than the above;
-- ``index_scores`` with the next key tile loaded into registers while this one's product
-  runs (``--only index_prefetch``, a study): tiles × tiles per program × warps;
+- ``index_scores`` with page ids gathered from registers and deeper pipelines, or the next key
+  tile loaded into registers while this one's product runs (``--only index_prefetch``, a
+  study): tiles × tiles per program × warps × stages;
 - ``topk_rows`` at 32K and 128K: CHUNK × num_warps;
 - ``mla_sparse`` at 128 heads (``--only sparse_splits``) and at 16 (``--only
   sparse_splits_few``), studies whose winners feed no record: num_splits × tiles × stages;
@@ -46,12 +47,16 @@ INDEX_TILES_SPACE = [{"BLOCK_T": t, "TILES": n, "num_warps": w, "num_stages": st
                       "tokens_m": True}
                      for t, n, w, st in itertools.product((64, 128, 256), (4, 8, 16, 32), (4, 8),
                                                           (2, 3, 4))]
-# the key tiles loaded into registers one tile ahead (``prefetch``, one stage): ``--only
-# index_prefetch``, against the pipelined default (its first row)
-INDEX_PREFETCH_SPACE = [{}] + [{"prefetch": True, "BLOCK_T": t, "TILES": n, "num_warps": w,
-                                "num_stages": 1}
-                               for t, n, w in ((64, 32, 4), (64, 64, 4), (128, 16, 8),
-                                               (128, 32, 8), (128, 32, 4), (128, 64, 4))]
+# the page ids gathered from registers (``gather_pages``: the copies then pipeline) and the
+# key tiles loaded into registers one tile ahead (``prefetch``, one stage): ``--only
+# index_prefetch``, against the default (its first row)
+INDEX_PREFETCH_SPACE = (
+    [{}] + [{"gather_pages": True, "TILES": n, "num_stages": st}
+            for n, st in itertools.product((None, 16, 32), (3, 4))]
+    + [{"prefetch": True, "gather_pages": g, "BLOCK_T": t, "TILES": n, "num_warps": w,
+        "num_stages": 1}
+       for g in (False, True)
+       for t, n, w in ((64, 32, 4), (64, 64, 4), (128, 16, 8), (128, 32, 8), (128, 32, 4))])
 TOPK_SPACE = [{"CHUNK": c, "num_warps": w}
               for c, w in itertools.product((4096, 8192, 16384), (4, 8, 16, 32))]
 # the split of each row's slot list at 128 heads (None: the launcher's choice) with the table's

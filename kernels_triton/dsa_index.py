@@ -30,12 +30,17 @@ feed the product from registers).
 Latency: ncu on an H200 (16 rows x 128K, the GPU default) finds the kernel waiting on global
 loads (long scoreboard 4.3 of ~8 cycles per instruction, 23% occupancy, 2.8 TB/s), and its SASS
 shows why: the pipelined loop issues the next tile's copies after this tile's product and
-waits for all of them at the top of the next iteration, so no load overlaps compute (3 stages
-the same). ``config["prefetch"]`` (use with ``num_stages`` 1) loads the next tile into
-registers before this one's product instead; offline sm_90 its loads issue beside the product
-and the epilogue, at 200 registers on 4 warps with 128-token tiles (127 on 8 warps, 125 with
-64-token tiles). The CPU default; on GPUs not yet timed (``benchmarks/dsa_sweep.py --only
-index_prefetch``).
+waits for all of them at the top of the next iteration, so no load overlaps compute, at any
+``num_stages``: the page-table load inside the loop, which each tile's addresses depend on,
+keeps Triton's software pipeliner (3.6) from running the copies ahead. Two remedies, both the
+CPU default and on GPUs not yet timed (``benchmarks/dsa_sweep.py --only index_prefetch``):
+- ``config["gather_pages"]``: a program loads its page ids once (``PAGES``, a power of two, at
+  most 256) and each tile gathers its rows' ids from those registers (``tl.gather``): offline
+  sm_90 the loop then waits for all but ``num_stages - 2`` copies (3 stages: one tile in flight
+  beside the product), at 106 registers;
+- ``config["prefetch"]`` (with ``num_stages`` 1): the next tile loads into registers before this
+  one's product; its loads issue beside the product and the epilogue, at 200 registers on 4
+  warps with 128-token tiles (127 on 8 warps, 125 with 64-token tiles).
 """
 
 from __future__ import annotations
@@ -54,16 +59,23 @@ SHAPE_INTS = ["stride_btn"]
 
 
 @triton.jit
-def _key_tile(k_ptr, ks_ptr, bt_row, t0, lim, softmax_scale, stride_kp, stride_ks, stride_kd,
-              stride_sp, stride_ss, stride_btp, q_dtype: tl.constexpr, I: tl.constexpr,
-              PAGE_SIZE: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_T: tl.constexpr,
-              IS_FP8: tl.constexpr, FP8_DOT: tl.constexpr):
+def _key_tile(k_ptr, ks_ptr, bt_row, pages, first_page, t0, lim, softmax_scale, stride_kp,
+              stride_ks, stride_kd, stride_sp, stride_ss, stride_btp, q_dtype: tl.constexpr,
+              I: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_I: tl.constexpr,
+              BLOCK_T: tl.constexpr, IS_FP8: tl.constexpr, FP8_DOT: tl.constexpr,
+              PAGES: tl.constexpr):
     """Key tile [t0, t0 + BLOCK_T) (tokens < ``lim``; the rest 0) through the page table, in
-    the product's dtype, and its score columns' factor (softmax scale x the fp8 key scale)."""
+    the product's dtype, and its score columns' factor (softmax scale x the fp8 key scale).
+    With PAGES > 0 the page ids come from ``pages``, the program's PAGES ids from
+    ``first_page`` on (a gather in registers, not a load: see the module docstring)."""
     offs_t = t0 + tl.arange(0, BLOCK_T)
     offs_i = tl.arange(0, BLOCK_I)
     mask_t = offs_t < lim
-    page = tl.load(bt_row + (offs_t // PAGE_SIZE) * stride_btp, mask=mask_t, other=0)
+    if PAGES > 0:
+        slot = tl.minimum(tl.maximum(offs_t // PAGE_SIZE - first_page, 0), PAGES - 1)
+        page = tl.where(mask_t, tl.gather(pages, slot, 0), 0)
+    else:
+        page = tl.load(bt_row + (offs_t // PAGE_SIZE) * stride_btp, mask=mask_t, other=0)
     row_off = page.to(tl.int64) * stride_kp + (offs_t % PAGE_SIZE) * stride_ks
     k = tl.load(k_ptr + row_off[:, None] + offs_i[None, :] * stride_kd,
                 mask=mask_t[:, None] & (offs_i < I)[None, :], other=0.0)
@@ -136,6 +148,7 @@ def _index_scores_kernel(
     TOKENS_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PREFETCH: tl.constexpr,
+    PAGES: tl.constexpr,  # > 0: page ids gathered from the program's PAGES, loaded once
 ):
     pid_t = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -175,23 +188,31 @@ def _index_scores_kernel(
         t_keys = tl.maximum(tl.minimum(t_hi, seq_len) - t_lo, 0)
         t_mid = t_lo + tl.cdiv(t_keys, BLOCK_T) * BLOCK_T
         lim = tl.minimum(seq_len, t_mid)
+        first_page = t_lo // PAGE_SIZE
+        pages = first_page  # unused without PAGES
+        if PAGES > 0:  # the program's page ids, once: the loop's loads then pipeline
+            offs_p = first_page + tl.arange(0, PAGES)
+            pages = tl.load(bt_row + offs_p * stride_btp, mask=offs_p * PAGE_SIZE < lim, other=0)
         if PREFETCH:  # the next tile's keys load while this one's product runs (registers)
-            k, col = _key_tile(k_ptr, ks_ptr, bt_row, t_lo, lim, softmax_scale, stride_kp,
-                               stride_ks, stride_kd, stride_sp, stride_ss, stride_btp, q.dtype,
-                               I, PAGE_SIZE, BLOCK_I, BLOCK_T, IS_FP8, FP8_DOT)
+            k, col = _key_tile(k_ptr, ks_ptr, bt_row, pages, first_page, t_lo, lim,
+                               softmax_scale, stride_kp, stride_ks, stride_kd, stride_sp,
+                               stride_ss, stride_btp, q.dtype, I, PAGE_SIZE, BLOCK_I, BLOCK_T,
+                               IS_FP8, FP8_DOT, PAGES)
             for t0 in range(t_lo, t_mid, BLOCK_T):
-                k_next, col_next = _key_tile(k_ptr, ks_ptr, bt_row, t0 + BLOCK_T, lim,
-                                             softmax_scale, stride_kp, stride_ks, stride_kd,
-                                             stride_sp, stride_ss, stride_btp, q.dtype, I,
-                                             PAGE_SIZE, BLOCK_I, BLOCK_T, IS_FP8, FP8_DOT)
+                k_next, col_next = _key_tile(k_ptr, ks_ptr, bt_row, pages, first_page,
+                                             t0 + BLOCK_T, lim, softmax_scale, stride_kp,
+                                             stride_ks, stride_kd, stride_sp, stride_ss,
+                                             stride_btp, q.dtype, I, PAGE_SIZE, BLOCK_I,
+                                             BLOCK_T, IS_FP8, FP8_DOT, PAGES)
                 _tile_scores(q, w, k, col, t0, pos, mask_m, out_rows, T, stride_ot, BLOCK_M,
                              BLOCK_H, BLOCK_T, TOKENS_M, DOT_PRECISION)
                 k, col = k_next, col_next
         else:
             for t0 in range(t_lo, t_mid, BLOCK_T):
-                k, col = _key_tile(k_ptr, ks_ptr, bt_row, t0, lim, softmax_scale, stride_kp,
-                                   stride_ks, stride_kd, stride_sp, stride_ss, stride_btp,
-                                   q.dtype, I, PAGE_SIZE, BLOCK_I, BLOCK_T, IS_FP8, FP8_DOT)
+                k, col = _key_tile(k_ptr, ks_ptr, bt_row, pages, first_page, t0, lim,
+                                   softmax_scale, stride_kp, stride_ks, stride_kd, stride_sp,
+                                   stride_ss, stride_btp, q.dtype, I, PAGE_SIZE, BLOCK_I,
+                                   BLOCK_T, IS_FP8, FP8_DOT, PAGES)
                 _tile_scores(q, w, k, col, t0, pos, mask_m, out_rows, T, stride_ot, BLOCK_M,
                              BLOCK_H, BLOCK_T, TOKENS_M, DOT_PRECISION)
         for t0 in range(t_mid, t_hi, BLOCK_T):  # columns past the history
@@ -212,10 +233,12 @@ def _index_scores_kernel(
 # 1,024 programs of TILES 4 / 16; deeper pipelines and other tiles gained nothing).
 _GPU_DEFAULTS: dict[str, Any] = {"BLOCK_T": 128, "TILES": None, "BLOCK_M_EXTEND": 4,
                                  "num_warps": 4, "num_stages": 2, "fp8_fp16": True,
-                                 "fp8_dot": True, "tokens_m": True, "prefetch": False}
+                                 "fp8_dot": True, "tokens_m": True, "prefetch": False,
+                                 "gather_pages": False}
 _CPU_DEFAULTS: dict[str, Any] = {"BLOCK_T": 128, "TILES": 1, "BLOCK_M_EXTEND": 16, "num_warps": 4,
                                  "num_stages": 1, "fp8_fp16": False, "fp8_dot": False,
-                                 "tokens_m": False, "prefetch": True}
+                                 "tokens_m": False, "prefetch": True,
+                                 "gather_pages": True}
 
 
 def index_config(device: torch.device, config: dict | None) -> dict[str, Any]:
@@ -247,6 +270,17 @@ def _auto_tiles(max_len: int, block_t: int, row_blocks: int) -> int:
            and triton.cdiv(max_len, block_t * tiles * 2) * row_blocks >= _PROGRAMS):
         tiles *= 2
     return tiles
+
+
+_MAX_GATHERED_PAGES = 256  # page ids a program holds in registers (more: one load a tile)
+
+
+def _gathered_pages(cfg: dict[str, Any], per_program: int, page_size: int) -> int:
+    """PAGES for a program of ``per_program`` tokens: a power of two covering them (one more
+    for a start inside a page), or 0 (page ids loaded per tile) without ``gather_pages`` or
+    when there would be more than ``_MAX_GATHERED_PAGES``."""
+    pages = V.next_pow2(triton.cdiv(per_program, page_size) + 1, 1)
+    return pages if cfg["gather_pages"] and pages <= _MAX_GATHERED_PAGES else 0
 
 
 def tile_counts(device: torch.device, config: dict | None) -> list[int]:
@@ -326,7 +360,7 @@ def index_scores(
         HI=HI, I=I, PAGE_SIZE=PS, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_I=V.next_pow2(I),
         BLOCK_T=cfg["BLOCK_T"], TILES=tiles, IS_FP8=fp8, FP8_FP16=fp16,
         FP8_DOT=fp8 and bool(cfg["fp8_dot"]), TOKENS_M=bool(cfg["tokens_m"]),
-        PREFETCH=bool(cfg["prefetch"]),
+        PREFETCH=bool(cfg["prefetch"]), PAGES=_gathered_pages(cfg, per_program, PS),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 and not fp16 else None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
