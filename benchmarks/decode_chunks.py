@@ -1,5 +1,6 @@
 """The dimension-chunked decode kernel (``config["dim_chunks"]``) against the head-group kernel
-(``dim_chunks: False``) and the chunked kernel's tiles, warps and stages, at few and many heads,
+(``dim_chunks: False``) and the chunked kernel's tiles, warps, stages and page-id gathering
+(``gather_pages``), at few and many heads,
 bf16 and fp8 KV (graph-timed, page 64, random page order; each output compared with the first
 variant's).
 
@@ -26,10 +27,14 @@ FEW = [{}, {"dim_chunks": False}, {"dim_chunks": True, "num_stages": 2},
        {"dim_chunks": True, "num_stages": 4}, {"dim_chunks": True, "BLOCK_N": 32},
        {"dim_chunks": True, "BLOCK_N": 32, "num_stages": 4},
        {"dim_chunks": True, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
-       {"dim_chunks": True, "programs_per_sm": 3}]
+       {"dim_chunks": True, "programs_per_sm": 3}, {"gather_pages": True},
+       {"gather_pages": True, "num_stages": 4}, {"gather_pages": True, "num_stages": 2}]
 # fp8 KV at few heads (its table entry has 32-token tiles): the chunked kernel on 64-token ones
 FP8_FEW = [{}, {"dim_chunks": False}, {"BLOCK_N": 64}, {"BLOCK_N": 64, "num_stages": 2},
-           {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2}, {"num_stages": 4}]
+           {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2}, {"num_stages": 4},
+           {"gather_pages": True}, {"gather_pages": True, "num_stages": 4},
+           {"gather_pages": True, "BLOCK_N": 64}, {"gather_pages": True, "BLOCK_N": 64,
+                                                   "num_stages": 4}]
 MANY = [{}, {"dim_chunks": True}, {"dim_chunks": True, "BLOCK_H": 32, "num_warps": 4},
         {"dim_chunks": True, "BLOCK_N": 32}]
 

@@ -53,9 +53,32 @@ def _chunk_scores(qk, q_rows, kv_rows, c: tl.constexpr, mask_h, mask_t, stride_q
 
 
 @triton.jit
+def _kv_rows_gathered(scale_ptr, pages, first_page, t0, end, stride_kvp, stride_kvs, stride_sp,
+                      stride_ss, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                      MASK_T: tl.constexpr, IS_FP8: tl.constexpr, PAGES: tl.constexpr):
+    """``_kv_rows`` with the tile's page ids gathered from ``pages`` (PAGES ids, ``first_page``
+    on) instead of loaded: no load that the tile's addresses wait on inside the loop."""
+    offs_t = t0 + tl.arange(0, BLOCK_N)
+    mask_t = offs_t < end
+    slot = tl.minimum(tl.maximum(offs_t // PAGE_SIZE - first_page, 0), PAGES - 1)
+    page = tl.gather(pages, slot, 0).to(tl.int64)
+    in_page = offs_t % PAGE_SIZE
+    row_off = page * stride_kvp + in_page * stride_kvs
+    if IS_FP8:
+        scale_ptrs = scale_ptr + page * stride_sp + in_page * stride_ss
+        if MASK_T:
+            row_scale = tl.load(scale_ptrs, mask=mask_t, other=0.0)
+        else:
+            row_scale = tl.load(scale_ptrs)
+    else:
+        row_scale = tl.full((BLOCK_N,), 1.0, tl.float32)
+    return row_off, mask_t, row_scale
+
+
+@triton.jit
 def _attend_tile_chunked(
     q_rows, mask_h, m_i, l_i, acc0, acc1, acc2, acc3,
-    kv_ptr, scale_ptr, bt_row_ptr, t0, end, qk_scale,
+    kv_ptr, scale_ptr, bt_row_ptr, pages, first_page, t0, end, qk_scale,
     stride_qd, stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss,
     L: tl.constexpr,
     R: tl.constexpr,
@@ -68,12 +91,19 @@ def _attend_tile_chunked(
     IS_FP8: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP8_PTX: tl.constexpr,
+    PAGES: tl.constexpr,
 ):
     """``_attend_tile`` over four column chunks: one KV tile folded into the online softmax of
     the head group, the value accumulator as four (BLOCK_H, BLOCK_L / 4) pieces."""
-    row_off, mask_t, row_scale = _kv_rows(scale_ptr, bt_row_ptr, t0, end, stride_btp,
-                                          stride_kvp, stride_kvs, stride_sp, stride_ss,
-                                          PAGE_SIZE, BLOCK_N, MASK_T, IS_FP8)
+    if PAGES > 0:
+        row_off, mask_t, row_scale = _kv_rows_gathered(scale_ptr, pages, first_page, t0, end,
+                                                       stride_kvp, stride_kvs, stride_sp,
+                                                       stride_ss, PAGE_SIZE, BLOCK_N, MASK_T,
+                                                       IS_FP8, PAGES)
+    else:
+        row_off, mask_t, row_scale = _kv_rows(scale_ptr, bt_row_ptr, t0, end, stride_btp,
+                                              stride_kvp, stride_kvs, stride_sp, stride_ss,
+                                              PAGE_SIZE, BLOCK_N, MASK_T, IS_FP8)
     kv_rows = kv_ptr + row_off[:, None]
     qk = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)
     qk, kv0 = _chunk_scores(qk, q_rows, kv_rows, 0, mask_h, mask_t, stride_qd, stride_kvd, L,
@@ -135,6 +165,7 @@ def _mla_decode_chunked_kernel(
     FP8_FP16: tl.constexpr,  # unused: q arrives in the products' dtype
     FP8_PTX: tl.constexpr,
     BALANCED: tl.constexpr,
+    PAGES: tl.constexpr = 0,  # > 0: page ids in blocks of PAGES, gathered (config gather_pages)
 ):
     pid_h = tl.program_id(0)
     if BALANCED:
@@ -164,19 +195,35 @@ def _mla_decode_chunked_kernel(
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     bt_row_ptr = bt_ptr + pid_n * stride_btn
-    for t0 in range(start, full_end, BLOCK_N):
-        m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile_chunked(
-            q_rows, mask_h, m_i, l_i, acc0, acc1, acc2, acc3, kv_ptr, scale_ptr, bt_row_ptr,
-            t0, end, qk_scale, stride_qd, stride_btp, stride_kvp, stride_kvs, stride_kvd,
-            stride_sp, stride_ss, L, R, PAGE_SIZE, BLOCK_H, BLOCK_N, BLOCK_L, BLOCK_R, False,
-            IS_FP8, DOT_PRECISION, FP8_PTX,
-        )
+    if PAGES > 0:  # blocks of PAGES pages, their ids loaded once; the tiles' copies pipeline
+        for b0 in range((start // PAGE_SIZE) * PAGE_SIZE, full_end, PAGES * PAGE_SIZE):
+            first_page = b0 // PAGE_SIZE
+            offs_p = first_page + tl.arange(0, PAGES)
+            pages = tl.load(bt_row_ptr + offs_p * stride_btp, mask=offs_p * PAGE_SIZE < end,
+                            other=0)
+            for t0 in range(tl.maximum(start, b0), tl.minimum(full_end, b0 + PAGES * PAGE_SIZE),
+                            BLOCK_N):
+                m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile_chunked(
+                    q_rows, mask_h, m_i, l_i, acc0, acc1, acc2, acc3, kv_ptr, scale_ptr,
+                    bt_row_ptr, pages, first_page, t0, end, qk_scale, stride_qd, stride_btp,
+                    stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss, L, R, PAGE_SIZE,
+                    BLOCK_H, BLOCK_N, BLOCK_L, BLOCK_R, False, IS_FP8, DOT_PRECISION, FP8_PTX,
+                    PAGES,
+                )
+    else:
+        for t0 in range(start, full_end, BLOCK_N):
+            m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile_chunked(
+                q_rows, mask_h, m_i, l_i, acc0, acc1, acc2, acc3, kv_ptr, scale_ptr,
+                bt_row_ptr, bt_row_ptr, 0, t0, end, qk_scale, stride_qd, stride_btp,
+                stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss, L, R, PAGE_SIZE,
+                BLOCK_H, BLOCK_N, BLOCK_L, BLOCK_R, False, IS_FP8, DOT_PRECISION, FP8_PTX, 0,
+            )
     if full_end < end:
         m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile_chunked(
             q_rows, mask_h, m_i, l_i, acc0, acc1, acc2, acc3, kv_ptr, scale_ptr, bt_row_ptr,
-            full_end, end, qk_scale, stride_qd, stride_btp, stride_kvp, stride_kvs, stride_kvd,
-            stride_sp, stride_ss, L, R, PAGE_SIZE, BLOCK_H, BLOCK_N, BLOCK_L, BLOCK_R, True,
-            IS_FP8, DOT_PRECISION, FP8_PTX,
+            bt_row_ptr, 0, full_end, end, qk_scale, stride_qd, stride_btp, stride_kvp,
+            stride_kvs, stride_kvd, stride_sp, stride_ss, L, R, PAGE_SIZE, BLOCK_H, BLOCK_N,
+            BLOCK_L, BLOCK_R, True, IS_FP8, DOT_PRECISION, FP8_PTX, 0,
         )
     l_safe, lse = _softmax_totals(m_i, l_i)
     offs_c = tl.arange(0, CH)

@@ -1,5 +1,6 @@
 """mla_decode's dimension-chunked kernel (``config["dim_chunks"]``) against the fp64 torch
-reference: both split schemes, masked chunks, fp8 KV with fp16 products (q cast once)."""
+reference: both split schemes, masked chunks, page ids loaded per tile or gathered from blocks,
+fp8 KV with fp16 products (q cast once)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,16 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("gather", [False, True, 2])
 @pytest.mark.parametrize("splits", ["balanced", 1, 3])
 @pytest.mark.parametrize("case", list(CASES))
-def test_chunked_matches_reference(setting, case, splits):
+def test_chunked_matches_reference(setting, case, splits, gather):
+    """... and with the page ids gathered from blocks loaded once (``gather_pages``: True, the
+    launcher's blocks; 2, two-page blocks, so a split crosses many)."""
     L, R, PS, H, lens = CASES[case]
     q, kv, scale, table, seq_lens = decode_inputs(setting, L, R, PS, H, lens, seed=6)
-    cfg = {"dim_chunks": True, "balanced": splits == "balanced", "min_split_tokens": 16}
+    cfg = {"dim_chunks": True, "balanced": splits == "balanced", "min_split_tokens": 16,
+           "gather_pages": gather, **({"BLOCK_N": 16} if gather == 2 else {})}
     num_splits = None if splits == "balanced" else splits
     out, lse = mla_decode(q, kv, table, seq_lens, 0.15, L, kv_scale=scale, num_splits=num_splits,
                           config=cfg)
@@ -46,6 +51,15 @@ def test_chunked_fp16_products_saturate_like_the_head_group_kernel(device):
                      config={**base, "dim_chunks": True})
     torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got[1], ref[1], atol=1e-5, rtol=1e-5)
+
+
+def test_gather_pages_must_hold_a_tile(device):
+    q = torch.zeros(1, 16, 80, device=device)
+    kv = torch.zeros(4, 16, 80, device=device)
+    one = torch.ones(1, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="gather_pages=3"):
+        mla_decode(q, kv, one[:, None] * 0, one, 0.1, 64,
+                   config={"dim_chunks": True, "gather_pages": 3, "BLOCK_N": 16})
 
 
 @pytest.mark.parametrize("other", ["narrow-latents", "transposed"])
