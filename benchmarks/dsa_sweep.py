@@ -14,7 +14,7 @@ times carry the launches' host cost, which decides nothing about a graph-replaye
 - ``mla_sparse`` at 128 heads (``--only sparse_splits``) and at 16 (``--only
   sparse_splits_few``), studies whose winners feed no record: num_splits × tiles × stages;
 - ``mla_sparse`` over 2,048 selected slots, 16 and 128 heads, bf16 and fp8 KV: BLOCK_N ×
-  num_warps × num_stages.
+  num_warps × num_stages; with the slot ids gathered (``--only sparse_gather``, a study).
 A config is the winner of a kernel when its summed time over the swept shapes is lowest
 (configs that fail to compile or give wrong results are reported and skipped). The records then
 run with the winners: ``python benchmarks/dsa_sweep.py --out sweep.json``.
@@ -66,6 +66,10 @@ SPARSE_SPLITS_SPACE = [{"num_splits": s, **cfg} for s in (None, 2, 4, 8, 16)
 # the same at 16 heads, to 32 splits: ``--only sparse_splits_few``
 SPARSE_SPLITS_FEW = [{"num_splits": s, **cfg} for s in (None, 2, 4, 8, 16, 32)
                      for cfg in ({}, {"num_stages": 3}, {"BLOCK_N": 32, "num_stages": 3})]
+# the split's slot ids gathered from registers (``gather_slots``: the copies then pipeline),
+# with deeper pipelines: ``--only sparse_gather``, against the default (its first row)
+SPARSE_GATHER_SPACE = [{}] + [{"gather_slots": True, "num_stages": st, "num_splits": n}
+                              for st, n in itertools.product((2, 3, 4), (None, 16))]
 SPARSE_SPACE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
                 for n, w, st in itertools.product((16, 32, 64), (4, 8), (1, 2))]
 
@@ -166,7 +170,8 @@ def main() -> None:
             ("topk", "topk", TOPK_SPACE, topk_shapes),
             ("mla_sparse", "mla_sparse", SPARSE_SPACE, sparse_shapes),
             ("sparse_splits", None, SPARSE_SPLITS_SPACE, many_heads),
-            ("sparse_splits_few", None, SPARSE_SPLITS_FEW, few_heads)):
+            ("sparse_splits_few", None, SPARSE_SPLITS_FEW, few_heads),
+            ("sparse_gather", None, SPARSE_GATHER_SPACE, sparse_shapes)):
         if name in only:
             result["sweeps"][name] = _sweep(name, space, shapes)
             save_json(args.out, result)

@@ -238,12 +238,16 @@ def _sparse_inputs(setting, L, R, PS, H, K, seed=0):
     return q, kv, scale, slots.to(torch.int32).to(dev)
 
 
+@pytest.mark.parametrize("gather", [False, True])
 @pytest.mark.parametrize("num_splits", [1, 3, None])
 @pytest.mark.parametrize("case", list(SPARSE_CASES))
-def test_sparse_matches_reference(setting, case, num_splits):
+def test_sparse_matches_reference(setting, case, num_splits, gather):
+    """Both split forms, slot ids loaded per tile or gathered from the split's, loaded once
+    (``gather_slots``)."""
     L, R, PS, H, K = SPARSE_CASES[case]
     q, kv, scale, slots = _sparse_inputs(setting, L, R, PS, H, K)
-    out, lse = mla_sparse(q, kv, slots, 0.15, L, kv_scale=scale, num_splits=num_splits)
+    out, lse = mla_sparse(q, kv, slots, 0.15, L, kv_scale=scale, num_splits=num_splits,
+                          config={"gather_slots": gather})
     ref_out, ref_lse = mla_sparse_ref(q, kv, slots, 0.15, L, kv_scale=scale)
     assert out.shape == (4, H, L) and out.dtype == q.dtype
     assert_close(out, ref_out, setting.atol, setting.rtol)
