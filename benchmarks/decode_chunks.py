@@ -35,8 +35,12 @@ FP8_FEW = [{}, {"dim_chunks": False}, {"BLOCK_N": 64}, {"BLOCK_N": 64, "num_stag
            {"gather_pages": True}, {"gather_pages": True, "num_stages": 4},
            {"gather_pages": True, "BLOCK_N": 64}, {"gather_pages": True, "BLOCK_N": 64,
                                                    "num_stages": 4}]
+# many heads: 2 stages of 64-token tiles fill shared memory, and Triton overlaps no copy with
+# compute below 3 stages, so the gathered page ids are tried on 32-token tiles
 MANY = [{}, {"dim_chunks": True}, {"dim_chunks": True, "BLOCK_H": 32, "num_warps": 4},
-        {"dim_chunks": True, "BLOCK_N": 32}]
+        {"dim_chunks": True, "BLOCK_N": 32}, {"gather_pages": True, "num_stages": 3},
+        {"gather_pages": True, "BLOCK_N": 32, "num_stages": 3},
+        {"gather_pages": True, "BLOCK_N": 32, "num_stages": 4}]
 
 
 def main() -> int:

@@ -60,14 +60,16 @@ Design:
   wins) and to latents of at least 64 columns (narrower ones take the unchunked kernel).
   ``config["maxnreg"]`` passes ptxas a register cap (CUDA only): 168 would allow three
   programs an SM but spills and lost 8-13%.
-- Gathered page ids (``config["gather_pages"]``, chunked kernel, untimed): the loop's page-table
-  load, which each tile's addresses wait on, keeps Triton's software pipeliner (3.6) from running
-  copies ahead: offline sm_90 every iteration starts by waiting for all of them, at any
+- Gathered page ids (``config["gather_pages"]``, both heads-on-M kernels, untimed): the
+  loop's page-table load, which each tile's addresses wait on, keeps Triton's software
+  pipeliner (3.6) from running copies ahead: offline sm_90 every iteration starts by waiting for all of them, at any
   ``num_stages``. With it a split walks blocks of pages (True: about 4K tokens; or an int, the
   pages a block), loads each block's ids once and gathers each tile's from registers
-  (``tl.gather``); the inner loop then keeps the next tile's copies in flight (16 heads: bf16
-  198 registers against 206, fp8 234 against 238). fp8's 32-token tiles leave a Hopper SM
-  ~36 KB in flight with two programs, which is why it reads far below the bandwidth.
+  (``tl.gather``); the inner loop then keeps the next tile's copies in flight (chunked kernel,
+  16 heads: bf16 198 registers against 206, fp8 234 against 238; the head-group kernel only
+  from 3 stages, which at 64 heads fit shared memory with 32-token tiles). fp8's 32-token tiles
+  leave a Hopper SM ~36 KB in flight with two programs, which is why it reads far below the
+  bandwidth.
 - Full tiles load without a token mask; only a split's last partial tile is masked. When the
   page size is a multiple of ``BLOCK_N`` a tile lies in one page and its page id is one load.
 """
@@ -226,17 +228,17 @@ def mla_decode(
     if cfg.get("maxnreg") and q.is_cuda and torch.version.hip is None:
         consts["maxnreg"] = int(cfg["maxnreg"])  # a register cap for ptxas (occupancy)
     kernel = _mla_decode_kernel
+    pages = cfg.get("gather_pages") if not transposed else None  # both heads-on-M kernels
+    if pages is True:  # blocks of about 4K tokens
+        pages = min(256, V.next_pow2(max(4096 // PS, BLOCK_N // PS, 1), 1))
+    if pages:
+        if not isinstance(pages, int) or pages & (pages - 1) or pages * PS < BLOCK_N:
+            raise ValueError(f"config gather_pages={pages!r}: a power of two of pages holding "
+                             f"at least a tile ({BLOCK_N} tokens, page {PS})")
+        consts["PAGES"] = pages
     # dim_chunks is a form of the heads-on-M kernel for latents of at least 16 columns a chunk
     if cfg.get("dim_chunks") and not transposed and consts["BLOCK_L"] >= 16 * CHUNKS.value:
         kernel = _mla_decode_chunked_kernel
-        pages = cfg.get("gather_pages")  # True: blocks of about 4K tokens; or pages a block
-        if pages is True:
-            pages = min(256, V.next_pow2(max(4096 // PS, BLOCK_N // PS, 1), 1))
-        if pages:
-            if not isinstance(pages, int) or pages & (pages - 1) or pages * PS < BLOCK_N:
-                raise ValueError(f"config gather_pages={pages!r}: a power of two of pages "
-                                 f"holding at least a tile ({BLOCK_N} tokens, page {PS})")
-            consts["PAGES"] = pages
         if fp16_products:  # re-read every tile: cast once, as _q_operand would
             q = q.float().clamp_(-65504.0, 65504.0).to(torch.float16)
     inputs = (*q.stride(), *kv.stride(), *(scale.stride() if kv_scale is not None else (0, 0)),

@@ -53,29 +53,6 @@ def _chunk_scores(qk, q_rows, kv_rows, c: tl.constexpr, mask_h, mask_t, stride_q
 
 
 @triton.jit
-def _kv_rows_gathered(scale_ptr, pages, first_page, t0, end, stride_kvp, stride_kvs, stride_sp,
-                      stride_ss, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                      MASK_T: tl.constexpr, IS_FP8: tl.constexpr, PAGES: tl.constexpr):
-    """``_kv_rows`` with the tile's page ids gathered from ``pages`` (PAGES ids, ``first_page``
-    on) instead of loaded: no load that the tile's addresses wait on inside the loop."""
-    offs_t = t0 + tl.arange(0, BLOCK_N)
-    mask_t = offs_t < end
-    slot = tl.minimum(tl.maximum(offs_t // PAGE_SIZE - first_page, 0), PAGES - 1)
-    page = tl.gather(pages, slot, 0).to(tl.int64)
-    in_page = offs_t % PAGE_SIZE
-    row_off = page * stride_kvp + in_page * stride_kvs
-    if IS_FP8:
-        scale_ptrs = scale_ptr + page * stride_sp + in_page * stride_ss
-        if MASK_T:
-            row_scale = tl.load(scale_ptrs, mask=mask_t, other=0.0)
-        else:
-            row_scale = tl.load(scale_ptrs)
-    else:
-        row_scale = tl.full((BLOCK_N,), 1.0, tl.float32)
-    return row_off, mask_t, row_scale
-
-
-@triton.jit
 def _attend_tile_chunked(
     q_rows, mask_h, m_i, l_i, acc0, acc1, acc2, acc3,
     kv_ptr, scale_ptr, bt_row_ptr, pages, first_page, t0, end, qk_scale,
@@ -95,15 +72,10 @@ def _attend_tile_chunked(
 ):
     """``_attend_tile`` over four column chunks: one KV tile folded into the online softmax of
     the head group, the value accumulator as four (BLOCK_H, BLOCK_L / 4) pieces."""
-    if PAGES > 0:
-        row_off, mask_t, row_scale = _kv_rows_gathered(scale_ptr, pages, first_page, t0, end,
-                                                       stride_kvp, stride_kvs, stride_sp,
-                                                       stride_ss, PAGE_SIZE, BLOCK_N, MASK_T,
-                                                       IS_FP8, PAGES)
-    else:
-        row_off, mask_t, row_scale = _kv_rows(scale_ptr, bt_row_ptr, t0, end, stride_btp,
-                                              stride_kvp, stride_kvs, stride_sp, stride_ss,
-                                              PAGE_SIZE, BLOCK_N, MASK_T, IS_FP8)
+    row_off, mask_t, row_scale = _kv_rows(scale_ptr, bt_row_ptr, t0, end, stride_btp,
+                                          stride_kvp, stride_kvs, stride_sp, stride_ss,
+                                          PAGE_SIZE, BLOCK_N, MASK_T, IS_FP8, pages,
+                                          first_page, PAGES)
     kv_rows = kv_ptr + row_off[:, None]
     qk = tl.zeros((BLOCK_H, BLOCK_N), tl.float32)
     qk, kv0 = _chunk_scores(qk, q_rows, kv_rows, 0, mask_h, mask_t, stride_qd, stride_kvd, L,

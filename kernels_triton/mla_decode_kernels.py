@@ -100,13 +100,24 @@ def _kv_rows(
     BLOCK_N: tl.constexpr,
     MASK_T: tl.constexpr,
     IS_FP8: tl.constexpr,
+    pages=None,
+    first_page=0,
+    PAGES: tl.constexpr = 0,
 ):
     """Rows [t0, t0 + BLOCK_N) of one request's paged KV: each row's offset in the pool, the
-    token mask (rows before ``end``) and the per-row fp8 scale (1.0 when not fp8)."""
+    token mask (rows before ``end``) and the per-row fp8 scale (1.0 when not fp8). With
+    PAGES > 0 the page ids are gathered from ``pages`` (PAGES ids from ``first_page`` on, in
+    registers) instead of loaded, so no load inside the loop gates the tile's copies."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_t = t0 + offs_n  # (BLOCK_N,) token positions
     mask_t = offs_t < end
-    if PAGE_SIZE % BLOCK_N == 0:
+    if PAGES > 0:
+        slot = tl.minimum(tl.maximum(offs_t // PAGE_SIZE - first_page, 0), PAGES - 1)
+        page = tl.gather(pages, slot, 0).to(tl.int64)
+        in_page = offs_t % PAGE_SIZE
+        row_off = page * stride_kvp + in_page * stride_kvs
+        scale_off = page * stride_sp + in_page * stride_ss
+    elif PAGE_SIZE % BLOCK_N == 0:
         # tiles are BLOCK_N-aligned, so the whole tile sits in one page: one scalar base, and
         # the rows' offsets stay loop-invariant (as (t0 % PAGE_SIZE + offs_n) * stride the loop
         # recomputed every row's address wherever t0's alignment is unknown to the compiler:
@@ -143,14 +154,18 @@ def _load_kv_tile(
     BLOCK_R: tl.constexpr,
     MASK_T: tl.constexpr,
     IS_FP8: tl.constexpr,
+    pages=None,
+    first_page=0,
+    PAGES: tl.constexpr = 0,
 ):
     """Rows [t0, t0 + BLOCK_N) of one request: nope (BLOCK_N, BLOCK_L), rope (BLOCK_N, BLOCK_R),
-    the token mask and the per-row fp8 scale (1.0 when not fp8)."""
+    the token mask and the per-row fp8 scale (1.0 when not fp8); page ids as ``_kv_rows``."""
     offs_l = tl.arange(0, BLOCK_L)
     offs_r = tl.arange(0, BLOCK_R)
     row_off, mask_t, row_scale = _kv_rows(scale_ptr, bt_row_ptr, t0, end, stride_btp,
                                           stride_kvp, stride_kvs, stride_sp, stride_ss,
-                                          PAGE_SIZE, BLOCK_N, MASK_T, IS_FP8)
+                                          PAGE_SIZE, BLOCK_N, MASK_T, IS_FP8, pages,
+                                          first_page, PAGES)
     kv_nope = _load_tile(
         kv_ptr + row_off[:, None] + offs_l[None, :] * stride_kvd,
         mask_t, offs_l < L, MASK_T, BLOCK_L != L,
@@ -179,6 +194,9 @@ def _attend_tile(
     CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP8_PTX: tl.constexpr,
+    pages=None,
+    first_page=0,
+    PAGES: tl.constexpr = 0,
 ):
     """One KV tile [t0, t0 + BLOCK_N) (tokens < ``end``) folded into the online softmax of the
     query rows (heads for decode, chunk rows for extend): q_nope (BLOCK_H, BLOCK_L), scores
@@ -192,7 +210,7 @@ def _attend_tile(
     kv_nope, kv_rope, mask_t, row_scale = _load_kv_tile(
         kv_ptr, scale_ptr, bt_row_ptr, t0, end,
         stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss,
-        L, R, PAGE_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, MASK_T, IS_FP8,
+        L, R, PAGE_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, MASK_T, IS_FP8, pages, first_page, PAGES,
     )
     if IS_FP8:
         kv_nope = _widen_kv(kv_nope, q_nope.dtype, FP8_PTX)  # exact: fp8 fits fp16/bf16/fp32
@@ -293,6 +311,7 @@ def _mla_decode_kernel(
     FP8_FP16: tl.constexpr,
     FP8_PTX: tl.constexpr,  # _widen_kv
     BALANCED: tl.constexpr,  # splits from the batch's total work (``_decode_plan_kernel``)
+    PAGES: tl.constexpr = 0,  # > 0: page ids in blocks of PAGES, gathered (config gather_pages)
 ):
     pid_h = tl.program_id(0)
     if BALANCED:
@@ -335,13 +354,28 @@ def _mla_decode_kernel(
 
     bt_row_ptr = bt_ptr + pid_n * stride_btn
     # full tiles unmasked, then the split's partial tail tile
-    for t0 in range(start, full_end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(
-            q_nope, q_rope, m_i, l_i, acc, m_i, kv_ptr, scale_ptr, bt_row_ptr, t0, end, qk_scale,
-            stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss,
-            L, R, PAGE_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, False, IS_FP8, False, DOT_PRECISION,
-            FP8_PTX,
-        )
+    if PAGES > 0:  # blocks of PAGES pages, their ids loaded once: the tiles' copies pipeline
+        for b0 in range((start // PAGE_SIZE) * PAGE_SIZE, full_end, PAGES * PAGE_SIZE):
+            first_page = b0 // PAGE_SIZE
+            offs_p = first_page + tl.arange(0, PAGES)
+            pages = tl.load(bt_row_ptr + offs_p * stride_btp, mask=offs_p * PAGE_SIZE < end,
+                            other=0)
+            for t0 in range(tl.maximum(start, b0), tl.minimum(full_end, b0 + PAGES * PAGE_SIZE),
+                            BLOCK_N):
+                m_i, l_i, acc = _attend_tile(
+                    q_nope, q_rope, m_i, l_i, acc, m_i, kv_ptr, scale_ptr, bt_row_ptr, t0, end,
+                    qk_scale, stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp,
+                    stride_ss, L, R, PAGE_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, False, IS_FP8, False,
+                    DOT_PRECISION, FP8_PTX, pages, first_page, PAGES,
+                )
+    else:
+        for t0 in range(start, full_end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q_nope, q_rope, m_i, l_i, acc, m_i, kv_ptr, scale_ptr, bt_row_ptr, t0, end,
+                qk_scale, stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss,
+                L, R, PAGE_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, False, IS_FP8, False, DOT_PRECISION,
+                FP8_PTX,
+            )
     if full_end < end:
         m_i, l_i, acc = _attend_tile(
             q_nope, q_rope, m_i, l_i, acc, m_i, kv_ptr, scale_ptr, bt_row_ptr, full_end, end,

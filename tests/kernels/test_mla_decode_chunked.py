@@ -18,15 +18,16 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("gather", [False, True, 2])
+@pytest.mark.parametrize(("chunks", "gather"), [(True, False), (True, True), (True, 2),
+                                               (False, True), (False, 2)])
 @pytest.mark.parametrize("splits", ["balanced", 1, 3])
 @pytest.mark.parametrize("case", list(CASES))
-def test_chunked_matches_reference(setting, case, splits, gather):
-    """... and with the page ids gathered from blocks loaded once (``gather_pages``: True, the
-    launcher's blocks; 2, two-page blocks, so a split crosses many)."""
+def test_chunked_matches_reference(setting, case, splits, chunks, gather):
+    """... and, in both heads-on-M kernels, with the page ids gathered from blocks loaded once
+    (``gather_pages``: True, the launcher's blocks; 2, two-page blocks: a split crosses many)."""
     L, R, PS, H, lens = CASES[case]
     q, kv, scale, table, seq_lens = decode_inputs(setting, L, R, PS, H, lens, seed=6)
-    cfg = {"dim_chunks": True, "balanced": splits == "balanced", "min_split_tokens": 16,
+    cfg = {"dim_chunks": chunks, "balanced": splits == "balanced", "min_split_tokens": 16,
            "gather_pages": gather, **({"BLOCK_N": 16} if gather == 2 else {})}
     num_splits = None if splits == "balanced" else splits
     out, lse = mla_decode(q, kv, table, seq_lens, 0.15, L, kv_scale=scale, num_splits=num_splits,
