@@ -26,6 +26,7 @@ from splash.kernels_triton.mla_decode_kernels import (
     _full_tiles_end,
     _kv_rows,
     _load_tile,
+    _page_block,
     _softmax_totals,
     _split_bounds,
     _store_out,
@@ -169,12 +170,9 @@ def _mla_decode_chunked_kernel(
     bt_row_ptr = bt_ptr + pid_n * stride_btn
     if PAGES > 0:  # blocks of PAGES pages, their ids loaded once; the tiles' copies pipeline
         for b0 in range((start // PAGE_SIZE) * PAGE_SIZE, full_end, PAGES * PAGE_SIZE):
-            first_page = b0 // PAGE_SIZE
-            offs_p = first_page + tl.arange(0, PAGES)
-            pages = tl.load(bt_row_ptr + offs_p * stride_btp, mask=offs_p * PAGE_SIZE < end,
-                            other=0)
-            for t0 in range(tl.maximum(start, b0), tl.minimum(full_end, b0 + PAGES * PAGE_SIZE),
-                            BLOCK_N):
+            first_page, pages, lo, hi = _page_block(bt_row_ptr, b0, start, full_end, end,
+                                                    stride_btp, PAGE_SIZE, PAGES)
+            for t0 in range(lo, hi, BLOCK_N):
                 m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile_chunked(
                     q_rows, mask_h, m_i, l_i, acc0, acc1, acc2, acc3, kv_ptr, scale_ptr,
                     bt_row_ptr, pages, first_page, t0, end, qk_scale, stride_qd, stride_btp,

@@ -143,6 +143,17 @@ def _kv_rows(
 
 
 @triton.jit
+def _page_block(bt_row_ptr, b0, start, full_end, end, stride_btp, PAGE_SIZE: tl.constexpr,
+                PAGES: tl.constexpr):
+    """The block of PAGES pages from token ``b0`` (page-aligned) of a split [start, full_end):
+    its first page, the page ids (ids of pages past ``end`` 0) and the block's token range."""
+    first_page = b0 // PAGE_SIZE
+    offs_p = first_page + tl.arange(0, PAGES)
+    pages = tl.load(bt_row_ptr + offs_p * stride_btp, mask=offs_p * PAGE_SIZE < end, other=0)
+    return first_page, pages, tl.maximum(start, b0), tl.minimum(full_end, b0 + PAGES * PAGE_SIZE)
+
+
+@triton.jit
 def _load_kv_tile(
     kv_ptr, scale_ptr, bt_row_ptr, t0, end,
     stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss,
@@ -356,12 +367,9 @@ def _mla_decode_kernel(
     # full tiles unmasked, then the split's partial tail tile
     if PAGES > 0:  # blocks of PAGES pages, their ids loaded once: the tiles' copies pipeline
         for b0 in range((start // PAGE_SIZE) * PAGE_SIZE, full_end, PAGES * PAGE_SIZE):
-            first_page = b0 // PAGE_SIZE
-            offs_p = first_page + tl.arange(0, PAGES)
-            pages = tl.load(bt_row_ptr + offs_p * stride_btp, mask=offs_p * PAGE_SIZE < end,
-                            other=0)
-            for t0 in range(tl.maximum(start, b0), tl.minimum(full_end, b0 + PAGES * PAGE_SIZE),
-                            BLOCK_N):
+            first_page, pages, lo, hi = _page_block(bt_row_ptr, b0, start, full_end, end,
+                                                    stride_btp, PAGE_SIZE, PAGES)
+            for t0 in range(lo, hi, BLOCK_N):
                 m_i, l_i, acc = _attend_tile(
                     q_nope, q_rope, m_i, l_i, acc, m_i, kv_ptr, scale_ptr, bt_row_ptr, t0, end,
                     qk_scale, stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp,
