@@ -7,9 +7,8 @@ times carry the launches' host cost, which decides nothing about a graph-replaye
   TILES × num_warps × num_stages at 32K and 128K;
 - ``index_scores`` e4m3 products with the keys on M only (``--only index_tiles``): BLOCK_T ×
   TILES × num_warps × num_stages, finer and deeper than the above;
-- ``index_scores`` with page ids gathered from registers and deeper pipelines, or the next key
-  tile loaded into registers while this one's product runs (``--only index_prefetch``, a
-  study): tiles × tiles per program × warps × stages;
+- ``index_scores`` with page ids gathered from registers (``--only index_gather``, a study):
+  tiles per program × stages;
 - ``topk_rows`` at 32K and 128K: CHUNK × num_warps;
 - ``mla_sparse`` at 128 heads (``--only sparse_splits``) and at 16 (``--only
   sparse_splits_few``), studies whose winners feed no record: num_splits × tiles × stages;
@@ -47,16 +46,11 @@ INDEX_TILES_SPACE = [{"BLOCK_T": t, "TILES": n, "num_warps": w, "num_stages": st
                       "tokens_m": True}
                      for t, n, w, st in itertools.product((64, 128, 256), (4, 8, 16, 32), (4, 8),
                                                           (2, 3, 4))]
-# the page ids gathered from registers (``gather_pages``: the copies then pipeline) and the
-# key tiles loaded into registers one tile ahead (``prefetch``, one stage): ``--only
-# index_prefetch``, against the default (its first row)
-INDEX_PREFETCH_SPACE = (
-    [{}] + [{"gather_pages": True, "TILES": n, "num_stages": st}
-            for n, st in itertools.product((None, 16, 32), (3, 4))]
-    + [{"prefetch": True, "gather_pages": g, "BLOCK_T": t, "TILES": n, "num_warps": w,
-        "num_stages": 1}
-       for g in (False, True)
-       for t, n, w in ((64, 32, 4), (64, 64, 4), (128, 16, 8), (128, 32, 8), (128, 32, 4))])
+# the page ids gathered from registers (``gather_pages``: the copies then pipeline) with
+# deeper pipelines and tiles per program: ``--only index_gather``, against the default (its
+# first row)
+INDEX_GATHER_SPACE = [{}] + [{"gather_pages": True, "TILES": n, "num_stages": st}
+                             for n, st in itertools.product((None, 16, 32), (3, 4))]
 TOPK_SPACE = [{"CHUNK": c, "num_warps": w}
               for c, w in itertools.product((4096, 8192, 16384), (4, 8, 16, 32))]
 # the split of each row's slot list at 128 heads (None: the launcher's choice) with the table's
@@ -166,7 +160,7 @@ def main() -> None:
     for name, kernel, space, shapes in (
             ("index_scores", "index_scores", INDEX_SPACE, index_shapes),
             ("index_tiles", "index_scores", INDEX_TILES_SPACE, index_shapes),
-            ("index_prefetch", None, INDEX_PREFETCH_SPACE, index_shapes),
+            ("index_gather", None, INDEX_GATHER_SPACE, index_shapes),
             ("topk", "topk", TOPK_SPACE, topk_shapes),
             ("mla_sparse", "mla_sparse", SPARSE_SPACE, sparse_shapes),
             ("sparse_splits", None, SPARSE_SPLITS_SPACE, many_heads),

@@ -32,15 +32,13 @@ loads (long scoreboard 4.3 of ~8 cycles per instruction, 23% occupancy, 2.8 TB/s
 shows why: the pipelined loop issues the next tile's copies after this tile's product and
 waits for all of them at the top of the next iteration, so no load overlaps compute, at any
 ``num_stages``: the page-table load inside the loop, which each tile's addresses depend on,
-keeps Triton's software pipeliner (3.6) from running the copies ahead. Two remedies, both the
-CPU default and on GPUs not yet timed (``benchmarks/dsa_sweep.py --only index_prefetch``):
-- ``config["gather_pages"]``: a program loads its page ids once (``PAGES``, a power of two, at
-  most 256) and each tile gathers its rows' ids from those registers (``tl.gather``): offline
-  sm_90 the loop then waits for all but ``num_stages - 2`` copies (3 stages: one tile in flight
-  beside the product), at 106 registers;
-- ``config["prefetch"]`` (with ``num_stages`` 1): the next tile loads into registers before this
-  one's product; its loads issue beside the product and the epilogue, at 200 registers on 4
-  warps with 128-token tiles (127 on 8 warps, 125 with 64-token tiles).
+keeps Triton's software pipeliner (3.6) from running the copies ahead.
+``config["gather_pages"]`` (the CPU default; on GPUs not yet timed: ``benchmarks/dsa_sweep.py
+--only index_gather``): a program loads its page ids once (``PAGES``, a power of two, at most
+256) and each tile gathers its rows' ids from those registers (``tl.gather``): offline sm_90
+the loop then waits for all but ``num_stages - 2`` copies (3 stages: one tile in flight beside
+the product), at 106 registers. (Loading the next tile into registers ahead of the product
+instead compiled to 200 registers on 4 warps: dropped.)
 """
 
 from __future__ import annotations
@@ -147,7 +145,6 @@ def _index_scores_kernel(
     FP8_DOT: tl.constexpr,
     TOKENS_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    PREFETCH: tl.constexpr,
     PAGES: tl.constexpr,  # > 0: page ids gathered from the program's PAGES, loaded once
 ):
     pid_t = tl.program_id(0)
@@ -193,28 +190,12 @@ def _index_scores_kernel(
         if PAGES > 0:  # the program's page ids, once: the loop's loads then pipeline
             offs_p = first_page + tl.arange(0, PAGES)
             pages = tl.load(bt_row + offs_p * stride_btp, mask=offs_p * PAGE_SIZE < lim, other=0)
-        if PREFETCH:  # the next tile's keys load while this one's product runs (registers)
-            k, col = _key_tile(k_ptr, ks_ptr, bt_row, pages, first_page, t_lo, lim,
-                               softmax_scale, stride_kp, stride_ks, stride_kd, stride_sp,
-                               stride_ss, stride_btp, q.dtype, I, PAGE_SIZE, BLOCK_I, BLOCK_T,
-                               IS_FP8, FP8_DOT, PAGES)
-            for t0 in range(t_lo, t_mid, BLOCK_T):
-                k_next, col_next = _key_tile(k_ptr, ks_ptr, bt_row, pages, first_page,
-                                             t0 + BLOCK_T, lim, softmax_scale, stride_kp,
-                                             stride_ks, stride_kd, stride_sp, stride_ss,
-                                             stride_btp, q.dtype, I, PAGE_SIZE, BLOCK_I,
-                                             BLOCK_T, IS_FP8, FP8_DOT, PAGES)
-                _tile_scores(q, w, k, col, t0, pos, mask_m, out_rows, T, stride_ot, BLOCK_M,
-                             BLOCK_H, BLOCK_T, TOKENS_M, DOT_PRECISION)
-                k, col = k_next, col_next
-        else:
-            for t0 in range(t_lo, t_mid, BLOCK_T):
-                k, col = _key_tile(k_ptr, ks_ptr, bt_row, pages, first_page, t0, lim,
-                                   softmax_scale, stride_kp, stride_ks, stride_kd, stride_sp,
-                                   stride_ss, stride_btp, q.dtype, I, PAGE_SIZE, BLOCK_I,
-                                   BLOCK_T, IS_FP8, FP8_DOT, PAGES)
-                _tile_scores(q, w, k, col, t0, pos, mask_m, out_rows, T, stride_ot, BLOCK_M,
-                             BLOCK_H, BLOCK_T, TOKENS_M, DOT_PRECISION)
+        for t0 in range(t_lo, t_mid, BLOCK_T):
+            k, col = _key_tile(k_ptr, ks_ptr, bt_row, pages, first_page, t0, lim, softmax_scale,
+                               stride_kp, stride_ks, stride_kd, stride_sp, stride_ss, stride_btp,
+                               q.dtype, I, PAGE_SIZE, BLOCK_I, BLOCK_T, IS_FP8, FP8_DOT, PAGES)
+            _tile_scores(q, w, k, col, t0, pos, mask_m, out_rows, T, stride_ot, BLOCK_M, BLOCK_H,
+                         BLOCK_T, TOKENS_M, DOT_PRECISION)
         for t0 in range(t_mid, t_hi, BLOCK_T):  # columns past the history
             offs_t = t0 + tl.arange(0, BLOCK_T)
             tl.store(out_rows + offs_t[None, :] * stride_ot,
@@ -233,12 +214,10 @@ def _index_scores_kernel(
 # 1,024 programs of TILES 4 / 16; deeper pipelines and other tiles gained nothing).
 _GPU_DEFAULTS: dict[str, Any] = {"BLOCK_T": 128, "TILES": None, "BLOCK_M_EXTEND": 4,
                                  "num_warps": 4, "num_stages": 2, "fp8_fp16": True,
-                                 "fp8_dot": True, "tokens_m": True, "prefetch": False,
-                                 "gather_pages": False}
+                                 "fp8_dot": True, "tokens_m": True, "gather_pages": False}
 _CPU_DEFAULTS: dict[str, Any] = {"BLOCK_T": 128, "TILES": 1, "BLOCK_M_EXTEND": 16, "num_warps": 4,
                                  "num_stages": 1, "fp8_fp16": False, "fp8_dot": False,
-                                 "tokens_m": False, "prefetch": True,
-                                 "gather_pages": True}
+                                 "tokens_m": False, "gather_pages": True}
 
 
 def index_config(device: torch.device, config: dict | None) -> dict[str, Any]:
@@ -360,7 +339,7 @@ def index_scores(
         HI=HI, I=I, PAGE_SIZE=PS, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_I=V.next_pow2(I),
         BLOCK_T=cfg["BLOCK_T"], TILES=tiles, IS_FP8=fp8, FP8_FP16=fp16,
         FP8_DOT=fp8 and bool(cfg["fp8_dot"]), TOKENS_M=bool(cfg["tokens_m"]),
-        PREFETCH=bool(cfg["prefetch"]), PAGES=_gathered_pages(cfg, per_program, PS),
+        PAGES=_gathered_pages(cfg, per_program, PS),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 and not fp16 else None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

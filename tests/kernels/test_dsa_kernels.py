@@ -73,9 +73,8 @@ def test_index_scores_match_reference(setting, case):
 @pytest.mark.parametrize("config", [{"BLOCK_T": 32, "TILES": 1}, {"BLOCK_M_EXTEND": 1},
                                     {"BLOCK_M_EXTEND": 8, "TILES": 4}, {"tokens_m": True},
                                     {"tokens_m": True, "BLOCK_M_EXTEND": 1, "BLOCK_T": 16},
-                                    {"prefetch": False, "TILES": 4}, {"prefetch": True,
-                                                                      "BLOCK_T": 16},
-                                    {"gather_pages": False}, {"prefetch": False, "TILES": 2},
+                                    {"gather_pages": False}, {"gather_pages": False,
+                                                              "TILES": 4},
                                     {"BLOCK_T": 32, "TILES": 128}])  # > 256 pages: loads
 def test_index_scores_launch_variants(device, config):
     setting = make_setting("fp32")
