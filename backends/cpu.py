@@ -19,7 +19,7 @@ class CPUBackend(BaseBackend):
         "mla_decode": {
             "default": {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "max_block_h": 16,
                         "programs_per_sm": 1, "split_overhead_tokens": 16,
-                        "min_split_tokens": 32,
+                        "min_split_tokens": 32, "balanced": True,
                         "fp8_fp16": False}  # the interpreter widens fp8 exactly to any q dtype
         },
         "mla_extend": {"default": {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1,

@@ -40,6 +40,7 @@ from splash.kernels_triton.kv_cache_ops import (
 )
 from splash.kernels_triton.lse_merge import lse_merge, lse_merge_ref
 from splash.kernels_triton.mla_decode import choose_num_splits, mla_decode, mla_decode_ref
+from splash.kernels_triton.mla_decode_plan import plan_scope
 from splash.kernels_triton.mla_extend import mla_extend, mla_extend_ref
 from splash.kernels_triton.mla_sparse import mla_sparse, mla_sparse_ref
 from splash.kernels_triton.moe_align import moe_align
@@ -82,6 +83,7 @@ __all__ = [
     "mla_sparse",
     "mla_sparse_ref",
     "moe_align",
+    "plan_scope",
     "quantise_rows_ref",
     "scatter_layer_rows",
     "scatter_rows",

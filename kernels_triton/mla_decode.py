@@ -87,7 +87,7 @@ from splash.kernels_triton import _validate as V
 from splash.kernels_triton.lse_merge import _merge_into
 from splash.kernels_triton.mla_decode_chunked import CHUNKS, _mla_decode_chunked_kernel
 from splash.kernels_triton.mla_decode_kernels import _LOG2E, _MAX_SPLITS, _mla_decode_kernel
-from splash.kernels_triton.mla_decode_plan import _decode_plan_kernel
+from splash.kernels_triton.mla_decode_plan import _decode_plan_kernel, planned
 from splash.kernels_triton.mla_decode_tokens_m import _mla_decode_tokens_m_kernel
 
 # fp32 queries on a GPU (the GPU test suite's exact-token runs): tiles twice as wide in bytes,
@@ -249,12 +249,18 @@ def mla_decode(
         rows = programs if split else 1
         o_part = torch.empty((rows, 1, H, L), dtype=torch.float32, device=q.device)
         lse_part = torch.empty((rows, 1, H), dtype=torch.float32, device=q.device)
-        meta = torch.empty((N + 1,), dtype=torch.int32, device=q.device)
         launched = max(programs, N)
-        items = torch.empty((launched, 4), dtype=torch.int32, device=q.device)
         min_tiles = max(1, int(cfg["min_split_tokens"]) // BLOCK_N)
-        _decode_plan_kernel[(launched,)](seq_lens, seq_lens.stride(0), N, programs, min_tiles,
-                                         items, meta, BLOCK_N=BLOCK_N, num_warps=4)
+
+        def plan() -> tuple[torch.Tensor, torch.Tensor]:
+            meta = torch.empty((N + 1,), dtype=torch.int32, device=q.device)
+            items = torch.empty((launched, 4), dtype=torch.int32, device=q.device)
+            _decode_plan_kernel[(launched,)](seq_lens, seq_lens.stride(0), N, programs,
+                                             min_tiles, items, meta, BLOCK_N=BLOCK_N,
+                                             num_warps=4)
+            return items, meta
+
+        items, meta = planned(seq_lens, (N, programs, min_tiles, BLOCK_N, q.device), plan)
         kernel[(head_groups, launched)](
             q, kv, scale, block_table, seq_lens, o_part, lse_part, out, lse, items,
             float(sm_scale) * _LOG2E, H, 1, N, *inputs,

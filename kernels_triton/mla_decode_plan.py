@@ -4,6 +4,12 @@ the device (no host sync; graph-safe). See ``mla_decode.py``'s docstring for the
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
 import triton
 import triton.language as tl
 
@@ -66,3 +72,45 @@ def _decode_plan_kernel(seq_lens_ptr, stride_sl, N, P, MIN_TILES, items_ptr, met
     tl.store(item + 1, count)
     tl.store(item + 2, start)
     tl.store(item + 3, end)
+
+
+# ---------------------------------------------------------------------------------------------
+# one plan per forward
+
+_scope = threading.local()
+
+
+@contextlib.contextmanager
+def plan_scope() -> Iterator[None]:
+    """Within it, ``mla_decode`` plans balanced splits once per (``seq_lens`` tensor, its
+    version, launch shape) and later launches reuse the plan: the layers of one forward share
+    their lengths, so a step (or the CUDA graph captured from it) holds one plan launch instead
+    of one a layer. Plans live until the outermost scope exits; nested scopes share it."""
+    outer = getattr(_scope, "plans", None)
+    if outer is None:
+        _scope.plans = {}
+    try:
+        yield
+    finally:
+        if outer is None:
+            _scope.plans = None
+
+
+def planned(seq_lens: torch.Tensor, key: tuple, make: Callable[[], Any]) -> Any:
+    """``make()``'s plan for ``seq_lens`` and ``key``, reused inside a ``plan_scope`` while the
+    same tensor object is unchanged (its version counter; inference tensors keep none, and a
+    forward does not write its lengths); outside a scope, ``make()``."""
+    plans = getattr(_scope, "plans", None)
+    if plans is None:
+        return make()
+    try:
+        version = seq_lens._version
+    except RuntimeError:  # an inference tensor (torch.inference_mode)
+        version = None
+    full = (id(seq_lens), version, *key)
+    hit = plans.get(full)
+    if hit is not None and hit[0] is seq_lens:
+        return hit[1]
+    value = make()
+    plans[full] = (seq_lens, value)  # the reference keeps the id from being reused
+    return value

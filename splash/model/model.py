@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from splash.errors import ConfigError
+from splash.kernels_triton import plan_scope
 from splash.model.attention import MLAAttention
 from splash.model.config import ModelConfig
 from splash.model.loader import from_pretrained_dir, take
@@ -108,12 +109,13 @@ class MLAModel:
         # each residual add is fused with the norm after it (the next layer's input norm, the
         # final norm after the last layer)
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        for i, layer in enumerate(self.layers):
-            h, x = add_rms_norm(h, attn_fn(i, layer.self_attn, x),
-                                layer.post_attention_layernorm, eps)
-            partial = layer.mlp(x)
-            h, x = add_rms_norm(h, partial if all_reduce is None else all_reduce(partial),
-                                norms[i], eps)
+        with plan_scope():  # the layers share their lengths: decode splits planned once
+            for i, layer in enumerate(self.layers):
+                h, x = add_rms_norm(h, attn_fn(i, layer.self_attn, x),
+                                    layer.post_attention_layernorm, eps)
+                partial = layer.mlp(x)
+                h, x = add_rms_norm(h, partial if all_reduce is None else all_reduce(partial),
+                                    norms[i], eps)
         return x if self.layers else rms_norm(h, self.norm, eps)
 
     __call__ = forward

@@ -83,3 +83,50 @@ def test_plan_kernel_follows_the_documented_plan(device, case):
     assert all(row[0] == len(lens) for row in got[len(want):])
     firsts = [sum(map(len, plan[:i])) for i in range(len(lens) + 1)]
     assert meta.cpu().tolist() == firsts
+
+
+def test_plan_scope_plans_once_per_lengths(monkeypatch):
+    """Inside ``plan_scope`` launches over the same lengths tensor share one plan launch; a
+    change to the lengths (in place) or another tensor plans again; every result stays the
+    reference's. Outside a scope each launch plans."""
+    import torch
+
+    from splash.kernels_triton import plan_scope
+
+    plan_kernel = decode_module._decode_plan_kernel
+    launches = []
+    real_run = plan_kernel.run
+
+    def counting(*args, **kwargs):
+        launches.append(1)
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(plan_kernel, "run", counting)
+    setting = make_setting("fp32")
+    L, R, PS, H = 32, 16, 16, 4
+    lens = [3, 200, 17, 64]
+    q, kv, scale, table, seq_lens = decode_inputs(setting, L, R, PS, H, lens, seed=9)
+    cfg = {"balanced": True, "programs_per_sm": 4, "min_split_tokens": 16}
+
+    def check(seq_lens):
+        out, lse = mla_decode(q, kv, table, seq_lens, 0.2, L, config=cfg)
+        ref_out, ref_lse = mla_decode_ref(q, kv, table, seq_lens, 0.2, L)
+        assert_close(out, ref_out, setting.atol, setting.rtol)
+        assert_lse(lse, ref_lse, setting.lse_tol)
+
+    with plan_scope():
+        check(seq_lens)
+        check(seq_lens)  # the second layer reuses the plan
+        assert len(launches) == 1
+        seq_lens[1] = 130  # the next step's lengths, written in place
+        check(seq_lens)
+        check(seq_lens.clone())  # another tensor
+        assert len(launches) == 3
+    check(seq_lens)
+    check(seq_lens)
+    assert len(launches) == 5
+    with torch.inference_mode(), plan_scope():  # as the engine runs: no version counters
+        frozen = seq_lens.clone()
+        check(frozen)
+        check(frozen)
+    assert len(launches) == 6
