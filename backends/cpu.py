@@ -14,8 +14,8 @@ class CPUBackend(BaseBackend):
     wave_size = 1
     dtype_note = "the Triton interpreter computes bf16 wrongly"
     TUNING = {
-        # small tiles keep the interpreter fast; the split count is left to the launcher's
-        # wave model, which the cost model's CPU profile fits
+        # small tiles keep the interpreter fast; balanced splits as on CUDA, so the engine's
+        # CPU tests run the path GPUs take (the plan once per forward)
         "mla_decode": {
             "default": {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "max_block_h": 16,
                         "programs_per_sm": 1, "split_overhead_tokens": 16,
