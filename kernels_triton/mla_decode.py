@@ -62,9 +62,10 @@ Design:
   programs an SM but spills and lost 8-13%.
 - Gathered page ids (``config["gather_pages"]``, both heads-on-M kernels, untimed): the
   loop's page-table load, which each tile's addresses wait on, keeps Triton's software
-  pipeliner (3.6) from running copies ahead: offline sm_90 every iteration starts by waiting for all of them, at any
-  ``num_stages``. With it a split walks blocks of pages (True: about 4K tokens; or an int, the
-  pages a block), loads each block's ids once and gathers each tile's from registers
+  pipeliner (3.6) from running copies ahead: offline sm_90 every iteration starts by waiting
+  for all of them, at any ``num_stages``. With it a split walks blocks of pages (True: about
+  4K tokens; or an int, the pages a block), loads each block's ids once and gathers each
+  tile's from registers
   (``tl.gather``); the inner loop then keeps the next tile's copies in flight (chunked kernel,
   16 heads: bf16 198 registers against 206, fp8 234 against 238; the head-group kernel only
   from 3 stages, which at 64 heads fit shared memory with 32-token tiles). fp8's 32-token tiles
