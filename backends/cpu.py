@@ -15,11 +15,12 @@ class CPUBackend(BaseBackend):
     dtype_note = "the Triton interpreter computes bf16 wrongly"
     TUNING = {
         # small tiles keep the interpreter fast; balanced splits as on CUDA, so the engine's
-        # CPU tests run the path GPUs take (the plan once per forward)
+        # CPU tests run the path GPUs take (the plan once per forward), and page ids gathered
+        # from blocks (a GPU option until timed: the tests keep it exercised)
         "mla_decode": {
             "default": {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "max_block_h": 16,
                         "programs_per_sm": 1, "split_overhead_tokens": 16,
-                        "min_split_tokens": 32, "balanced": True,
+                        "min_split_tokens": 32, "balanced": True, "gather_pages": True,
                         "fp8_fp16": False}  # the interpreter widens fp8 exactly to any q dtype
         },
         "mla_extend": {"default": {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1,
