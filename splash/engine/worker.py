@@ -163,7 +163,7 @@ class Worker:
                                      device=self.device))
         index_caches, index_scales = self._index_pools(mcfg, num_pages)
         configs = {k: self.backend.kernel_config(k)
-                   for k in ("mla_decode", "mla_extend", "index_scores", "topk")}
+                   for k in ("mla_decode", "mla_sparse", "mla_extend", "index_scores", "topk")}
         self.store = KVStore(caches, scales, configs, index_caches, index_scales)
         self.layouts = make_layouts(self.comm, self.store, mcfg.kv_lora_rank)
         self.num_pages = num_pages

@@ -221,7 +221,7 @@ def attend(
     cache, scale = store.layer(layer)
     if slots is not None:
         return mla_sparse(q, cache, slots, sm_scale, kv_lora_rank, kv_scale=scale,
-                          config=store.configs.get("mla_decode") or None)
+                          config=store.configs.get("mla_sparse") or None)
     if args["decode"]:
         return mla_decode(q, cache, args["block_table"], args["seq_lens"], sm_scale,
                           kv_lora_rank, kv_scale=scale,

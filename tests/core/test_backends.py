@@ -111,3 +111,22 @@ def test_launchers_read_their_devices_backend_table(monkeypatch, hip):
     # fp16 products for fp8 KV are CUDA's choice only
     assert decode_config(16, gpu, None, fp8=True).get("fp8_fp16", False) is (hip is None)
     assert decode_config(16, cpu, None, fp8=True)["fp8_fp16"] is False
+
+
+def test_sparse_attention_launches_with_its_own_entry(monkeypatch):
+    """DSA's attention passes the backend's ``mla_sparse`` entry (tiles tuned for 2,048 chosen
+    rows) to the launcher, not the dense decode entry."""
+    import splash.layouts.base as base
+
+    seen = {}
+
+    def fake_sparse(*args, config=None, **kwargs):
+        seen["config"] = config
+        return None, None
+
+    monkeypatch.setattr(base, "mla_sparse", fake_sparse)
+    store = base.KVStore([torch.zeros(4, 4, 8)], None,
+                         {"mla_decode": {"BLOCK_N": 16}, "mla_sparse": {"BLOCK_N": 32}})
+    base.attend(torch.zeros(1, 2, 8), store, 0, {"decode": True}, 0.1, 4,
+                slots=torch.zeros(1, 3, dtype=torch.int32))
+    assert seen["config"] == {"BLOCK_N": 32}
