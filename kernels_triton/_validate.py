@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Any
 
 import torch
 
@@ -74,6 +75,14 @@ def as_bits(t: torch.Tensor) -> torch.Tensor:
 
 def next_pow2(x: int, minimum: int = 16) -> int:
     return max(minimum, 1 << max(int(x) - 1, 0).bit_length())
+
+
+def gathered_ids(count: int, enabled: Any, most: int) -> int:
+    """A kernel's register room for ``count`` gathered ids (page or slot ids loaded once and
+    looked up per tile): the power of two holding them, or 0 (ids loaded per tile) when
+    ``enabled`` is off or they would take more than ``most``."""
+    room = next_pow2(count, 1)
+    return room if enabled and room <= most else 0
 
 
 @functools.cache

@@ -51,6 +51,7 @@ import triton.language as tl
 
 from splash.kernels_triton import _validate as V
 from splash.kernels_triton.mla_decode_kernels import _q_operand
+from splash.kernels_triton.paged_ids import _gather_page_ids, _load_page_ids
 
 # ints that vary by step: one binary for all (tests check the warm-up against them)
 SHAPE_INTS = ["stride_btn"]
@@ -70,8 +71,7 @@ def _key_tile(k_ptr, ks_ptr, bt_row, pages, first_page, t0, lim, softmax_scale, 
     offs_i = tl.arange(0, BLOCK_I)
     mask_t = offs_t < lim
     if PAGES > 0:
-        slot = tl.minimum(tl.maximum(offs_t // PAGE_SIZE - first_page, 0), PAGES - 1)
-        page = tl.where(mask_t, tl.gather(pages, slot, 0), 0)
+        page = tl.where(mask_t, _gather_page_ids(pages, first_page, offs_t, PAGE_SIZE, PAGES), 0)
     else:
         page = tl.load(bt_row + (offs_t // PAGE_SIZE) * stride_btp, mask=mask_t, other=0)
     row_off = page.to(tl.int64) * stride_kp + (offs_t % PAGE_SIZE) * stride_ks
@@ -188,8 +188,7 @@ def _index_scores_kernel(
         first_page = t_lo // PAGE_SIZE
         pages = first_page  # unused without PAGES
         if PAGES > 0:  # the program's page ids, once: the loop's loads then pipeline
-            offs_p = first_page + tl.arange(0, PAGES)
-            pages = tl.load(bt_row + offs_p * stride_btp, mask=offs_p * PAGE_SIZE < lim, other=0)
+            pages = _load_page_ids(bt_row, first_page, lim, stride_btp, PAGE_SIZE, PAGES)
         for t0 in range(t_lo, t_mid, BLOCK_T):
             k, col = _key_tile(k_ptr, ks_ptr, bt_row, pages, first_page, t0, lim, softmax_scale,
                                stride_kp, stride_ks, stride_kd, stride_sp, stride_ss, stride_btp,
@@ -251,15 +250,10 @@ def _auto_tiles(max_len: int, block_t: int, row_blocks: int) -> int:
     return tiles
 
 
-_MAX_GATHERED_PAGES = 256  # page ids a program holds in registers (more: one load a tile)
-
-
 def _gathered_pages(cfg: dict[str, Any], per_program: int, page_size: int) -> int:
-    """PAGES for a program of ``per_program`` tokens: a power of two covering them (one more
-    for a start inside a page), or 0 (page ids loaded per tile) without ``gather_pages`` or
-    when there would be more than ``_MAX_GATHERED_PAGES``."""
-    pages = V.next_pow2(triton.cdiv(per_program, page_size) + 1, 1)
-    return pages if cfg["gather_pages"] and pages <= _MAX_GATHERED_PAGES else 0
+    """PAGES for a program of ``per_program`` tokens (one page more for a start inside a
+    page), or 0: page ids loaded per tile."""
+    return V.gathered_ids(triton.cdiv(per_program, page_size) + 1, cfg["gather_pages"], 256)
 
 
 def tile_counts(device: torch.device, config: dict | None) -> list[int]:

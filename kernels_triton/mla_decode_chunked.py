@@ -26,12 +26,12 @@ from splash.kernels_triton.mla_decode_kernels import (
     _full_tiles_end,
     _kv_rows,
     _load_tile,
-    _page_block,
     _softmax_totals,
     _split_bounds,
     _store_out,
     _widen_kv,
 )
+from splash.kernels_triton.paged_ids import _page_block
 
 CHUNKS = tl.constexpr(4)  # the latent dims' column chunks (BLOCK_L // CHUNKS columns each)
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from splash.kernels_triton.paged_ids import _gather_page_ids, _page_block
+
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
 
@@ -112,8 +114,7 @@ def _kv_rows(
     offs_t = t0 + offs_n  # (BLOCK_N,) token positions
     mask_t = offs_t < end
     if PAGES > 0:
-        slot = tl.minimum(tl.maximum(offs_t // PAGE_SIZE - first_page, 0), PAGES - 1)
-        page = tl.gather(pages, slot, 0).to(tl.int64)
+        page = _gather_page_ids(pages, first_page, offs_t, PAGE_SIZE, PAGES).to(tl.int64)
         in_page = offs_t % PAGE_SIZE
         row_off = page * stride_kvp + in_page * stride_kvs
         scale_off = page * stride_sp + in_page * stride_ss
@@ -140,17 +141,6 @@ def _kv_rows(
     else:
         row_scale = tl.full((BLOCK_N,), 1.0, tl.float32)
     return row_off, mask_t, row_scale
-
-
-@triton.jit
-def _page_block(bt_row_ptr, b0, start, full_end, end, stride_btp, PAGE_SIZE: tl.constexpr,
-                PAGES: tl.constexpr):
-    """The block of PAGES pages from token ``b0`` (page-aligned) of a split [start, full_end):
-    its first page, the page ids (ids of pages past ``end`` 0) and the block's token range."""
-    first_page = b0 // PAGE_SIZE
-    offs_p = first_page + tl.arange(0, PAGES)
-    pages = tl.load(bt_row_ptr + offs_p * stride_btp, mask=offs_p * PAGE_SIZE < end, other=0)
-    return first_page, pages, tl.maximum(start, b0), tl.minimum(full_end, b0 + PAGES * PAGE_SIZE)
 
 
 @triton.jit

@@ -152,15 +152,11 @@ def _mla_sparse_kernel(
 # launcher
 
 
-_MAX_GATHERED_SLOTS = 512  # slot ids a program holds in registers (more: one load a tile)
-
-
 def _gathered_slots(cfg: dict[str, Any], K: int, num_splits: int, block_n: int) -> int:
-    """SLOTS for ``config["gather_slots"]``: a power of two holding a split's slot ids, or 0
-    (ids loaded per tile) without it or past ``_MAX_GATHERED_SLOTS``."""
+    """SLOTS for ``config["gather_slots"]``: room for a split's slot ids, or 0 (ids loaded
+    per tile)."""
     split_len = triton.cdiv(triton.cdiv(K, num_splits), block_n) * block_n
-    slots = V.next_pow2(split_len, 1)
-    return slots if cfg.get("gather_slots") and slots <= _MAX_GATHERED_SLOTS else 0
+    return V.gathered_ids(split_len, cfg.get("gather_slots"), 512)
 
 
 def mla_sparse(
