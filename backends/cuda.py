@@ -41,6 +41,11 @@ class CUDABackend(BaseBackend):
         # (benchmarks/results/h200/fp8_decode.json, 16 heads, bf16: 64 x 4K 0.098 -> 0.087 ms,
         # 64 x 32K 0.601 -> 0.556, 16 x 128K 0.602 -> 0.559; fp8 0.900 -> 0.838 at 64 x 32K;
         # a ptxas cap of 168 registers lost 8-13%).
+        # "gather_pages" with fp8 KV at few heads: page ids loaded in blocks and gathered, so
+        # Triton pipelines the tile copies, on 64-token tiles (decode_chunks.json, 16 heads:
+        # 64 x 32K 0.839 -> 0.802 ms, 16 x 128K 0.840 -> 0.804, 128 x 1K 0.080 -> 0.072,
+        # 64 x 4K 0.127 -> 0.124). It loses with bf16 at long contexts (64 x 32K 0.557 ->
+        # 0.603) and at 128 heads (bf16 0.269 -> 0.355 on the 32-token tiles that fit).
         "mla_decode": {
             "default": {
                 "transposed": False, "balanced": True, "dim_chunks": True, "BLOCK_N": 64,
@@ -51,10 +56,12 @@ class CUDABackend(BaseBackend):
                                "BLOCK_N": 64,
                                "num_warps": 8, "num_stages": 2, "programs_per_sm": 1,
                                "split_overhead_tokens": 64, "min_split_tokens": 64},
-                "fp8": {"transposed": False, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3,
+                "fp8": {"transposed": False, "BLOCK_N": 64, "gather_pages": True,
+                        "num_warps": 4, "num_stages": 3,
                         "programs_per_sm": 2, "split_overhead_tokens": 64, "fp8_fp16": True,
-                        "many_heads": {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2,
-                                       "programs_per_sm": 1, "fp8_fp16": True}},
+                        "many_heads": {"BLOCK_N": 64, "gather_pages": False, "num_warps": 8,
+                                       "num_stages": 2, "programs_per_sm": 1,
+                                       "fp8_fp16": True}},
             },
         },
         # mla_sparse (benchmarks/results/h200/dsa_sweep.json, batch 16 x 2,048 selected rows):
@@ -62,11 +69,18 @@ class CUDABackend(BaseBackend):
         # KV dtype swept (16 heads bf16 0.022 ms vs 0.029 with decode's 32-token tiles; 128
         # heads bf16 0.057 ms); at 128 heads the launcher's 4 splits beat 2 / 8 / 16 and 3
         # stages lose with bf16 (0.066 ms) and gain 7% with fp8 (0.085 -> 0.079 ms,
-        # dsa_sparse_splits.json): not taken, untried at 16 heads
+        # dsa_sparse_splits.json)
         # fp8 KV at many heads keeps bf16 products here (128 heads: 0.084 vs 0.094 ms with
         # decode's fp16 products)
-        "mla_sparse": {"default": {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2,
-                                   "fp8": {"many_heads": {"fp8_fp16": False}}}},
+        # "gather_slots" (slot ids loaded once per split and gathered, so the copies pipeline;
+        # dsa_gather.json): 16 heads with 3 stages bf16 0.0221 -> 0.0205 ms, fp8 0.0224 ->
+        # 0.0217; 128 heads fp8 with 2 stages 0.0841 -> 0.0763; 128 heads bf16 loses (0.0569
+        # -> 0.0585) and 3 stages overflow shared memory there
+        "mla_sparse": {"default": {"BLOCK_N": 64, "num_warps": 8, "num_stages": 3,
+                                   "gather_slots": True,
+                                   "many_heads": {"num_stages": 2, "gather_slots": False},
+                                   "fp8": {"many_heads": {"fp8_fp16": False,
+                                                          "gather_slots": True}}}},
         # mla_extend: 64-token KV tiles (298 vs 199 TFLOP/s); compute-bound, so fp8 KV keeps
         # bf16 products (185 vs 145 TFLOP/s with fp16 products)
         "mla_extend": {"default": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2,

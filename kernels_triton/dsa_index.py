@@ -33,10 +33,9 @@ shows why: the pipelined loop issues the next tile's copies after this tile's pr
 waits for all of them at the top of the next iteration, so no load overlaps compute, at any
 ``num_stages``: the page-table load inside the loop, which each tile's addresses depend on,
 keeps Triton's software pipeliner (3.6) from running the copies ahead.
-``config["gather_pages"]`` (the CPU default; on GPUs not yet timed: ``benchmarks/dsa_sweep.py
---only index_gather``): a program loads its page ids once (``PAGES``, a power of two, at most
-256) and each tile gathers its rows' ids from those registers (``tl.gather``): offline sm_90
-the loop then waits for all but ``num_stages - 2`` copies (3 stages: one tile in flight beside
+``config["gather_pages"]`` (the default): a program loads its page ids once (``PAGES``, a
+power of two, at most 256) and each tile gathers its rows' ids from those registers
+(``tl.gather``): offline sm_90 the loop then waits for all but ``num_stages - 2`` copies (3 stages: one tile in flight beside
 the product), at 106 registers. (Loading the next tile into registers ahead of the product
 instead compiled to 200 registers on 4 warps: dropped.)
 """
@@ -207,13 +206,14 @@ def _index_scores_kernel(
 
 # GPU: the best of benchmarks/dsa_sweep.py on an H200 (batch 16 decode rows, 64 index heads,
 # fp8 keys): e4m3 products with the keys on M, 0.0375 / 0.1036 ms at 32K / 128K against
-# 0.0656 / 0.2275 for fp16 products with the queries on M. TILES None: tiles per program chosen
-# for about ``_PROGRAMS`` programs (``--only index_tiles``: 512 programs were best at both
-# lengths, TILES 8 at 32K 0.0345 ms and 32 at 128K 0.1017 ms, against 0.0378 / 0.1037 for the
-# 1,024 programs of TILES 4 / 16; deeper pipelines and other tiles gained nothing).
+# 0.0656 / 0.2275 for fp16 products with the queries on M. Gathered page ids with 3 stages and
+# 16 tiles a program (``--only index_gather``): 0.0341 / 0.1002 ms, against 0.0344 / 0.1022
+# for page ids loaded per tile (2 stages, the best tiles: 8 at 32K, 32 at 128K); 32 gathered
+# tiles lose (0.0557 / 0.110). TILES None: tiles per program chosen for about ``_PROGRAMS``
+# programs, at most ``_MAX_TILES``.
 _GPU_DEFAULTS: dict[str, Any] = {"BLOCK_T": 128, "TILES": None, "BLOCK_M_EXTEND": 4,
-                                 "num_warps": 4, "num_stages": 2, "fp8_fp16": True,
-                                 "fp8_dot": True, "tokens_m": True, "gather_pages": False}
+                                 "num_warps": 4, "num_stages": 3, "fp8_fp16": True,
+                                 "fp8_dot": True, "tokens_m": True, "gather_pages": True}
 _CPU_DEFAULTS: dict[str, Any] = {"BLOCK_T": 128, "TILES": 1, "BLOCK_M_EXTEND": 16, "num_warps": 4,
                                  "num_stages": 1, "fp8_fp16": False, "fp8_dot": False,
                                  "tokens_m": False, "gather_pages": True}
@@ -236,8 +236,8 @@ def index_config(device: torch.device, config: dict | None) -> dict[str, Any]:
     return cfg
 
 
-_PROGRAMS = 512
-_MAX_TILES = 32
+_PROGRAMS = 256
+_MAX_TILES = 16
 
 
 def _auto_tiles(max_len: int, block_t: int, row_blocks: int) -> int:

@@ -15,12 +15,12 @@ fp8 KV: a row is fp8 × its fp32 scale; the tile widens exactly to the products'
 under ``config["fp8_fp16"]``, the CUDA default, with q clamped to fp16's range) and the scale
 multiplies the score column and p's column.
 
-``config["gather_slots"]`` (untimed on a GPU, opt-in): a program loads its split's slot ids
-once (at most 512) and gathers each tile's from registers instead of loading them in the loop,
-where the tile's addresses wait on that load and Triton's pipeliner (3.6) then runs no copy
-ahead (offline sm_90: with it and 3 stages the loop keeps two copy groups in flight; without,
-every iteration waits for all). ncu on an H200 (16 rows x 16 heads x 2,048 bf16 rows): 25 us,
-1.6 TB/s, stalled on global loads (long scoreboard 2.6 cycles per instruction).
+``config["gather_slots"]`` (the CUDA default but for bf16 KV at many heads): a program loads
+its split's slot ids once (at most 512) and gathers each tile's from registers instead of
+loading them in the loop, where the tile's addresses wait on that load and Triton's pipeliner
+(3.6) then runs no copy ahead (offline sm_90: with it and 3 stages the loop keeps two copy
+groups in flight; without, every iteration waits for all). On an H200 (16 rows x 2,048
+selected rows): 16 heads 3-7% faster, 128 heads fp8 9% faster, 128 heads bf16 3% slower.
 """
 
 from __future__ import annotations
