@@ -1,5 +1,6 @@
 """topk_rows' selection variants at DSA decode sizes: 16 rows of 32K-256K scores, k = 2048
-(graph-timed), each checked against torch.topk (same sorted values).
+(graph-timed), each checked against torch.topk (same sorted values), on two score
+distributions (the selection's rounds depend on the values).
 
     python3 benchmarks/topk_select.py --out benchmarks/results/h200/topk_select.json [--tag T]
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import sys
@@ -28,6 +30,18 @@ CONFIGS = [{}, {"num_warps": 16}, {"CHUNK": 4096}, {"CHUNK": 16384}, {"CHUNK": 1
            {"CHUNK": 16384, "PARTS": 4}, {"CHUNK": 16384, "num_warps": 16},
            {"CHUNK": 32768, "num_warps": 16}, {"PARTS": 2}, {"PARTS": 4}]
 
+def _scores(kind: str, width: int, dev: torch.device) -> torch.Tensor:
+    """16 rows of ``width`` scores: "relu" relu(N(0, 9)) + U(0, 1) (half the row below 1);
+    "indexer" shaped like the lightning indexer's, a positive mix of 64 heads' relu(N(0, 1))."""
+    g = torch.Generator(device=dev).manual_seed(0)
+    if kind == "relu":
+        return torch.randn(16, width, device=dev, generator=g).relu_() * 3 \
+            + torch.rand(16, width, device=dev, generator=g)
+    w = torch.rand(64, device=dev, generator=g)
+    return torch.stack([torch.randn(width, 64, device=dev, generator=g).relu_() @ w
+                        for _ in range(16)])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results/h200/topk_select.json")
@@ -38,10 +52,8 @@ def main() -> int:
     K.set_value_checks(False)
     dev = torch.device("cuda")
     rows = []
-    for width in (32768, 65536, 131072, 262144):
-        g = torch.Generator(device=dev).manual_seed(0)
-        x = torch.randn(16, width, device=dev, generator=g).relu_() * 3 \
-            + torch.rand(16, width, device=dev, generator=g)
+    for scores, width in itertools.product(("relu", "indexer"), (32768, 65536, 131072, 262144)):
+        x = _scores(scores, width, dev)
         ref = T.topk_rows_ref(x, 2048)[0]
         for cfg in CONFIGS:
             try:
@@ -51,8 +63,8 @@ def main() -> int:
                 continue
             exact = bool(torch.equal(v.sort(1, descending=True).values, ref))
             ms = do_bench_cudagraph(functools.partial(T.topk_rows, x, 2048, config=cfg), rep=30)
-            rows.append({"tree": args.tag, "M": width, "cfg": cfg, "ms": round(ms, 4),
-                         "exact": exact})
+            rows.append({"tree": args.tag, "scores": scores, "M": width, "cfg": cfg,
+                         "ms": round(ms, 4), "exact": exact})
             print(rows[-1], flush=True)
     if os.path.exists(args.out):  # keep other trees' rows
         with open(args.out) as f:

@@ -178,30 +178,23 @@ def _topk_chunk_kernel(
 # ROWS: rows per program (the interpreter pays per program, a GPU per register)
 # GPU (H200, 16 rows, k = 2,048, graph-timed; benchmarks/results/h200/topk_select.json): 8
 # warps on 8K chunks, 0.034 / 0.050 ms at 32K / 64K, against 0.035 / 0.052 on 16 warps (32
-# warps and 4K chunks were slower). Wider rows by ``_GPU_BY_WIDTH``: at 128K 16K chunks in 4
-# parts, 0.057 ms (two passes; 0.065 for three passes of 8K chunks), at 256K 8K chunks in 2
-# parts, 0.098 (0.107 in one part, 0.110 for 16K chunks in 4). A program's cost is its
-# instruction count: 8K entries on one SM. ncu at 16 x 128K, 8K chunks: the three passes
-# 29.6 / 17.1 / 20.1 us, stalls on fixed-latency dependencies and shared memory, 230-255
-# registers (12.7% occupancy; 4 parts: 111-117, two programs an SM).
+# warps and 4K chunks were slower). On that benchmark's scores 16K chunks in 4 parts won at
+# 128K (0.057 vs 0.065 ms, two passes instead of three) and 8K chunks in 2 parts at 256K (0.098
+# vs 0.107), but in the DSA pipeline (kernel_bench.py --only-dsa, the indexer's own scores) the
+# 128K pick lost (0.0675 -> 0.0716 ms at 16 heads): the bisection's rounds depend on the
+# values, so chunks stay fixed. A program's cost is its instruction count: 8K entries on one
+# SM. ncu at 16 x 128K: the three passes 29.6 / 17.1 / 20.1 us, stalls on fixed-latency
+# dependencies and shared memory, 230-255 registers (12.7% occupancy; 4 parts: 111-117, two
+# programs an SM).
 _GPU_DEFAULTS: dict[str, Any] = {"CHUNK": 8192, "ROWS": 1, "num_warps": 8, "PARTS": 1}
-# (widest row, the chunk and parts it takes over the defaults), narrowest first
-_GPU_BY_WIDTH: tuple[tuple[float, dict[str, int]], ...] = (
-    (65536, {}), (131072, {"CHUNK": 16384, "PARTS": 4}), (float("inf"), {"PARTS": 2}))
 _CPU_DEFAULTS: dict[str, Any] = {"CHUNK": 256, "ROWS": 32, "num_warps": 4, "PARTS": 2}
 
 
-def topk_config(device: torch.device, k: int, config: dict | None,
-                width: int = 0) -> dict[str, Any]:
-    """Launch parameters for rows of ``width`` entries: the device's defaults (on a GPU, with
-    the chunk and parts for that width unless ``config`` names a chunk or parts), then
-    ``config``."""
+def topk_config(device: torch.device, k: int, config: dict | None) -> dict[str, Any]:
     cfg = dict(_GPU_DEFAULTS if device.type == "cuda" else _CPU_DEFAULTS)
     unknown = sorted(set(config or {}) - set(cfg))
     if unknown:
         raise ValueError(f"topk_rows config: unknown keys {unknown}; known: {sorted(cfg)}")
-    if device.type == "cuda" and not {"CHUNK", "PARTS"} & set(config or {}):
-        cfg.update(next(c for w, c in _GPU_BY_WIDTH if width <= w))
     cfg.update(config or {})
     for key, low in (("CHUNK", 16), ("ROWS", 1), ("PARTS", 1)):
         value = cfg[key]
@@ -212,17 +205,6 @@ def topk_config(device: torch.device, k: int, config: dict | None,
     # parts of at most 16K columns (the packed scan's 16-bit counts), at most one a column
     cfg["PARTS"] = min(max(cfg["PARTS"], cfg["CHUNK"] // 16384), cfg["CHUNK"])
     return cfg
-
-
-def width_configs(device: torch.device, k: int, config: dict | None,
-                  max_width: int) -> list[dict[str, Any]]:
-    """Every launch config ``topk_rows`` takes for rows of up to ``max_width`` entries."""
-    configs: list[dict[str, Any]] = []
-    for lo in [0] + [int(w) + 1 for w, _ in _GPU_BY_WIDTH[:-1] if w < max_width]:
-        cfg = topk_config(device, k, config, lo)
-        if cfg not in configs:
-            configs.append(cfg)
-    return configs
 
 
 def topk_rows(
@@ -258,7 +240,7 @@ def topk_rows(
             V.check_index_range("row_req", row_req, block_table.shape[0], allow_neg1=False)
     elif row_req is not None:
         raise ValueError("row_req needs a block_table")
-    cfg = topk_config(dev, k, config, M)
+    cfg = topk_config(dev, k, config)
     chunk = cfg["CHUNK"]
     idx = index
     while True:

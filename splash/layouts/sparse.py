@@ -30,7 +30,6 @@ import torch
 from splash.dist.comm import Comm
 from splash.kernels_triton import index_scores, topk_rows
 from splash.kernels_triton.dsa_index import tile_counts
-from splash.kernels_triton.topk import width_configs
 from splash.layouts.base import KVStore, StepMeta
 
 SCORE_BUDGET = 1 << 26  # fp32 scores (256 MiB) one index_scores call may write; rows beyond
@@ -142,8 +141,7 @@ def warm_selection(store: KVStore, attn_layers: list, max_len: int, world: int) 
     ``max_len`` tokens reach, so that the first long request does not compile them
     mid-serving. A step's shape picks ``index_scores``' tiles per program (for decode rows and
     for prefill rows) and ``topk_rows``' passes (one chunk; the first, middle and last of
-    several; in each chunk size the row widths up to ``max_len`` pick; CP's merge of the
-    ranks' candidates); each runs once here on a one-page history,
+    several; CP's merge of the ranks' candidates); each runs once here on a one-page history,
     with the pools of the first indexer layer, the compilations in parallel threads on a GPU.
     Returns the number of launches (0: no indexer, or every history within ``index_topk``,
     where attention stays dense)."""
@@ -171,9 +169,8 @@ def warm_selection(store: KVStore, attn_layers: list, max_len: int, world: int) 
     for length in sorted({one_chunk, width}):  # as steps score: one pass; every pass kind
         scores = torch.randn((1, length), generator=gen, device=dev)
         launches += [partial(topk_rows, scores, k, block_table=table, row_req=row_req,
-                             page_size=page_size, config=cfg)
-                     for row_req in (None, one - 1)
-                     for cfg in width_configs(dev, k, topk_cfg, width)]  # by row width
+                             page_size=page_size, config=topk_cfg)
+                     for row_req in (None, one - 1)]
     if world > 1:  # CP: the global top-k of the ranks' candidates
         candidates = torch.randn((1, world * k), generator=gen, device=dev)
         owned = torch.zeros((1, world * k), dtype=torch.int32, device=dev)

@@ -18,7 +18,6 @@ from splash.kernels_triton import (
     topk_rows_ref,
 )
 from splash.kernels_triton.dsa_index import index_config
-from splash.kernels_triton.topk import topk_config, width_configs
 from splash.layouts.sparse import topk_indexed
 
 # (index heads, key width, page size, rows per request, prefix per request): decode rows only,
@@ -340,22 +339,3 @@ def test_long_prefill_picks_in_pieces_the_same(device):
     pieces = topk_indexed(q, w, keys, None, args, 0.2, 6, {}, host, budget=4 * width)
     _same_sets(pieces[1], whole[1])
     torch.testing.assert_close(pieces[0].sort(dim=1).values, whole[0].sort(dim=1).values)
-
-
-def test_gpu_topk_chunks_follow_the_row_width():
-    """On a GPU the row width picks the chunk and parts (a named chunk or parts wins), and
-    ``width_configs`` lists each config rows up to a width take, for the warm-up to compile."""
-    gpu = torch.device("cuda")  # configs only: nothing launches
-    assert [topk_config(gpu, 2048, None, w)["CHUNK"] for w in (32768, 65536, 131072, 262144)] \
-        == [8192, 8192, 16384, 8192]
-    assert [topk_config(gpu, 2048, None, w)["PARTS"] for w in (65536, 131072, 262144)] \
-        == [1, 4, 2]
-    assert topk_config(gpu, 2048, {"CHUNK": 8192}, 131072)["PARTS"] == 1
-    assert topk_config(gpu, 2048, {"PARTS": 2}, 131072)["CHUNK"] == 8192
-    taken = {(c["CHUNK"], c["PARTS"]) for w in range(4096, 300000, 4096)
-             for c in [topk_config(gpu, 2048, None, w)]}
-    listed = width_configs(gpu, 2048, None, 300000)
-    assert {(c["CHUNK"], c["PARTS"]) for c in listed} == taken
-    assert len(width_configs(gpu, 2048, None, 65536)) == 1
-    assert width_configs(torch.device("cpu"), 8, None, 300000) == [topk_config(
-        torch.device("cpu"), 8, None)]
