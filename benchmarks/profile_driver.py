@@ -32,7 +32,8 @@ SM_SCALE = 0.1147
 CASES: dict[str, tuple[str, int, str]] = {
     "decode_bf16_16h_64x4k": ("^_mla_decode", 1, "mla_decode 16 heads, 64 x 4K, bf16 KV"),
     "decode_fp8_16h_64x32k": ("^_mla_decode", 1,
-                              "mla_decode 16 heads, 64 x 32K, fp8 KV (defaults: fp16 products)"),
+                              "mla_decode 16 heads, 64 x 32K, fp8 KV (defaults: fp16 products, "
+                              "gathered page ids)"),
     "decode_fp8_16h_64x32k_bf16prod": ("^_mla_decode", 1,
                                        "mla_decode 16 heads, 64 x 32K, fp8 KV, fp8_fp16 off"),
     "decode_bf16_128h_8x32k": ("^_mla_decode", 1, "mla_decode 128 heads, 8 x 32K, bf16 KV"),
@@ -43,10 +44,10 @@ CASES: dict[str, tuple[str, int, str]] = {
                            "bf16: gate_up then down GEMM"),
     "dsa_index_16x128k": ("^_index_scores", 1,
                           "index_scores 16 decode rows x 128K, 64 index heads of 128, fp8 keys"),
-    "dsa_index_16x128k_gather": ("^_index_scores", 1, "the same with gathered page ids, 3 "
-                                 "stages"),
-    "decode_fp8_16h_64x32k_gather": ("^_mla_decode", 1, "mla_decode 16 heads, 64 x 32K, fp8 "
-                                     "KV, gathered page ids"),
+    "dsa_index_16x128k_ids": ("^_index_scores", 1, "the same with page ids loaded per tile, 2 "
+                              "stages"),
+    "decode_fp8_16h_64x32k_ids": ("^_mla_decode", 1, "mla_decode 16 heads, 64 x 32K, fp8 KV, "
+                                  "page ids loaded per tile on 32-token tiles"),
     "dsa_topk_16x128k": ("^_topk_chunk", 3, "topk_rows 16 rows x 128K scores, k 2048 "
                          "(the three passes)"),
     "dsa_sparse_16h_16x2k": ("^_mla_sparse", 1,
@@ -74,12 +75,12 @@ def build(case: str) -> Callable[[], Any]:
             "decode_bf16_16h_64x4k": (16, 64, 4096),
             "decode_fp8_16h_64x32k": (16, 64, 32768),
             "decode_fp8_16h_64x32k_bf16prod": (16, 64, 32768),
-            "decode_fp8_16h_64x32k_gather": (16, 64, 32768),
+            "decode_fp8_16h_64x32k_ids": (16, 64, 32768),
             "decode_bf16_128h_8x32k": (128, 8, 32768),
         }[case]
         cfg = {"fp8_fp16": False} if case.endswith("_bf16prod") else None
-        if case.endswith("_gather"):
-            cfg = {"gather_pages": True}
+        if case.endswith("_ids"):
+            cfg = {"gather_pages": False, "BLOCK_N": 32}
         kv, scale, table = _paged(batch, context, fp8, dev, gen)
         q = torch.randn(batch, heads, D, device=dev, dtype=torch.bfloat16, generator=gen)
         lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
@@ -122,11 +123,11 @@ def _dsa(case: str, dev, gen) -> Callable[[], Any]:
                      generator=gen)
     w = torch.randn(batch, INDEX_HEADS, device=dev, generator=gen) * INDEX_HEADS ** -0.5
 
-    gather = {"gather_pages": True, "num_stages": 3} if case.endswith("_gather") else None
+    per_tile = {"gather_pages": False, "num_stages": 2} if case.endswith("_ids") else None
 
     def scores():
         return K.index_scores(iq, w, keys, table, lens, starts, INDEX_DIM ** -0.5, context,
-                              index_scale=key_scale, config=gather)
+                              index_scale=key_scale, config=per_tile)
 
     if case.startswith("dsa_index_"):
         return scores
