@@ -34,6 +34,7 @@ from typing import Any
 
 from splash.core.protocol import StepPlan, StepResult
 from splash.core.request import Request, SampleGroup, Status
+from splash.engine.admission import check_request
 from splash.engine.auto_layout import AutoLayout
 from splash.engine.config import EngineConfig
 from splash.engine.executor import sigint_deferred, start_executor
@@ -146,7 +147,8 @@ class LLMEngine:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         params = params or SamplingParams()
-        self._validate(prompt_token_ids, params)
+        check_request(prompt_token_ids, params, self.cfg, self.setup, self.vocab_size,
+                      self.tokenizer is not None)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if not isinstance(rid, str) or not rid or not rid.isprintable():
             # control characters are reserved (CUDA-graph padding rows use them)
@@ -160,38 +162,6 @@ class LLMEngine:
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
-
-    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError("params must be a SamplingParams")
-        if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
-            raise InvalidRequestError("prompt must be a non-empty list of token ids")
-        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int)
-               or not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"token id {bad[0]!r} is not an int in [0, {self.vocab_size}) (vocab size)")
-        limit = self.setup.max_model_len
-        if len(prompt) + params.max_tokens > limit:
-            raise InvalidRequestError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"max_model_len {limit}")
-        if len(prompt) + params.max_tokens > self.setup.max_request_tokens:
-            raise InvalidRequestError(
-                f"prompt + max_tokens = {len(prompt) + params.max_tokens} tokens does not fit "
-                f"the KV pool ({self.setup.max_request_tokens} tokens per request)")
-        if not self.cfg.enable_chunked_prefill and \
-                len(prompt) > self.setup.max_num_batched_tokens:
-            raise InvalidRequestError(  # one step computes the whole prompt
-                f"prompt ({len(prompt)} tokens) exceeds max_num_batched_tokens "
-                f"{self.setup.max_num_batched_tokens} with chunked prefill off: raise "
-                "max_num_batched_tokens or enable chunked prefill")
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer and this checkpoint has none; "
-                                      "use stop_token_ids")
-        if params.n > self.cfg.max_num_seqs:
-            raise InvalidRequestError(
-                f"n={params.n} samples exceed max_num_seqs={self.cfg.max_num_seqs}")
 
     def abort_request(self, request_id: str) -> bool:
         req = self.requests.get(request_id)
