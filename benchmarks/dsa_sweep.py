@@ -9,7 +9,7 @@ times carry the launches' host cost, which decides nothing about a graph-replaye
   TILES × num_warps × num_stages, finer and deeper than the above;
 - ``index_scores`` with page ids gathered from registers (``--only index_gather``, a study):
   tiles per program × stages;
-- ``topk_rows`` at 32K and 128K: CHUNK × num_warps × PARTS;
+- ``topk_rows`` at 32K and 128K: CHUNK × num_warps × PARTS, bisection or false position;
 - ``mla_sparse`` at 128 heads (``--only sparse_splits``) and at 16 (``--only
   sparse_splits_few``), studies whose winners feed no record: num_splits × tiles × stages;
 - ``mla_sparse`` over 2,048 selected slots, 16 and 128 heads, bf16 and fp8 KV: BLOCK_N ×
@@ -51,8 +51,9 @@ INDEX_TILES_SPACE = [{"BLOCK_T": t, "TILES": n, "num_warps": w, "num_stages": st
 # first row)
 INDEX_GATHER_SPACE = [{}] + [{"gather_pages": True, "TILES": n, "num_stages": st}
                              for n, st in itertools.product((None, 16, 32), (3, 4))]
-TOPK_SPACE = [{"CHUNK": c, "num_warps": w, "PARTS": p}
-              for c, w, p in itertools.product((8192, 16384), (8, 16), (1, 2, 4))]
+TOPK_SPACE = [{"CHUNK": c, "num_warps": w, "PARTS": p, "SECANT": sec}
+              for sec, c, w, p in itertools.product((False, True), (8192, 16384), (8, 16),
+                                                    (1, 2, 4))]
 # the split of each row's slot list at 128 heads (None: the launcher's choice) with the table's
 # tiles and deeper ones: ``--only sparse_splits``
 SPARSE_SPLITS_SPACE = [{"num_splits": s, **cfg} for s in (None, 2, 4, 8, 16)

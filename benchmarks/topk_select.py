@@ -28,7 +28,8 @@ from splash.kernels_triton import topk as T
 
 CONFIGS = [{}, {"num_warps": 16}, {"CHUNK": 4096}, {"CHUNK": 16384}, {"CHUNK": 16384, "PARTS": 2},
            {"CHUNK": 16384, "PARTS": 4}, {"CHUNK": 16384, "num_warps": 16},
-           {"CHUNK": 32768, "num_warps": 16}, {"PARTS": 2}, {"PARTS": 4}]
+           {"CHUNK": 32768, "num_warps": 16}, {"PARTS": 2}, {"PARTS": 4}, {"SECANT": True},
+           {"SECANT": True, "num_warps": 16}, {"SECANT": True, "CHUNK": 16384, "PARTS": 4}]
 
 def _scores(kind: str, width: int, dev: torch.device) -> torch.Tensor:
     """16 rows of ``width`` scores: "relu" relu(N(0, 9)) + U(0, 1) (half the row below 1);

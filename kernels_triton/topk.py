@@ -13,15 +13,18 @@ candidates; passes repeat until one chunk remains (128K scores, k = 2048, CHUNK 
 order-preserving integer image of the fp32 values by bisection: a round per bit from the top,
 keeping the bit when at least k keys reach the candidate (one compare and one sum a round),
 until exactly k keys reach it or the 32 bits are spent (a chunk with at most k finite entries,
-as a short request's columns past its history are, skips the rounds: all of them win). The
-winners are then compacted with one prefix sum (counts of the entries above the threshold and
+as a short request's columns past its history are, skips the rounds: all of them win).
+``config["SECANT"]`` (the CPU default; on GPUs untimed) finds the same threshold by false
+position on the values (``_kth_largest_secant``): 170 instructions a round against the
+bisection's 129 (offline sm_90, 8K chunk, 8 warps, both 203 registers), in about half the
+rounds on smooth scores. The winners are then compacted with one prefix sum (counts of the entries above the threshold and
 of the ties packed in one int32), ``PARTS`` column parts (at most 16K entries each) one after
 another, each part's values read again: only the keys stay in registers through the rounds.
 Offline sm_90 (Triton 3.6, 8K chunk, 8 warps): 243 / 255 registers with one part before the
 values were re-read (one program an SM: the first pass of a 128K row, 256 programs, ran in two
 waves, 29.6 of 63 us under ncu), 212 / 255 now with one part, 111 / 117 with four (two programs
-an SM), 80 / 95 with eight (without / with an index). The GPU default keeps one part until
-four are timed (``topk_select.py`` measures them).
+an SM), 80 / 95 with eight (without / with an index). The GPU default keeps one part: with 8K
+chunks two or four parts gained nothing at 32K-128K (``topk_select.py``).
 
 Tried on an H200 (16 rows, k = 2048, graph-timed), against 0.032 / 0.061 ms at 32K / 128K now:
 - a radix select in each program instead of the bisection (rounds of 16- or 256-bin
@@ -87,6 +90,58 @@ def _kth_largest(ukey, K: tl.constexpr, ROWS: tl.constexpr):
     return tl.min(top, 1)
 
 
+@triton.jit
+def _key_value(ukey):
+    """The fp32 value of an order key (``_order_key``'s inverse for finite values)."""
+    key = ukey.to(tl.int32, bitcast=True) ^ _KEY_MIN
+    return tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _kth_largest_secant(ukey, K: tl.constexpr, ROWS: tl.constexpr):
+    """``_kth_largest`` by false position on the values: the candidate interpolates between a
+    bracket's ends (count at ``lo`` >= K, above ``hi`` < K) where the count crosses K, the
+    Illinois rule halving a stuck end's weight, and a round bisects when the last two did not
+    halve the bracket between them (so the bracket halves at least every three rounds, and
+    each round moves an end). Same result as the bisection, in fewer rounds on smooth scores:
+    on 8K-entry chunks (k = 2,048) of scores shaped like the indexer's, 10-11 rounds against
+    21 (ties: 30 against 32; numpy model of this loop)."""
+    chosen = ukey > 0
+    n = tl.sum(chosen.to(tl.int32), 1)
+    done = n <= K
+    never = tl.full(ukey.shape, 0xFFFFFFFF, tl.uint32)
+    lo = tl.where(done, tl.zeros((ROWS,), tl.uint32), tl.min(tl.where(chosen, ukey, never), 1))
+    hi = tl.max(ukey, 1)  # the answer lies in [lo, hi]
+    f_lo = (n - K).to(tl.float32)  # the count at lo, less K (> 0 while searching)
+    f_hi = tl.full((ROWS,), -K, tl.float32)  # the count above hi, less K (< 0)
+    side = tl.zeros((ROWS,), tl.int32)  # the end the last round moved: 1 lo, -1 hi
+    w1 = tl.full((ROWS,), 1 << 33, tl.int64)  # the bracket's width one and two rounds ago
+    w2 = w1
+    done = done | (lo >= hi)
+    r = 0
+    while (r < 100) & (tl.sum((~done).to(tl.int32)) > 0):  # 96 rounds always suffice
+        width = (hi - lo).to(tl.int64)
+        frac = f_lo / tl.maximum(f_lo - f_hi, 1.0)  # in [0, 1]: no overflow near fp32's limit
+        guess = _order_key(_key_value(lo) * (1.0 - frac) + _key_value(hi) * frac)
+        mid = lo + (hi - lo) // 2 + 1
+        cand = tl.minimum(tl.maximum(tl.where(width > w2 // 2, mid, guess), lo + 1), hi)
+        count = tl.sum((ukey >= cand[:, None]).to(tl.int32), 1)
+        up = (count >= K) & ~done
+        down = (count < K) & ~done
+        lo = tl.where(up, cand, lo)
+        hi = tl.where(down, cand - 1, hi)
+        f_lo = tl.where(up, (count - K).to(tl.float32),
+                        tl.where(down & (side < 0), f_lo * 0.5, f_lo))
+        f_hi = tl.where(down, (count - K).to(tl.float32),
+                        tl.where(up & (side > 0), f_hi * 0.5, f_hi))
+        side = tl.where(up, 1, tl.where(down, -1, side))
+        w2 = w1
+        w1 = width
+        done = done | (up & (count == K)) | (lo >= hi)
+        r += 1
+    return tl.min(tl.where(ukey >= lo[:, None], ukey, never), 1)
+
+
 # ints that vary by step: one binary for all (tests check the warm-up against them)
 SHAPE_INTS = ["N", "stride_btn"]
 
@@ -115,6 +170,7 @@ def _topk_chunk_kernel(
     TO_SLOTS: tl.constexpr,
     HAS_ROW_REQ: tl.constexpr,
     PARTS: tl.constexpr,  # the winners are placed in PARTS column parts, one after another
+    SECANT: tl.constexpr = False,  # the k-th largest by _kth_largest_secant
 ):
     pid_c = tl.program_id(0)
     rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
@@ -126,7 +182,10 @@ def _topk_chunk_kernel(
     # each part's values read again (registers: two programs an SM)
     ukey = _order_key(tl.load(vals_ptr + rows[:, None] * stride_vn + cols[None, :] * stride_vm,
                               mask=inside, other=float("-inf")))
-    thr = _kth_largest(ukey, K, ROWS)  # (ROWS,)
+    if SECANT:
+        thr = _kth_largest_secant(ukey, K, ROWS)  # (ROWS,)
+    else:
+        thr = _kth_largest(ukey, K, ROWS)
     room = K - tl.sum((ukey > thr[:, None]).to(tl.int32), 1)  # ties to take, in column order
     if TO_SLOTS:
         if HAS_ROW_REQ:
@@ -186,8 +245,10 @@ def _topk_chunk_kernel(
 # SM. ncu at 16 x 128K: the three passes 29.6 / 17.1 / 20.1 us, stalls on fixed-latency
 # dependencies and shared memory, 230-255 registers (12.7% occupancy; 4 parts: 111-117, two
 # programs an SM).
-_GPU_DEFAULTS: dict[str, Any] = {"CHUNK": 8192, "ROWS": 1, "num_warps": 8, "PARTS": 1}
-_CPU_DEFAULTS: dict[str, Any] = {"CHUNK": 256, "ROWS": 32, "num_warps": 4, "PARTS": 2}
+_GPU_DEFAULTS: dict[str, Any] = {"CHUNK": 8192, "ROWS": 1, "num_warps": 8, "PARTS": 1,
+                                 "SECANT": False}
+_CPU_DEFAULTS: dict[str, Any] = {"CHUNK": 256, "ROWS": 32, "num_warps": 4, "PARTS": 2,
+                                 "SECANT": True}
 
 
 def topk_config(device: torch.device, k: int, config: dict | None) -> dict[str, Any]:
@@ -260,7 +321,8 @@ def topk_rows(
                 *v.stride(), *idx_arg.stride(), *out_v.stride(), *out_i.stride(),
                 *bt.stride(), rr.stride(0),
                 K=k, CHUNK=chunk, ROWS=rows, PAGE_SIZE=page_size, HAS_INDEX=idx is not None, TO_SLOTS=to_slots,
-                HAS_ROW_REQ=row_req is not None, PARTS=cfg["PARTS"], num_warps=cfg["num_warps"],
+                HAS_ROW_REQ=row_req is not None, PARTS=cfg["PARTS"], SECANT=bool(cfg["SECANT"]),
+                num_warps=cfg["num_warps"],
             )
         if last:
             return out_v, out_i

@@ -154,13 +154,14 @@ def _same_sets(index, ref_index):
         assert sorted(row) == sorted(ref_row)
 
 
+@pytest.mark.parametrize("secant", [False, True])
 @pytest.mark.parametrize("parts", [1, 4])
 @pytest.mark.parametrize("rows", [1, 32])
 @pytest.mark.parametrize("chunk", [16, 64])
-def test_topk_matches_torch(device, chunk, rows, parts):
+def test_topk_matches_torch(device, chunk, rows, parts, secant):
     """Rows longer than a chunk (several passes), rows with fewer finite entries than k, a row
     with none; one row a program (a GPU's) and several (the interpreter's); the winners placed
-    in one column part or in several."""
+    in one column part or in several; the k-th largest by bisection or by false position."""
     gen = torch.Generator().manual_seed(3)
     values = torch.randn(4, 300, generator=gen)
     values[1, 20:] = float("-inf")  # 20 finite: all of them, then -1
@@ -168,7 +169,8 @@ def test_topk_matches_torch(device, chunk, rows, parts):
     values[3, ::2] = float("-inf")
     values = values.to(device)
     k = 8 if chunk == 16 else 24
-    v, i = topk_rows(values, k, config={"CHUNK": chunk, "ROWS": rows, "PARTS": parts})
+    v, i = topk_rows(values, k, config={"CHUNK": chunk, "ROWS": rows, "PARTS": parts,
+                                        "SECANT": secant})
     ref_v, ref_i = topk_rows_ref(values, k)
     assert v.shape == i.shape == (4, k) and i.dtype == torch.int32
     _same_sets(i, ref_i)
@@ -176,7 +178,8 @@ def test_topk_matches_torch(device, chunk, rows, parts):
 
 
 @pytest.mark.parametrize("config", [{"CHUNK": 16}, {"CHUNK": 16, "ROWS": 1},
-                                    {"CHUNK": 16, "ROWS": 1, "PARTS": 4}])
+                                    {"CHUNK": 16, "ROWS": 1, "PARTS": 4},
+                                    {"CHUNK": 16, "SECANT": False}, {"CHUNK": 16, "SECANT": True}])
 def test_topk_ties_in_column_order(device, config):
     values = torch.zeros(3, 200, device=device)
     values[1, 150:] = 1.0
@@ -339,3 +342,24 @@ def test_long_prefill_picks_in_pieces_the_same(device):
     pieces = topk_indexed(q, w, keys, None, args, 0.2, 6, {}, host, budget=4 * width)
     _same_sets(pieces[1], whole[1])
     torch.testing.assert_close(pieces[0].sort(dim=1).values, whole[0].sort(dim=1).values)
+
+
+@pytest.mark.parametrize("kind", ["wide", "tied", "huge"])
+def test_topk_false_position_on_hard_rows(device, kind):
+    """The false-position search on rows that defeat interpolation: values over many orders
+    of magnitude, a few distinct values (the count jumps past k), values near the fp32 limit
+    (the interpolation overflows): exact, like the bisection."""
+    gen = torch.Generator().manual_seed(7)
+    values = torch.randn(3, 256, generator=gen)
+    if kind == "wide":
+        values = values.sign() * torch.exp(values * 20)
+    elif kind == "tied":
+        values = (values * 1.5).round()
+    else:
+        values = values.sign() * 3e38
+        values[1, :3] = 1.0
+    values = values.to(device)
+    ref_v, _ = topk_rows_ref(values, 9)
+    for secant in (False, True):
+        v, _ = topk_rows(values, 9, config={"CHUNK": 32, "SECANT": secant})
+        torch.testing.assert_close(v.sort(dim=1, descending=True).values.cpu(), ref_v.cpu())
