@@ -16,8 +16,8 @@ until exactly k keys reach it or the 32 bits are spent (a chunk with at most k f
 as a short request's columns past its history are, skips the rounds: all of them win).
 ``config["SECANT"]`` (the CPU default; on GPUs untimed) finds the same threshold by false
 position on the values (``_kth_largest_secant``): 170 instructions a round against the
-bisection's 129 (offline sm_90, 8K chunk, 8 warps, both 203 registers), in about half the
-rounds on smooth scores. The winners are then compacted with one prefix sum (counts of the entries above the threshold and
+bisection's 129 (offline sm_90, 8K chunk, 8 warps, both 203 registers), in under half the
+rounds on smooth scores (``benchmarks/topk_rounds.py``). The winners are then compacted with one prefix sum (counts of the entries above the threshold and
 of the ties packed in one int32), ``PARTS`` column parts (at most 16K entries each) one after
 another, each part's values read again: only the keys stay in registers through the rounds.
 Offline sm_90 (Triton 3.6, 8K chunk, 8 warps): 243 / 255 registers with one part before the
@@ -103,9 +103,10 @@ def _kth_largest_secant(ukey, K: tl.constexpr, ROWS: tl.constexpr):
     bracket's ends (count at ``lo`` >= K, above ``hi`` < K) where the count crosses K, the
     Illinois rule halving a stuck end's weight, and a round bisects when the last two did not
     halve the bracket between them (so the bracket halves at least every three rounds, and
-    each round moves an end). Same result as the bisection, in fewer rounds on smooth scores:
-    on 8K-entry chunks (k = 2,048) of scores shaped like the indexer's, 10-11 rounds against
-    21 (ties: 30 against 32; numpy model of this loop)."""
+    each round moves an end). Same result as the bisection, in fewer rounds on smooth scores
+    (benchmarks/topk_rounds.py, a numpy model of both loops, 8K-entry chunks, k = 2,048): on
+    scores shaped like the indexer's 9.4-9.7 rounds against 22-25, on quarter-step ties 27-30
+    against 32."""
     chosen = ukey > 0
     n = tl.sum(chosen.to(tl.int32), 1)
     done = n <= K
