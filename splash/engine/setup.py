@@ -234,6 +234,10 @@ def _index_dtype(cfg: EngineConfig, backend: BaseBackend, dtype: str) -> str:
 
 def _initial_layout(cfg: EngineConfig, model_cfg: ModelConfig, fits: list[str]) -> str:
     if cfg.layout == "auto":
+        if len(fits) < len(LAYOUTS):
+            logger.info("layouts %s shard %d heads over %d ranks unevenly: auto chooses among %s",
+                        [name for name in LAYOUTS if name not in fits],
+                        model_cfg.num_attention_heads, cfg.tp_size, fits)
         return "tp" if "tp" in fits else "dp"
     if cfg.layout not in fits:
         raise LayoutInfeasibleError(
