@@ -20,10 +20,10 @@ class CUDABackend(BaseBackend):
         # 64 x 4K 0.094 vs 0.102; benchmarks/results/h200/decode_configs.json); H > 32
         # ("many_heads") uses 64-head groups on M: 64 heads x 512 fp32 accumulators need 8
         # warps, and 64-token tiles (2 stages fit shared memory) lifted 128 heads from 177 to
-        # 276-281 TFLOP/s. fp8 KV with H <= 32 keeps the heads-on-M kernel (0.26 vs 0.34 ms at
-        # 64 x 4K for tokens-on-M) with 32-token tiles and 2 stages (0.965 vs 1.31 ms at
-        # 64 x 32K), 2 programs per SM in the wave model (it then picks the measured-best split
-        # at all six anchor shapes).
+        # 276-281 TFLOP/s. fp8 KV with H <= 32 keeps the heads-on-M kernel (tokens-on-M: 0.347
+        # vs 0.124 ms at 64 x 4K, 2.65 vs 0.815 at 64 x 32K, fp8_decode.json), 2 programs per
+        # SM in the wave model (one an SM, as its shared memory allows: 64 x 4K 0.123 -> 0.117
+        # but 8 x 4K 0.029 -> 0.032; not taken).
         # Many heads at short contexts: 64-token splits (benchmarks/results/h200/
         # decode_splits.json, 64 heads, 1 x 1K: 16 splits 13.8 us vs 4 splits 21.8 us; the
         # wave model then picks the measured-best split at 1-16 x 1K and keeps it elsewhere).
