@@ -50,7 +50,10 @@ INDEX_TILES_SPACE = [{"BLOCK_T": t, "TILES": n, "num_warps": w, "num_stages": st
 # deeper pipelines and tiles per program: ``--only index_gather``, against the default (its
 # first row)
 INDEX_GATHER_SPACE = [{}] + [{"gather_pages": True, "TILES": n, "num_stages": st}
-                             for n, st in itertools.product((None, 16, 32), (3, 4))]
+                             for n, st in itertools.product((None, 16, 32), (3, 4))] + [
+    {"gather_pages": True, "BLOCK_T": 64, "TILES": n, "num_stages": st}
+    for n, st in itertools.product((16, 32), (3, 4))]  # 64-token tiles: 78 registers, 33 / 41 KB
+# of shared memory at 3 / 4 stages (offline sm_90): 6 / 5 programs an SM, against 4
 TOPK_SPACE = [{"CHUNK": c, "num_warps": w, "PARTS": p, "SECANT": sec}
               for sec, c, w, p in itertools.product((False, True), (8192, 16384), (8, 16),
                                                     (1, 2, 4))]
