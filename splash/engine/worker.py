@@ -34,6 +34,7 @@ from splash.dist.comm import Comm
 from splash.dist.host_copy import to_device
 from splash.dist.rendezvous import join_group
 from splash.engine.graphs import DecodeGraphs, graph_width, startup_layouts
+from splash.engine.kv_pools import build_store
 from splash.engine.profiling import (
     PROFILE_PAGES,
     profile_context,
@@ -151,21 +152,9 @@ class Worker:
 
     def _build_store(self, num_pages: int) -> None:
         """KV pools of ``num_pages`` pages per layer and the layouts that read them."""
-        mcfg = self.model.cfg
-        kv_dtype = torch_dtype(self.cfg.kv_dtype, self.backend.fp8_dtype)
-        shape = (num_pages, self.cfg.page_size, mcfg.kv_dim)
-        layers = mcfg.num_hidden_layers
-        # each kind of pool allocated for all layers at once: a switch packs them in one launch
-        caches = list(torch.zeros((layers, *shape), dtype=kv_dtype, device=self.device))
-        scales = None
-        if kv_dtype.itemsize == 1:
-            scales = list(torch.ones((layers, *shape[:2]), dtype=torch.float32,
-                                     device=self.device))
-        index_caches, index_scales = self._index_pools(mcfg, num_pages)
-        configs = {k: self.backend.kernel_config(k)
-                   for k in ("mla_decode", "mla_sparse", "mla_extend", "index_scores", "topk")}
-        self.store = KVStore(caches, scales, configs, index_caches, index_scales)
-        self.layouts = make_layouts(self.comm, self.store, mcfg.kv_lora_rank)
+        self.store = build_store(self.model.cfg, self.backend, self.device, num_pages,
+                                 self.cfg.page_size, self.cfg.kv_dtype, self.cfg.index_dtype)
+        self.layouts = make_layouts(self.comm, self.store, self.model.cfg.kv_lora_rank)
         self.num_pages = num_pages
 
     @torch.inference_mode()
@@ -256,20 +245,6 @@ class Worker:
         for attn in self.model.attn_layers:
             if range(attn.head_start, attn.head_start + attn.num_heads) != heads:
                 attn.use(heads)
-
-    def _index_pools(self, mcfg: ModelConfig, num_pages: int) -> tuple[list, list]:
-        """DSA: per indexer layer, the indexer keys (P, PS, I) in the same pages as the latent
-        rows (+ one fp32 scale per key when fp8); None in the other layers."""
-        layers = range(mcfg.num_hidden_layers)
-        if not mcfg.is_dsa:
-            return [None for _ in layers], [None for _ in layers]
-        dtype = torch_dtype(self.cfg.index_dtype, self.backend.fp8_dtype)
-        shape = (num_pages, self.cfg.page_size, int(mcfg.index_head_dim or 0))
-        keys = [torch.zeros(shape, dtype=dtype, device=self.device)
-                if mcfg.has_indexer(i) else None for i in layers]
-        scales = [torch.ones(shape[:2], dtype=torch.float32, device=self.device)
-                  if k is not None and dtype.itemsize == 1 else None for k in keys]
-        return keys, scales
 
     def _apply_tables(self, plan: StepPlan) -> None:
         for rid in plan.released:
