@@ -250,7 +250,8 @@ _CPU_DEFAULTS: dict[str, Any] = {"BLOCK_T": 128, "TILES": 1, "BLOCK_M_EXTEND": 1
 def index_config(device: torch.device, config: dict | None) -> dict[str, Any]:
     cfg = dict(_GPU_DEFAULTS if device.type == "cuda" else _CPU_DEFAULTS)
     if device.type == "cuda" and torch.version.hip is not None:
-        cfg["fp8_fp16"] = False  # measured on CUDA only
+        # measured on CUDA only: ROCm keeps the plain products and per-tile page ids
+        cfg.update(fp8_fp16=False, gather_pages=False, num_stages=2)
     cfg.update(config or {})
     if cfg["fp8_dot"] and device.type == "cuda" and (
             torch.version.hip is not None or torch.cuda.get_device_capability(device) < (8, 9)):

@@ -363,3 +363,14 @@ def test_topk_false_position_on_hard_rows(device, kind):
     for secant in (False, True):
         v, _ = topk_rows(values, 9, config={"CHUNK": 32, "SECANT": secant})
         torch.testing.assert_close(v.sort(dim=1, descending=True).values.cpu(), ref_v.cpu())
+
+
+def test_rocm_indexer_keeps_what_was_measured_there(monkeypatch):
+    """The indexer's CUDA-measured choices (fp16 / e4m3 products, gathered page ids on three
+    stages) stay off under ROCm; a config still sets them."""
+    monkeypatch.setattr(torch.version, "hip", "6.0", raising=False)
+    gpu = torch.device("cuda")  # configs only: nothing launches
+    cfg = index_config(gpu, None)
+    assert (cfg["fp8_fp16"], cfg["fp8_dot"], cfg["gather_pages"], cfg["num_stages"]) == (
+        False, False, False, 2)
+    assert index_config(gpu, {"gather_pages": True})["gather_pages"] is True
