@@ -14,10 +14,14 @@ order-preserving integer image of the fp32 values by bisection: a round per bit 
 keeping the bit when at least k keys reach the candidate (one compare and one sum a round),
 until exactly k keys reach it or the 32 bits are spent (a chunk with at most k finite entries,
 as a short request's columns past its history are, skips the rounds: all of them win).
-``config["SECANT"]`` (the CPU default; on GPUs untimed) finds the same threshold by false
-position on the values (``_kth_largest_secant``): 170 instructions a round against the
-bisection's 129 (offline sm_90, 8K chunk, 8 warps, both 203 registers), in under half the
-rounds on smooth scores (``benchmarks/topk_rounds.py``). The winners are then compacted with one prefix sum (counts of the entries above the threshold and
+``config["SECANT"]`` (the CPU default) finds the same threshold by false position on the
+values (``_kth_largest_secant``): 170 instructions a round against the bisection's 129
+(offline sm_90, 8K chunk, 8 warps, both 203 registers), in under half the rounds on smooth
+scores (``benchmarks/topk_rounds.py``). On an H200 its first form took the DSA pipeline's
+top-k from 0.0375 / 0.0677 to 0.0351 / 0.0595 ms at 32K / 128K (``dsa_topk_index.json``;
+``topk_select.py``, indexer-shaped scores: 128K 0.0649 -> 0.0531, 256K 0.1108 -> 0.0898), but
+its unsigned clamps came out wrong on a tied row there (right in the interpreter); the search
+now runs on signed keys and stays off on GPUs until the GPU tests pass. The winners are then compacted with one prefix sum (counts of the entries above the threshold and
 of the ties packed in one int32), ``PARTS`` column parts (at most 16K entries each) one after
 another, each part's values read again: only the keys stay in registers through the rounds.
 Offline sm_90 (Triton 3.6, 8K chunk, 8 warps): 243 / 255 registers with one part before the
@@ -91,10 +95,10 @@ def _kth_largest(ukey, K: tl.constexpr, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _key_value(ukey):
-    """The fp32 value of an order key (``_order_key``'s inverse for finite values)."""
-    key = ukey.to(tl.int32, bitcast=True) ^ _KEY_MIN
-    return tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+def _signed(ukey):
+    """Order keys as int32 in the same order (the search's arithmetic stays signed: Triton 3.6
+    compiled its unsigned clamps wrongly on an H200, where the interpreter was right)."""
+    return ukey.to(tl.int32, bitcast=True) ^ _KEY_MIN
 
 
 @triton.jit
@@ -106,13 +110,13 @@ def _kth_largest_secant(ukey, K: tl.constexpr, ROWS: tl.constexpr):
     each round moves an end). Same result as the bisection, in fewer rounds on smooth scores
     (benchmarks/topk_rounds.py, a numpy model of both loops, 8K-entry chunks, k = 2,048): on
     scores shaped like the indexer's 9.4-9.7 rounds against 22-25, on quarter-step ties 27-30
-    against 32."""
+    against 32. The bracket is kept as signed keys (int32; widths in int64)."""
     chosen = ukey > 0
     n = tl.sum(chosen.to(tl.int32), 1)
     done = n <= K
-    never = tl.full(ukey.shape, 0xFFFFFFFF, tl.uint32)
-    lo = tl.where(done, tl.zeros((ROWS,), tl.uint32), tl.min(tl.where(chosen, ukey, never), 1))
-    hi = tl.max(ukey, 1)  # the answer lies in [lo, hi]
+    never = tl.full(ukey.shape, 0xFFFFFFFF, tl.uint32)  # signed: the largest key
+    lo = tl.where(done, _KEY_MIN, tl.min(_signed(tl.where(chosen, ukey, never)), 1))
+    hi = tl.max(_signed(ukey), 1)  # the answer lies in [lo, hi]
     f_lo = (n - K).to(tl.float32)  # the count at lo, less K (> 0 while searching)
     f_hi = tl.full((ROWS,), -K, tl.float32)  # the count above hi, less K (< 0)
     side = tl.zeros((ROWS,), tl.int32)  # the end the last round moved: 1 lo, -1 hi
@@ -121,12 +125,17 @@ def _kth_largest_secant(ukey, K: tl.constexpr, ROWS: tl.constexpr):
     done = done | (lo >= hi)
     r = 0
     while (r < 100) & (tl.sum((~done).to(tl.int32)) > 0):  # 96 rounds always suffice
-        width = (hi - lo).to(tl.int64)
+        lo64 = lo.to(tl.int64)
+        hi64 = hi.to(tl.int64)
+        width = hi64 - lo64
         frac = f_lo / tl.maximum(f_lo - f_hi, 1.0)  # in [0, 1]: no overflow near fp32's limit
-        guess = _order_key(_key_value(lo) * (1.0 - frac) + _key_value(hi) * frac)
-        mid = lo + (hi - lo) // 2 + 1
-        cand = tl.minimum(tl.maximum(tl.where(width > w2 // 2, mid, guess), lo + 1), hi)
-        count = tl.sum((ukey >= cand[:, None]).to(tl.int32), 1)
+        lv = tl.where(lo >= 0, lo, lo ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+        hv = tl.where(hi >= 0, hi, hi ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+        guess = _signed(_order_key(lv * (1.0 - frac) + hv * frac)).to(tl.int64)
+        cand = tl.where(width > w2 // 2, lo64 + width // 2 + 1, guess)
+        cand = tl.minimum(tl.maximum(cand, lo64 + 1), hi64).to(tl.int32)
+        cand_u = (cand ^ _KEY_MIN).to(tl.uint32, bitcast=True)
+        count = tl.sum((ukey >= cand_u[:, None]).to(tl.int32), 1)
         up = (count >= K) & ~done
         down = (count < K) & ~done
         lo = tl.where(up, cand, lo)
@@ -140,7 +149,9 @@ def _kth_largest_secant(ukey, K: tl.constexpr, ROWS: tl.constexpr):
         w1 = width
         done = done | (up & (count == K)) | (lo >= hi)
         r += 1
-    return tl.min(tl.where(ukey >= lo[:, None], ukey, never), 1)
+    lo_u = (lo ^ _KEY_MIN).to(tl.uint32, bitcast=True)
+    thr = tl.min(_signed(tl.where(ukey >= lo_u[:, None], ukey, never)), 1)
+    return (thr ^ _KEY_MIN).to(tl.uint32, bitcast=True)
 
 
 # ints that vary by step: one binary for all (tests check the warm-up against them)
