@@ -20,8 +20,10 @@ values (``_kth_largest_secant``): 170 instructions a round against the bisection
 scores (``benchmarks/topk_rounds.py``). On an H200 its first form took the DSA pipeline's
 top-k from 0.0375 / 0.0677 to 0.0351 / 0.0595 ms at 32K / 128K (``dsa_topk_index.json``;
 ``topk_select.py``, indexer-shaped scores: 128K 0.0649 -> 0.0531, 256K 0.1108 -> 0.0898), but
-its unsigned clamps came out wrong on a tied row there (right in the interpreter); the search
-now runs on signed keys and stays off on GPUs until the GPU tests pass. The winners are then compacted with one prefix sum (counts of the entries above the threshold and
+on a row mixing signs its threshold came out wrong there (right in the interpreter, and its
+IR looked right offline: the likely culprit is the lowering of its unsigned max reduction,
+the bracket's top; the bisection reduces only with an unsigned min); the search now reduces
+and clamps signed keys and stays off on GPUs until the GPU tests pass. The winners are then compacted with one prefix sum (counts of the entries above the threshold and
 of the ties packed in one int32), ``PARTS`` column parts (at most 16K entries each) one after
 another, each part's values read again: only the keys stay in registers through the rounds.
 Offline sm_90 (Triton 3.6, 8K chunk, 8 warps): 243 / 255 registers with one part before the
@@ -96,8 +98,9 @@ def _kth_largest(ukey, K: tl.constexpr, ROWS: tl.constexpr):
 
 @triton.jit
 def _signed(ukey):
-    """Order keys as int32 in the same order (the search's arithmetic stays signed: Triton 3.6
-    compiled its unsigned clamps wrongly on an H200, where the interpreter was right)."""
+    """Order keys as int32 in the same order: the search reduces and clamps signed ints (with
+    unsigned ones its threshold came out wrong on an H200, Triton 3.6, where the interpreter
+    was right)."""
     return ukey.to(tl.int32, bitcast=True) ^ _KEY_MIN
 
 
