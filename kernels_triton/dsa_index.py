@@ -27,22 +27,17 @@ rounded once, and since that scale is positive it moves through the relu into th
 head sum then stays within each thread's row of the accumulator, and the widened keys can
 feed the product from registers).
 
-Latency: ncu on an H200 (16 rows x 128K, the GPU default) finds the kernel waiting on global
-loads (long scoreboard 4.3 of ~8 cycles per instruction, 23% occupancy, 2.8 TB/s), and its SASS
-shows why: the pipelined loop issues the next tile's copies after this tile's product and
-waits for all of them at the top of the next iteration, so no load overlaps compute, at any
-``num_stages``: the page-table load inside the loop, which each tile's addresses depend on,
-keeps Triton's software pipeliner (3.6) from running the copies ahead.
-``config["gather_pages"]`` (the default): a program loads its page ids once (``PAGES``, a
-power of two, at most 256) and each tile gathers its rows' ids from those registers
-(``tl.gather``): offline sm_90 the loop then waits for all but ``num_stages - 2`` copies (3
-stages: one tile in flight beside the product), at 106 registers; on an H200 2% faster. The
-fp8 keys' scales are a register load the pipeliner leaves in the loop, issued just before the
-product that waits for it; with gathered ids the loop loads them one tile ahead (108
-registers): H200 16 rows at 32K / 128K 0.0343 / 0.1006 -> 0.0318 / 0.0941 ms
-(``kernel_bench.py --only-dsa``). 64-token tiles (78 registers, 5-6 programs an SM) were not
-faster (0.0316 / 0.0978 at best, ``dsa_topk_index.json``). (Loading the next key tile into
-registers ahead of the product compiled to 200 registers on 4 warps: dropped.)
+Latency: ncu on an H200 (16 rows x 128K) found the kernel waiting on global loads (long
+scoreboard 4.3 of ~8 cycles per instruction, 23% occupancy, 2.8 TB/s): a page-table load in
+the loop, which each tile's addresses depend on, keeps Triton's pipeliner (3.6) from running
+copies ahead. ``config["gather_pages"]`` (the default): a program loads its page ids once
+(``PAGES``, a power of two, at most 256) and each tile gathers its rows' ids from those
+registers (``tl.gather``), so one tile stays in flight beside the product at 3 stages (106
+registers offline; 2% faster). The fp8 key scales, a register load the pipeliner leaves in
+the loop, load one tile ahead: 16 rows at 32K / 128K 0.0343 / 0.1006 -> 0.0318 / 0.0941 ms
+(``kernel_bench.py --only-dsa``). Not faster: 64-token tiles (78 registers, 5-6 programs an
+SM: 0.0316 / 0.0978 at best, ``dsa_topk_index.json``); the next key tile in registers ahead
+of the product (200 registers on 4 warps).
 """
 
 from __future__ import annotations
@@ -203,25 +198,20 @@ def _index_scores_kernel(
         if PAGES > 0:  # the program's page ids, once: the loop's loads then pipeline
             pages = _load_page_ids(bt_row, first_page, lim, stride_btp, PAGE_SIZE, PAGES)
         # the key scales, a register load the pipeliner leaves in the loop, one tile ahead
-        # when the page ids come from registers (else each tile waits for its own)
         page, slot, mask_t = _tile_pages(bt_row, pages, first_page, t_lo, lim, stride_btp,
                                          PAGE_SIZE, BLOCK_T, PAGES)
         col_next = _tile_col(ks_ptr, page, slot, mask_t, softmax_scale, stride_sp, stride_ss,
                              BLOCK_T, IS_FP8)
         for t0 in range(t_lo, t_mid, BLOCK_T):
+            col = col_next
             page, slot, mask_t = _tile_pages(bt_row, pages, first_page, t0, lim, stride_btp,
                                              PAGE_SIZE, BLOCK_T, PAGES)
             k = _tile_keys(k_ptr, page, slot, mask_t, stride_kp, stride_ks, stride_kd, q.dtype,
                            I, BLOCK_I, IS_FP8, FP8_DOT)
-            if PAGES > 0:
-                col = col_next
-                nxt, nslot, nmask = _tile_pages(bt_row, pages, first_page, t0 + BLOCK_T, lim,
-                                                stride_btp, PAGE_SIZE, BLOCK_T, PAGES)
-                col_next = _tile_col(ks_ptr, nxt, nslot, nmask, softmax_scale, stride_sp,
-                                     stride_ss, BLOCK_T, IS_FP8)
-            else:
-                col = _tile_col(ks_ptr, page, slot, mask_t, softmax_scale, stride_sp,
-                                stride_ss, BLOCK_T, IS_FP8)
+            page, slot, mask_t = _tile_pages(bt_row, pages, first_page, t0 + BLOCK_T, lim,
+                                             stride_btp, PAGE_SIZE, BLOCK_T, PAGES)
+            col_next = _tile_col(ks_ptr, page, slot, mask_t, softmax_scale, stride_sp,
+                                 stride_ss, BLOCK_T, IS_FP8)
             _tile_scores(q, w, k, col, t0, pos, mask_m, out_rows, T, stride_ot, BLOCK_M, BLOCK_H,
                          BLOCK_T, TOKENS_M, DOT_PRECISION)
         for t0 in range(t_mid, t_hi, BLOCK_T):  # columns past the history

@@ -105,6 +105,12 @@ def _signed(ukey):
 
 
 @triton.jit
+def _value(skey):
+    """The fp32 value of a signed order key (``_signed``) of a finite value."""
+    return tl.where(skey >= 0, skey, skey ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _kth_largest_secant(ukey, K: tl.constexpr, ROWS: tl.constexpr):
     """``_kth_largest`` by false position on the values: the candidate interpolates between a
     bracket's ends (count at ``lo`` >= K, above ``hi`` < K) where the count crosses K, the
@@ -132,10 +138,8 @@ def _kth_largest_secant(ukey, K: tl.constexpr, ROWS: tl.constexpr):
         hi64 = hi.to(tl.int64)
         width = hi64 - lo64
         frac = f_lo / tl.maximum(f_lo - f_hi, 1.0)  # in [0, 1]: no overflow near fp32's limit
-        lv = tl.where(lo >= 0, lo, lo ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
-        hv = tl.where(hi >= 0, hi, hi ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
-        guess = _signed(_order_key(lv * (1.0 - frac) + hv * frac)).to(tl.int64)
-        cand = tl.where(width > w2 // 2, lo64 + width // 2 + 1, guess)
+        guess = _signed(_order_key(_value(lo) * (1.0 - frac) + _value(hi) * frac))
+        cand = tl.where(width > w2 // 2, lo64 + width // 2 + 1, guess.to(tl.int64))
         cand = tl.minimum(tl.maximum(cand, lo64 + 1), hi64).to(tl.int32)
         cand_u = (cand ^ _KEY_MIN).to(tl.uint32, bitcast=True)
         count = tl.sum((ukey >= cand_u[:, None]).to(tl.int32), 1)
