@@ -55,8 +55,8 @@ INDEX_GATHER_SPACE = [{}] + [{"gather_pages": True, "TILES": n, "num_stages": st
     for n, st in itertools.product((16, 32), (3, 4))]  # 64-token tiles: 78 registers, 33 / 41 KB
 # of shared memory at 3 / 4 stages (offline sm_90): 6 / 5 programs an SM, against 4
 TOPK_SPACE = [{"CHUNK": c, "num_warps": w, "PARTS": p, "SECANT": sec}
-              for sec, c, w, p in itertools.product((False, True), (8192, 16384), (8, 16),
-                                                    (1, 2, 4))]
+              for sec, (c, w, p) in itertools.product((False, True), (
+                  (8192, 8, 1), (8192, 16, 1), (8192, 8, 2), (16384, 16, 2), (16384, 16, 4)))]
 # the split of each row's slot list at 128 heads (None: the launcher's choice) with the table's
 # tiles and deeper ones: ``--only sparse_splits``
 SPARSE_SPLITS_SPACE = [{"num_splits": s, **cfg} for s in (None, 2, 4, 8, 16)

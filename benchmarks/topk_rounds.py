@@ -44,19 +44,21 @@ def bisection(u: np.ndarray) -> int:
     return 32
 
 
-def false_position(u: np.ndarray) -> int:
-    """_kth_largest_secant's loop: Illinois false position on the values, a bisection where
-    the last two rounds did not halve the bracket."""
+def false_position(u: np.ndarray, rounds: int = 16) -> int:
+    """_kth_largest_secant's loops: Illinois false position on the values for ``rounds``
+    rounds, then a bisection of the bracket's keys."""
     n = int((u > 0).sum())
     if n <= K:
         return 0
     lo, hi = int(u[u > 0].min()), int(u.max())
-    f_lo, f_hi, side, w1, w2, r = float(n - K), float(-K), 0, 2**33, 2**33, 0
+    f_lo, f_hi, side, r = float(n - K), float(-K), 0, 0
     while lo < hi:
-        width = hi - lo
-        frac = f_lo / max(f_lo - f_hi, 1.0)
-        guess = int(_keys(np.array([np.float32(_value(lo) * (1 - frac) + _value(hi) * frac)]))[0])
-        cand = min(max(lo + width // 2 + 1 if width > w2 // 2 else guess, lo + 1), hi)
+        if r < rounds:
+            frac = f_lo / max(f_lo - f_hi, 1.0)
+            v = np.float32(_value(lo) * (1 - frac) + _value(hi) * frac)
+            cand = min(max(int(_keys(np.array([v]))[0]), lo + 1), hi)
+        else:
+            cand = lo + (hi - lo + 1) // 2
         count = int((u >= cand).sum())
         r += 1
         if count >= K:
@@ -69,13 +71,12 @@ def false_position(u: np.ndarray) -> int:
             hi, f_hi = cand - 1, float(count - K)
             f_lo *= 0.5 if side < 0 else 1.0
             side = -1
-        w2, w1 = w1, width
     return r
 
 
 def _rows(kind: str, rng: np.random.Generator, rows: int) -> np.ndarray:
-    if kind == "indexer":  # a positive mix of 64 heads' relu(q . k), as the indexer sums
-        w = rng.random(64)
+    if kind == "indexer":  # a signed mix of 64 heads' relu(q . k), as the indexer sums
+        w = rng.standard_normal(64) / 8
         return np.stack([np.maximum(rng.standard_normal((WIDTH, 64)), 0) @ w
                          for _ in range(rows)])
     x = rng.standard_normal((rows, WIDTH))

@@ -9,21 +9,24 @@ does not see). Winners are not sorted; equal values are taken in column order.
 Chunked selection: a program takes ``CHUNK`` (>= 2k) entries of ``ROWS`` rows (one on a GPU)
 and keeps each row's k largest, so a pass shrinks a row of M entries to ceil(M / CHUNK) · k
 candidates; passes repeat until one chunk remains (128K scores, k = 2048, CHUNK = 8192:
-128K -> 32K -> 8K -> 2K). Inside a program the k-th largest value is found exactly over the
-order-preserving integer image of the fp32 values by bisection: a round per bit from the top,
-keeping the bit when at least k keys reach the candidate (one compare and one sum a round),
-until exactly k keys reach it or the 32 bits are spent (a chunk with at most k finite entries,
-as a short request's columns past its history are, skips the rounds: all of them win).
-``config["SECANT"]`` (the CPU default) finds the same threshold by false position on the
-values (``_kth_largest_secant``): 170 instructions a round against the bisection's 129
-(offline sm_90, 8K chunk, 8 warps, both 203 registers), in under half the rounds on smooth
-scores (``benchmarks/topk_rounds.py``). On an H200 its first form took the DSA pipeline's
-top-k from 0.0375 / 0.0677 to 0.0351 / 0.0595 ms at 32K / 128K (``dsa_topk_index.json``;
-``topk_select.py``, indexer-shaped scores: 128K 0.0649 -> 0.0531, 256K 0.1108 -> 0.0898), but
-on a row mixing signs its threshold came out wrong there (right in the interpreter, and its
-IR looked right offline: the likely culprit is the lowering of its unsigned max reduction,
-the bracket's top; the bisection reduces only with an unsigned min); the search now reduces
-and clamps signed keys and stays off on GPUs until the GPU tests pass. The winners are then compacted with one prefix sum (counts of the entries above the threshold and
+128K -> 32K -> 8K -> 2K). Inside a program each row's k-th largest value is found exactly over
+the order-preserving integer image of the fp32 values (a chunk with at most k finite entries,
+as a short request's columns past its history are, skips the search: all of them win), by one
+of two searches, each round one compare and one sum over the chunk:
+- false position on the values (``config["SECANT"]``, the default; ``_kth_largest_secant``):
+  the candidate interpolates where the count crosses k between the bracket's ends (Illinois),
+  for 16 rounds, then the rows left (ties) bisect their bracket, 33 rounds at most. 8-10
+  rounds on the indexer's scores (``benchmarks/topk_rounds.py``); 174 instructions a round
+  (offline sm_90, 8K chunk, 8 warps, 210 registers).
+- bisection on the keys (``_kth_largest``): a round per bit from the top, keeping the bit while
+  at least k keys reach the candidate, until exactly k do or the 32 bits are spent; 19-23
+  rounds on those scores, 129 instructions a round.
+On an H200 (``dsa_sweep.py --only topk``, the DSA pipeline's scores, 16 rows) false position
+takes 0.0351 / 0.0604 ms at 32K / 128K against the bisection's 0.0370 / 0.0678
+(``dsa_topk.json``). Its first GPU form lost the width history it bisects by (a Triton while
+loop drops a carried name whose value enters the loop as another carried name's) and crawled
+through denormals on a row crossing zero; the fixed round budget needs no history.
+The winners are then compacted with one prefix sum (counts of the entries above the threshold and
 of the ties packed in one int32), ``PARTS`` column parts (at most 16K entries each) one after
 another, each part's values read again: only the keys stay in registers through the rounds.
 Offline sm_90 (Triton 3.6, 8K chunk, 8 warps): 243 / 255 registers with one part before the
@@ -111,15 +114,14 @@ def _value(skey):
 
 
 @triton.jit
-def _kth_largest_secant(ukey, K: tl.constexpr, ROWS: tl.constexpr):
+def _kth_largest_secant(ukey, K: tl.constexpr, ROWS: tl.constexpr, ROUNDS: tl.constexpr = 16):
     """``_kth_largest`` by false position on the values: the candidate interpolates between a
     bracket's ends (count at ``lo`` >= K, above ``hi`` < K) where the count crosses K, the
-    Illinois rule halving a stuck end's weight, and a round bisects when the last two did not
-    halve the bracket between them (so the bracket halves at least every three rounds, and
-    each round moves an end). Same result as the bisection, in fewer rounds on smooth scores
-    (benchmarks/topk_rounds.py, a numpy model of both loops, 8K-entry chunks, k = 2,048): on
-    scores shaped like the indexer's 9.4-9.7 rounds against 22-25, on quarter-step ties 27-30
-    against 32. The bracket is kept as signed keys (int32; widths in int64)."""
+    Illinois rule halving a stuck end's weight. After ``ROUNDS`` rounds the rows not done (ties,
+    odd shapes) bisect their bracket's keys, at most 32 rounds more. Same result as the
+    bisection, in fewer rounds on smooth scores (benchmarks/topk_rounds.py, a numpy model of
+    both loops, 8K-entry chunks, k = 2,048): 8-10 rounds against 19-23 on scores shaped like
+    the indexer's. The bracket is kept as signed keys (int32)."""
     chosen = ukey > 0
     n = tl.sum(chosen.to(tl.int32), 1)
     done = n <= K
@@ -129,20 +131,13 @@ def _kth_largest_secant(ukey, K: tl.constexpr, ROWS: tl.constexpr):
     f_lo = (n - K).to(tl.float32)  # the count at lo, less K (> 0 while searching)
     f_hi = tl.full((ROWS,), -K, tl.float32)  # the count above hi, less K (< 0)
     side = tl.zeros((ROWS,), tl.int32)  # the end the last round moved: 1 lo, -1 hi
-    w1 = tl.full((ROWS,), 1 << 33, tl.int64)  # the bracket's width one and two rounds ago
-    w2 = w1
     done = done | (lo >= hi)
     r = 0
-    while (r < 100) & (tl.sum((~done).to(tl.int32)) > 0):  # 96 rounds always suffice
-        lo64 = lo.to(tl.int64)
-        hi64 = hi.to(tl.int64)
-        width = hi64 - lo64
+    while (r < ROUNDS) & (tl.sum((~done).to(tl.int32)) > 0):
         frac = f_lo / tl.maximum(f_lo - f_hi, 1.0)  # in [0, 1]: no overflow near fp32's limit
         guess = _signed(_order_key(_value(lo) * (1.0 - frac) + _value(hi) * frac))
-        cand = tl.where(width > w2 // 2, lo64 + width // 2 + 1, guess.to(tl.int64))
-        cand = tl.minimum(tl.maximum(cand, lo64 + 1), hi64).to(tl.int32)
-        cand_u = (cand ^ _KEY_MIN).to(tl.uint32, bitcast=True)
-        count = tl.sum((ukey >= cand_u[:, None]).to(tl.int32), 1)
+        cand = tl.minimum(tl.maximum(guess, lo + 1), hi)
+        count = _count_from(ukey, cand)
         up = (count >= K) & ~done
         down = (count < K) & ~done
         lo = tl.where(up, cand, lo)
@@ -152,13 +147,26 @@ def _kth_largest_secant(ukey, K: tl.constexpr, ROWS: tl.constexpr):
         f_hi = tl.where(down, (count - K).to(tl.float32),
                         tl.where(up & (side > 0), f_hi * 0.5, f_hi))
         side = tl.where(up, 1, tl.where(down, -1, side))
-        w2 = w1
-        w1 = width
+        done = done | (up & (count == K)) | (lo >= hi)
+        r += 1
+    while (r < ROUNDS + 40) & (tl.sum((~done).to(tl.int32)) > 0):  # 33 rounds always suffice
+        cand = (lo.to(tl.int64) + (hi.to(tl.int64) - lo + 1) // 2).to(tl.int32)  # in (lo, hi]
+        count = _count_from(ukey, cand)
+        up = (count >= K) & ~done
+        lo = tl.where(up, cand, lo)
+        hi = tl.where((count < K) & ~done, cand - 1, hi)
         done = done | (up & (count == K)) | (lo >= hi)
         r += 1
     lo_u = (lo ^ _KEY_MIN).to(tl.uint32, bitcast=True)
     thr = tl.min(_signed(tl.where(ukey >= lo_u[:, None], ukey, never)), 1)
     return (thr ^ _KEY_MIN).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _count_from(ukey, cand):
+    """Per row, how many of ``ukey`` (ROWS, CHUNK) reach the signed key ``cand`` (ROWS,)."""
+    cand_u = (cand ^ _KEY_MIN).to(tl.uint32, bitcast=True)
+    return tl.sum((ukey >= cand_u[:, None]).to(tl.int32), 1)
 
 
 # ints that vary by step: one binary for all (tests check the warm-up against them)
@@ -265,7 +273,7 @@ def _topk_chunk_kernel(
 # dependencies and shared memory, 230-255 registers (12.7% occupancy; 4 parts: 111-117, two
 # programs an SM).
 _GPU_DEFAULTS: dict[str, Any] = {"CHUNK": 8192, "ROWS": 1, "num_warps": 8, "PARTS": 1,
-                                 "SECANT": False}
+                                 "SECANT": True}
 _CPU_DEFAULTS: dict[str, Any] = {"CHUNK": 256, "ROWS": 32, "num_warps": 4, "PARTS": 2,
                                  "SECANT": True}
 
