@@ -28,12 +28,12 @@ loop drops a carried name whose value enters the loop as another carried name's)
 through denormals on a row crossing zero; the fixed round budget needs no history.
 The winners are then compacted with one prefix sum (counts of the entries above the threshold and
 of the ties packed in one int32), ``PARTS`` column parts (at most 16K entries each) one after
-another, each part's values read again: only the keys stay in registers through the rounds.
-Offline sm_90 (Triton 3.6, 8K chunk, 8 warps): 243 / 255 registers with one part before the
-values were re-read (one program an SM: the first pass of a 128K row, 256 programs, ran in two
-waves, 29.6 of 63 us under ncu), 212 / 255 now with one part, 111 / 117 with four (two programs
-an SM), 80 / 95 with eight (without / with an index). The GPU default keeps one part: with 8K
-chunks two or four parts gained nothing at 32K-128K (``topk_select.py``).
+another. With one part (the GPU default) the keys still in registers place the winners and give
+back their values (the order key inverts exactly): H200, DSA pipeline scores, 0.0350 / 0.0605
+-> 0.0322 / 0.0580 ms at 32K / 128K against reading the values again; with more parts each
+part's values are read again, so only the keys stay in registers through the rounds (offline
+sm_90, Triton 3.6, 8K chunk, 8 warps: 215 registers with one part, 111 / 117 with four, two
+programs an SM; the last pass, with the block table, 255). Two parts: 0.0326 / 0.0594.
 
 Tried on an H200 (16 rows, k = 2048, graph-timed), against 0.032 / 0.061 ms at 32K / 128K now:
 - a radix select in each program instead of the bisection (rounds of 16- or 256-bin
@@ -205,8 +205,7 @@ def _topk_chunk_kernel(
     rows = rows.to(tl.int64)
     cols = pid_c * CHUNK + tl.arange(0, CHUNK)  # (CHUNK,)
     inside = mask_r[:, None] & (cols < M)[None, :]  # (ROWS, CHUNK)
-    # the keys live through the rounds alone; the winners are then placed a part at a time,
-    # each part's values read again (registers: two programs an SM)
+    # the keys live through the rounds alone; the winners are then placed a part at a time
     ukey = _order_key(tl.load(vals_ptr + rows[:, None] * stride_vn + cols[None, :] * stride_vm,
                               mask=inside, other=float("-inf")))
     if SECANT:
@@ -225,8 +224,11 @@ def _topk_chunk_kernel(
     for part in tl.static_range(PARTS):
         pcols = pid_c * CHUNK + part * PART + tl.arange(0, PART)
         p_in = mask_r[:, None] & (pcols < M)[None, :]
-        v_ptrs = vals_ptr + rows[:, None] * stride_vn + pcols[None, :] * stride_vm
-        pkey = _order_key(tl.load(v_ptrs, mask=p_in, other=float("-inf")))
+        if PARTS == 1:
+            pkey = ukey  # still in registers
+        else:
+            pkey = _order_key(tl.load(vals_ptr + rows[:, None] * stride_vn
+                                      + pcols[None, :] * stride_vm, mask=p_in, other=float("-inf")))
         above = pkey > thr[:, None]
         ties = pkey == thr[:, None]
         # one scan counts both, entries above (low 16 bits) and ties (high): PART <= 16K
@@ -252,7 +254,7 @@ def _topk_chunk_kernel(
                            mask=store & has_pos, other=0)
             idx = tl.where(has_pos, page * PAGE_SIZE + pos % PAGE_SIZE, -1)
         out_col = pid_c * K + dst
-        v = tl.load(v_ptrs, mask=store & chosen, other=float("-inf"))
+        v = tl.where(chosen, _value(_signed(pkey)), float("-inf"))  # the key's value back
         tl.store(out_v_ptr + rows[:, None] * stride_ovn + out_col * stride_ovk, v, mask=store)
         tl.store(out_i_ptr + rows[:, None] * stride_oin + out_col * stride_oik,
                  idx.to(tl.int32), mask=store)
