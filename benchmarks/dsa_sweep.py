@@ -126,13 +126,13 @@ def main() -> None:
         starts = torch.arange(BATCH + 1, dtype=torch.int32, device=dev)
         width = table.shape[1] * PAGE
         ref = K.index_scores(iq, w, keys, table, lens, starts, INDEX_DIM ** -0.5, width,
-                             index_scale=key_scale)
+                             index_scale=key_scale, max_rows=1)
         want = K.topk_rows_ref(ref, TOPK, block_table=table, page_size=PAGE)[1].sort(1).values
 
         def scores(cfg, iq=iq, w=w, keys=keys, table=table, lens=lens, starts=starts,
                    width=width, key_scale=key_scale):
             return K.index_scores(iq, w, keys, table, lens, starts, INDEX_DIM ** -0.5, width,
-                                  index_scale=key_scale, config=cfg)
+                                  index_scale=key_scale, config=cfg, max_rows=1)
 
         def topk(cfg, ref=ref, table=table):
             return K.topk_rows(ref, TOPK, block_table=table, page_size=PAGE, config=cfg)[1]

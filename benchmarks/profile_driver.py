@@ -127,7 +127,7 @@ def _dsa(case: str, dev, gen) -> Callable[[], Any]:
 
     def scores():
         return K.index_scores(iq, w, keys, table, lens, starts, INDEX_DIM ** -0.5, context,
-                              index_scale=key_scale, config=per_tile)
+                              index_scale=key_scale, config=per_tile, max_rows=1)
 
     if case.startswith("dsa_index_"):
         return scores

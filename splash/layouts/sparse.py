@@ -68,7 +68,8 @@ def topk_indexed(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
     score_cfg, topk_cfg = configs.get("index_scores") or None, configs.get("topk") or None
     if q.shape[0] * width <= budget or lens is None:
         scores = index_scores(q, weights, keys, table, args["seq_lens"], args["q_start_loc"],
-                              softmax_scale, width, index_scale=key_scale, config=score_cfg)
+                              softmax_scale, width, index_scale=key_scale, config=score_cfg,
+                              max_rows=1 if args.get("decode") else None)
         return topk_rows(scores, k, block_table=table, row_req=args.get("row_req"),
                          page_size=page_size, config=topk_cfg)
     values = torch.empty((q.shape[0], k), dtype=torch.float32, device=q.device)

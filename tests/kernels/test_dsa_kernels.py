@@ -84,6 +84,21 @@ def test_index_scores_launch_variants(device, config):
     _assert_scores(out, index_scores_ref(q, w, keys, table, lens, starts, 0.2, T), 1e-5)
 
 
+@pytest.mark.parametrize("case", list(INDEX_CASES))
+def test_index_scores_with_max_rows(device, case):
+    """A launch told the most rows of a request (decode: 1) gives the same scores; a request
+    with more rows is refused."""
+    setting = make_setting("fp32")
+    HI, I, PS, rows, prefix = INDEX_CASES[case]
+    q, w, keys, scale, table, lens, starts, T = _index_inputs(setting, HI, I, PS, rows, prefix)
+    ref = index_scores_ref(q, w, keys, table, lens, starts, 0.2, T)
+    _assert_scores(index_scores(q, w, keys, table, lens, starts, 0.2, T, max_rows=max(rows)),
+                   ref, 1e-5)
+    if max(rows) > 1:
+        with pytest.raises(ValueError, match="max_rows"):
+            index_scores(q, w, keys, table, lens, starts, 0.2, T, max_rows=max(rows) - 1)
+
+
 def test_index_scores_fp8_fp16_products(device):
     """fp8 keys with fp16 products (the CUDA default): q clamped to fp16's range and cast."""
     setting = make_setting("fp16-fp8kv")
