@@ -97,6 +97,25 @@ def num_sms(device: torch.device) -> int:
     return _num_sms(device.type, device.index)
 
 
+def row_bound(max_rows: int | None, n: int) -> int:
+    """The most rows of one request a launch plans its grid for: ``max_rows`` (the caller's
+    word, e.g. 1 at decode) or, without it, all ``n`` rows (a bound needing no host sync)."""
+    if max_rows is None:
+        return n
+    if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 1:
+        raise ValueError(f"max_rows={max_rows!r} must be an int >= 1 (or None)")
+    return min(max_rows, n)
+
+
+def check_max_rows(q_start_loc: torch.Tensor, max_rows: int | None) -> None:
+    """With value checks on, that no request has more rows than ``max_rows`` says."""
+    if max_rows is None or not value_checks_enabled() or q_start_loc.shape[0] < 2:
+        return
+    most = int((q_start_loc[1:].long() - q_start_loc[:-1].long()).max())
+    if most > max_rows:
+        raise ValueError(f"a request has {most} rows; max_rows={max_rows}")
+
+
 def check_tensor(
     name: str,
     t: object,

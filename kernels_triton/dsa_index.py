@@ -337,8 +337,6 @@ def index_scores(
             raise ValueError(f"q_start_loc must rise from 0 to Nq={Nq}")
         if bool((seq_lens < 0).any()) or int(seq_lens.max()) > max_len:
             raise ValueError(f"seq_lens must lie in [0, max_len={max_len}]")
-        if max_rows is not None and int(n_rows.max()) > max_rows:
-            raise ValueError(f"a request has {int(n_rows.max())} rows; max_rows={max_rows}")
         V.check_paged_lengths(block_table, seq_lens, PS, P)
     out = torch.empty((Nq, max_len), dtype=torch.float32, device=dev)
     if Nq == 0 or max_len == 0 or B == 0:
@@ -346,9 +344,8 @@ def index_scores(
     cfg = index_config(dev, config)
     block_m = 1 if Nq == B else cfg["BLOCK_M_EXTEND"]  # decode: one row per request
     block_h = V.next_pow2(HI, max(16 // block_m, 1))  # the dot's M side is >= 16
-    if max_rows is not None and (not isinstance(max_rows, int) or max_rows < 1):
-        raise ValueError(f"max_rows={max_rows!r} must be an int >= 1 (or None)")
-    num_m_blocks = triton.cdiv(min(max_rows or Nq, Nq), block_m)  # row blocks of one request
+    num_m_blocks = triton.cdiv(V.row_bound(max_rows, Nq), block_m)  # of any one request
+    V.check_max_rows(q_start_loc, max_rows)
     busy = min(B * num_m_blocks, triton.cdiv(Nq, block_m) + B - 1)  # those holding rows, at most
     tiles = cfg["TILES"] or _auto_tiles(max_len, cfg["BLOCK_T"], busy)
     per_program = cfg["BLOCK_T"] * tiles

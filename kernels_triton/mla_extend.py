@@ -185,10 +185,13 @@ def mla_extend(
     kv_lora_rank: int,
     kv_scale: torch.Tensor | None = None,
     config: dict | None = None,
+    max_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked-prefill MLA: ``q`` (Nq, H, L+R) rows of B requests (``q_start_loc`` (B+1,)),
     ``seq_lens`` (B,) KV lengths including the chunk -> ``(out (Nq, H, L) in q.dtype,
-    lse (Nq, H) fp32)``; row j of request b attends keys [0, seq_lens[b] - n_b + j]."""
+    lse (Nq, H) fp32)``; row j of request b attends keys [0, seq_lens[b] - n_b + j].
+    ``max_rows``: the most rows of any one request, when the caller knows it; None bounds it
+    by Nq without a host sync (the grid then holds row blocks requests do not have)."""
     V.check_tensor("q", q, 3, V.FLOAT_DTYPES)
     dev = q.device
     kv = V.check_kv_cache(kv_cache, dev)
@@ -215,7 +218,8 @@ def mla_extend(
 
     cfg = extend_config(dev, config, fp32_q=q.dtype == torch.float32)
     BLOCK_M = cfg["BLOCK_M"]
-    num_m_blocks = triton.cdiv(Nq, BLOCK_M)  # bound for any one request: no host sync
+    num_m_blocks = triton.cdiv(V.row_bound(max_rows, Nq), BLOCK_M)  # of any one request
+    V.check_max_rows(q_start_loc, max_rows)
     if B > 65535 or num_m_blocks > 65535:
         raise ValueError(f"mla_extend takes at most 65535 requests and row blocks; got B={B}")
     scale = kv_scale if kv_scale is not None else lse  # never read unless fp8

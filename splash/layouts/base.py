@@ -134,6 +134,7 @@ class StepMeta:
             "seq_lens": torch.from_numpy(lens.astype(np.int32)).to(self.device),
             "q_start_loc": torch.from_numpy(q_start.astype(np.int32)).to(self.device),
             "decode": all(n == 1 for n in q_lens),
+            "max_rows": max(q_lens, default=1),  # the most rows of a request: the kernels' grids
         }
         if not args["decode"]:  # the request of each row (DSA's top-k turns positions to slots)
             row_req = np.repeat(np.arange(len(reqs), dtype=np.int32), q_lens)
@@ -228,7 +229,8 @@ def attend(
                           config=store.configs.get("mla_decode") or None)
     return mla_extend(q, cache, args["block_table"], args["seq_lens"], args["q_start_loc"],
                       sm_scale, kv_lora_rank, kv_scale=scale,
-                      config=store.configs.get("mla_extend") or None)
+                      config=store.configs.get("mla_extend") or None,
+                      max_rows=args.get("max_rows"))
 
 
 class AttentionLayout(ABC):

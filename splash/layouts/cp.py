@@ -99,6 +99,7 @@ class CPAttention(AttentionLayout):
             hs, pos = h[q_rows], meta.positions[q_rows]
             q_in, q = query(attn, hs, pos)  # q (m, H, D)
             args = {k: plan[k] for k in ("block_table", "seq_lens", "q_start_loc", "row_req")}
+            args["max_rows"] = max(plan["host_lens"][0], default=1)
             if keys is not None:
                 ix = attn.indexer
                 meta.selection["cp.pre"] = topk_indexed(
@@ -110,7 +111,7 @@ class CPAttention(AttentionLayout):
             else:
                 o, _ = mla_extend(q, transient, args["block_table"], args["seq_lens"],
                                   args["q_start_loc"], attn.sm_scale, self.kv_lora_rank,
-                                  kv_scale=t_scale)
+                                  kv_scale=t_scale, max_rows=args.get("max_rows"))
             mine = attn.output(o)
         else:
             mine = h.new_zeros((0, h.shape[1]))

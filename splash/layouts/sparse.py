@@ -69,7 +69,7 @@ def topk_indexed(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
     if q.shape[0] * width <= budget or lens is None:
         scores = index_scores(q, weights, keys, table, args["seq_lens"], args["q_start_loc"],
                               softmax_scale, width, index_scale=key_scale, config=score_cfg,
-                              max_rows=1 if args.get("decode") else None)
+                              max_rows=args.get("max_rows"))
         return topk_rows(scores, k, block_table=table, row_req=args.get("row_req"),
                          page_size=page_size, config=topk_cfg)
     values = torch.empty((q.shape[0], k), dtype=torch.float32, device=q.device)
@@ -83,7 +83,8 @@ def topk_indexed(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
         sub_table = table[reqs_t]
         scores = index_scores(q[rows_t], weights[rows_t], keys, sub_table,
                               t(seq_lens).to(torch.int32), t(q_start).to(torch.int32),
-                              softmax_scale, width, index_scale=key_scale, config=score_cfg)
+                              softmax_scale, width, index_scale=key_scale, config=score_cfg,
+                              max_rows=max(int(np.diff(q_start).max()), 1))
         row_req = t(np.repeat(np.arange(len(reqs)), np.diff(q_start))).to(torch.int32)
         values[rows_t], slots[rows_t] = topk_rows(scores, k, block_table=sub_table,
                                                   row_req=row_req, page_size=page_size,

@@ -97,6 +97,8 @@ def test_index_scores_with_max_rows(device, case):
     if max(rows) > 1:
         with pytest.raises(ValueError, match="max_rows"):
             index_scores(q, w, keys, table, lens, starts, 0.2, T, max_rows=max(rows) - 1)
+    with pytest.raises(ValueError, match="max_rows"):
+        index_scores(q, w, keys, table, lens, starts, 0.2, T, max_rows=0)
 
 
 def test_index_scores_fp8_fp16_products(device):

@@ -63,6 +63,22 @@ def test_extend_launch_variants(device, config):
     assert_lse(lse, ref_lse, setting.lse_tol)
 
 
+@pytest.mark.parametrize("config", [{}, {"BLOCK_M": 16, "BLOCK_N": 16}])
+def test_extend_with_max_rows(device, config):
+    """A grid planned for the most rows of a request (the caller's ``max_rows``) gives the same
+    result, row blocks of a long chunk included; a request with more rows is refused."""
+    setting = make_setting("fp32")
+    L, R, PS, H, rows, prefix = CASES["mixed-p16"]
+    q, kv, scale, table, seq_lens, starts = _inputs(setting, L, R, PS, H, rows, prefix, 1)
+    out, lse = mla_extend(q, kv, table, seq_lens, starts, 0.1, L, config=config,
+                          max_rows=max(rows))
+    ref_out, ref_lse = mla_extend_ref(q, kv, table, seq_lens, starts, 0.1, L)
+    assert_close(out, ref_out, setting.atol, setting.rtol)
+    assert_lse(lse, ref_lse, setting.lse_tol)
+    with pytest.raises(ValueError, match="max_rows"):
+        mla_extend(q, kv, table, seq_lens, starts, 0.1, L, max_rows=max(rows) - 1)
+
+
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.float16], ids=["q32", "q16"])
 def test_extend_fp8_fp16_products(device, q_dtype):
     """fp8 KV with fp16 products (config "fp8_fp16", the CUDA default): q (fp16-representable
