@@ -233,20 +233,25 @@ def _index_scores_kernel(
 # 16 tiles a program (``--only index_gather``): 0.0341 / 0.1002 ms, against 0.0344 / 0.1022
 # for page ids loaded per tile (2 stages, the best tiles: 8 at 32K, 32 at 128K); 32 gathered
 # tiles lose (0.0557 / 0.110). TILES None: tiles per program chosen for about ``_PROGRAMS``
-# programs, at most ``_MAX_TILES``.
+# programs, at most ``_MAX_TILES``. Prefill row blocks (BLOCK_M_EXTEND rows) run on
+# ``num_warps_extend``: with the keys on M a (128 tokens, 4 rows x 64 heads) fp32 product on 4
+# warps held 256 registers a thread; on 8, 2,048 rows over 32K / 64K took 4.76 / 9.52 -> 1.67 /
+# 3.30 ms (224 -> 640-656 TFLOP/s, e4m3); 2 rows a block on 4 warps 1.83 / 3.62, 8 rows on
+# 64-token tiles 1.74 / 3.43, the queries on M 3.8 ms and slower.
 _GPU_DEFAULTS: dict[str, Any] = {"BLOCK_T": 128, "TILES": None, "BLOCK_M_EXTEND": 4,
-                                 "num_warps": 4, "num_stages": 3, "fp8_fp16": True,
-                                 "fp8_dot": True, "tokens_m": True, "gather_pages": True}
+                                 "num_warps": 4, "num_warps_extend": 8, "num_stages": 3,
+                                 "fp8_fp16": True, "fp8_dot": True, "tokens_m": True,
+                                 "gather_pages": True}
 _CPU_DEFAULTS: dict[str, Any] = {"BLOCK_T": 128, "TILES": 1, "BLOCK_M_EXTEND": 16, "num_warps": 4,
-                                 "num_stages": 1, "fp8_fp16": False, "fp8_dot": False,
-                                 "tokens_m": False, "gather_pages": True}
+                                 "num_warps_extend": 4, "num_stages": 1, "fp8_fp16": False,
+                                 "fp8_dot": False, "tokens_m": False, "gather_pages": True}
 
 
 def index_config(device: torch.device, config: dict | None) -> dict[str, Any]:
     cfg = dict(_GPU_DEFAULTS if device.type == "cuda" else _CPU_DEFAULTS)
     if device.type == "cuda" and torch.version.hip is not None:
         # measured on CUDA only: ROCm keeps the plain products and per-tile page ids
-        cfg.update(fp8_fp16=False, gather_pages=False, num_stages=2)
+        cfg.update(fp8_fp16=False, gather_pages=False, num_stages=2, num_warps_extend=4)
     cfg.update(config or {})
     if cfg["fp8_dot"] and device.type == "cuda" and (
             torch.version.hip is not None or torch.cuda.get_device_capability(device) < (8, 9)):
@@ -365,7 +370,8 @@ def index_scores(
         FP8_DOT=fp8 and bool(cfg["fp8_dot"]), TOKENS_M=bool(cfg["tokens_m"]),
         PAGES=_gathered_pages(cfg, per_program, PS),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 and not fp16 else None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps_extend" if block_m > 1 else "num_warps"],
+        num_stages=cfg["num_stages"],
     )
     return out
 

@@ -71,6 +71,7 @@ def test_index_scores_match_reference(setting, case):
 
 
 @pytest.mark.parametrize("config", [{"BLOCK_T": 32, "TILES": 1}, {"BLOCK_M_EXTEND": 1},
+                                    {"num_warps_extend": 8, "tokens_m": True},
                                     {"BLOCK_M_EXTEND": 8, "TILES": 4}, {"tokens_m": True},
                                     {"tokens_m": True, "BLOCK_M_EXTEND": 1, "BLOCK_T": 16},
                                     {"gather_pages": False}, {"gather_pages": False,
@@ -388,6 +389,6 @@ def test_rocm_indexer_keeps_what_was_measured_there(monkeypatch):
     monkeypatch.setattr(torch.version, "hip", "6.0", raising=False)
     gpu = torch.device("cuda")  # configs only: nothing launches
     cfg = index_config(gpu, None)
-    assert (cfg["fp8_fp16"], cfg["fp8_dot"], cfg["gather_pages"], cfg["num_stages"]) == (
-        False, False, False, 2)
+    assert (cfg["fp8_fp16"], cfg["fp8_dot"], cfg["gather_pages"], cfg["num_stages"],
+            cfg["num_warps_extend"]) == (False, False, False, 2, 4)
     assert index_config(gpu, {"gather_pages": True})["gather_pages"] is True
