@@ -56,7 +56,9 @@ INDEX_GATHER_SPACE = [{}] + [{"gather_pages": True, "TILES": n, "num_stages": st
 # of shared memory at 3 / 4 stages (offline sm_90): 6 / 5 programs an SM, against 4
 TOPK_SPACE = [{"CHUNK": c, "num_warps": w, "PARTS": p, "SECANT": sec}
               for sec, (c, w, p) in itertools.product((False, True), (
-                  (8192, 8, 1), (8192, 16, 1), (8192, 8, 2), (16384, 16, 2), (16384, 16, 4)))]
+                  (8192, 8, 1), (8192, 16, 1), (8192, 8, 2), (16384, 16, 2), (16384, 16, 4)))] + [
+    {"SPLIT": True, "PARTS": p, "place_warps": w, "num_warps": sw}  # search, then placement
+    for p, w, sw in itertools.product((2, 4, 8), (4, 8), (8, 16))]
 # the split of each row's slot list at 128 heads (None: the launcher's choice) with the table's
 # tiles and deeper ones: ``--only sparse_splits``
 SPARSE_SPLITS_SPACE = [{"num_splits": s, **cfg} for s in (None, 2, 4, 8, 16)

@@ -35,6 +35,13 @@ part's values are read again, so only the keys stay in registers through the rou
 sm_90, Triton 3.6, 8K chunk, 8 warps: 215 registers with one part, 111 / 117 with four, two
 programs an SM; the last pass, with the block table, 255). Two parts: 0.0326 / 0.0594.
 
+``config["SPLIT"]`` runs a pass as two launches: ``_topk_search_kernel`` finds each chunk's
+threshold and the counts above and at it in each of its ``PARTS`` parts (only the keys in
+registers), then ``_topk_place_kernel`` places each part's winners in a program of its own
+(``place_warps`` warps): the placement, about three quarters of a pass's samples under ncu
+(its scans, index and block-table loads and scattered stores), spreads over PARTS times the
+programs, and the search's programs fit more to an SM. Not yet timed on a GPU: off by default.
+
 Tried on an H200 (16 rows, k = 2048, graph-timed), against 0.032 / 0.061 ms at 32K / 128K now:
 - a radix select in each program instead of the bisection (rounds of 16- or 256-bin
   ``tl.histogram`` counts, or counts with atomics in scratch, then the digit where the count
@@ -64,113 +71,17 @@ import triton
 import triton.language as tl
 
 from splash.kernels_triton import _validate as V
-
-_KEY_MIN = tl.constexpr(-2147483648)  # below every finite value's key (and -inf's): "never chosen"
-
-
-@triton.jit
-def _order_key(v):
-    """fp32 -> uint32 in the floats' order; -inf (a masked entry: never chosen) -> 0, below
-    every finite value's image."""
-    bits = v.to(tl.int32, bitcast=True)
-    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed order = float order
-    key = tl.where(v > float("-inf"), key, _KEY_MIN)
-    return (key ^ _KEY_MIN).to(tl.uint32, bitcast=True)
-
-
-@triton.jit
-def _kth_largest(ukey, K: tl.constexpr, ROWS: tl.constexpr):
-    """Each row's K-th largest of ``ukey`` (ROWS, CHUNK) uint32 (``_order_key``), exactly, by
-    bisection: a bit stays set while at least K keys reach the candidate; a row is done once
-    exactly K do (its K-th largest is then the least of them), else after 32 bits. A row with
-    at most K chosen keys (key 0 marks the rest: a short request's columns past its history)
-    is done at once: all of them win."""
-    prefix = tl.zeros((ROWS,), tl.uint32)
-    done = tl.sum((ukey > 0).to(tl.int32), 1) <= K
-    r = 0
-    while (r < 32) & (tl.sum((~done).to(tl.int32)) > 0):
-        cand = prefix | (tl.full((ROWS,), 1, tl.uint32) << (31 - r))
-        count = tl.sum((ukey >= cand[:, None]).to(tl.int32), 1)
-        keep = (count >= K) & ~done
-        prefix = tl.where(keep, cand, prefix)
-        done = done | (keep & (count == K))
-        r += 1
-    top = tl.where(ukey >= prefix[:, None], ukey, tl.full(ukey.shape, 0xFFFFFFFF, tl.uint32))
-    return tl.min(top, 1)
-
-
-@triton.jit
-def _signed(ukey):
-    """Order keys as int32 in the same order: the search reduces and clamps signed ints (with
-    unsigned ones its threshold came out wrong on an H200, Triton 3.6, where the interpreter
-    was right)."""
-    return ukey.to(tl.int32, bitcast=True) ^ _KEY_MIN
-
-
-@triton.jit
-def _value(skey):
-    """The fp32 value of a signed order key (``_signed``) of a finite value."""
-    return tl.where(skey >= 0, skey, skey ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _kth_largest_secant(ukey, K: tl.constexpr, ROWS: tl.constexpr, ROUNDS: tl.constexpr = 16):
-    """``_kth_largest`` by false position on the values: the candidate interpolates between a
-    bracket's ends (count at ``lo`` >= K, above ``hi`` < K) where the count crosses K, the
-    Illinois rule halving a stuck end's weight. After ``ROUNDS`` rounds the rows not done (ties,
-    odd shapes) bisect their bracket's keys, at most 32 rounds more. Same result as the
-    bisection, in fewer rounds on smooth scores (benchmarks/topk_rounds.py, a numpy model of
-    both loops, 8K-entry chunks, k = 2,048): 8-10 rounds against 19-23 on scores shaped like
-    the indexer's. The bracket is kept as signed keys (int32)."""
-    chosen = ukey > 0
-    n = tl.sum(chosen.to(tl.int32), 1)
-    done = n <= K
-    never = tl.full(ukey.shape, 0xFFFFFFFF, tl.uint32)  # signed: the largest key
-    lo = tl.where(done, _KEY_MIN, tl.min(_signed(tl.where(chosen, ukey, never)), 1))
-    hi = tl.max(_signed(ukey), 1)  # the answer lies in [lo, hi]
-    f_lo = (n - K).to(tl.float32)  # the count at lo, less K (> 0 while searching)
-    f_hi = tl.full((ROWS,), -K, tl.float32)  # the count above hi, less K (< 0)
-    side = tl.zeros((ROWS,), tl.int32)  # the end the last round moved: 1 lo, -1 hi
-    done = done | (lo >= hi)
-    r = 0
-    while (r < ROUNDS) & (tl.sum((~done).to(tl.int32)) > 0):
-        frac = f_lo / tl.maximum(f_lo - f_hi, 1.0)  # in [0, 1]: no overflow near fp32's limit
-        guess = _signed(_order_key(_value(lo) * (1.0 - frac) + _value(hi) * frac))
-        cand = tl.minimum(tl.maximum(guess, lo + 1), hi)
-        count = _count_from(ukey, cand)
-        up = (count >= K) & ~done
-        down = (count < K) & ~done
-        lo = tl.where(up, cand, lo)
-        hi = tl.where(down, cand - 1, hi)
-        f_lo = tl.where(up, (count - K).to(tl.float32),
-                        tl.where(down & (side < 0), f_lo * 0.5, f_lo))
-        f_hi = tl.where(down, (count - K).to(tl.float32),
-                        tl.where(up & (side > 0), f_hi * 0.5, f_hi))
-        side = tl.where(up, 1, tl.where(down, -1, side))
-        done = done | (up & (count == K)) | (lo >= hi)
-        r += 1
-    while (r < ROUNDS + 40) & (tl.sum((~done).to(tl.int32)) > 0):  # 33 rounds always suffice
-        cand = (lo.to(tl.int64) + (hi.to(tl.int64) - lo + 1) // 2).to(tl.int32)  # in (lo, hi]
-        count = _count_from(ukey, cand)
-        up = (count >= K) & ~done
-        lo = tl.where(up, cand, lo)
-        hi = tl.where((count < K) & ~done, cand - 1, hi)
-        done = done | (up & (count == K)) | (lo >= hi)
-        r += 1
-    lo_u = (lo ^ _KEY_MIN).to(tl.uint32, bitcast=True)
-    thr = tl.min(_signed(tl.where(ukey >= lo_u[:, None], ukey, never)), 1)
-    return (thr ^ _KEY_MIN).to(tl.uint32, bitcast=True)
-
-
-@triton.jit
-def _count_from(ukey, cand):
-    """Per row, how many of ``ukey`` (ROWS, CHUNK) reach the signed key ``cand`` (ROWS,)."""
-    cand_u = (cand ^ _KEY_MIN).to(tl.uint32, bitcast=True)
-    return tl.sum((ukey >= cand_u[:, None]).to(tl.int32), 1)
-
+from splash.kernels_triton.topk_search import (
+    _chunk_keys,
+    _place_part,
+    _row_requests,
+    _threshold,
+)
 
 # ints that vary by step: one binary for all (tests check the warm-up against them)
 SHAPE_INTS = ["N", "stride_btn"]
+SEARCH_INTS = ["N", "stride_mn"]  # the split form's two launches
+PLACE_INTS = SHAPE_INTS + ["stride_mn"]
 
 
 @triton.jit(do_not_specialize=SHAPE_INTS)
@@ -203,61 +114,108 @@ def _topk_chunk_kernel(
     rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
     mask_r = rows < N
     rows = rows.to(tl.int64)
-    cols = pid_c * CHUNK + tl.arange(0, CHUNK)  # (CHUNK,)
-    inside = mask_r[:, None] & (cols < M)[None, :]  # (ROWS, CHUNK)
     # the keys live through the rounds alone; the winners are then placed a part at a time
-    ukey = _order_key(tl.load(vals_ptr + rows[:, None] * stride_vn + cols[None, :] * stride_vm,
-                              mask=inside, other=float("-inf")))
-    if SECANT:
-        thr = _kth_largest_secant(ukey, K, ROWS)  # (ROWS,)
-    else:
-        thr = _kth_largest(ukey, K, ROWS)
-    room = K - tl.sum((ukey > thr[:, None]).to(tl.int32), 1)  # ties to take, in column order
-    if TO_SLOTS:
-        if HAS_ROW_REQ:
-            req = tl.load(row_req_ptr + rows * stride_rr, mask=mask_r, other=0).to(tl.int64)
-        else:
-            req = rows
+    ukey = _chunk_keys(vals_ptr, rows, mask_r, pid_c * CHUNK + tl.arange(0, CHUNK), M,
+                       stride_vn, stride_vm)
+    thr, room = _threshold(ukey, K, ROWS, SECANT)
+    req = _row_requests(row_req_ptr, rows, mask_r, stride_rr, TO_SLOTS, HAS_ROW_REQ)
     PART: tl.constexpr = CHUNK // PARTS
     n_above = tl.zeros((ROWS,), tl.int32)  # winners above the threshold in the parts before
     n_ties = tl.zeros((ROWS,), tl.int32)
     for part in tl.static_range(PARTS):
         pcols = pid_c * CHUNK + part * PART + tl.arange(0, PART)
-        p_in = mask_r[:, None] & (pcols < M)[None, :]
         if PARTS == 1:
             pkey = ukey  # still in registers
         else:
-            pkey = _order_key(tl.load(vals_ptr + rows[:, None] * stride_vn
-                                      + pcols[None, :] * stride_vm, mask=p_in, other=float("-inf")))
-        above = pkey > thr[:, None]
-        ties = pkey == thr[:, None]
-        # one scan counts both, entries above (low 16 bits) and ties (high): PART <= 16K
-        counts = tl.cumsum(above.to(tl.int32) + (ties.to(tl.int32) << 16), 1)
-        above_rank = (counts & 0xFFFF) + n_above[:, None]
-        tie_rank = (counts >> 16) + n_ties[:, None]
-        n_above += tl.sum(above.to(tl.int32), 1)
-        n_ties += tl.sum(ties.to(tl.int32), 1)
-        take = above | (ties & (tie_rank <= room[:, None]))  # the first `room` ties
-        dst = above_rank + tl.minimum(tie_rank, room[:, None]) - 1  # in column order
-        chosen = pkey > 0
-        store = take & mask_r[:, None]
-        if HAS_INDEX:
-            idx = tl.load(idx_ptr + rows[:, None] * stride_in + pcols[None, :] * stride_im,
-                          mask=store & chosen, other=-1)
-        else:
-            idx = tl.zeros((ROWS, PART), tl.int32) + pcols[None, :]
-        idx = tl.where(chosen, idx, -1)
-        if TO_SLOTS:
-            has_pos = chosen & (idx >= 0)
-            pos = tl.where(has_pos, idx, 0)
-            page = tl.load(bt_ptr + req[:, None] * stride_btn + (pos // PAGE_SIZE) * stride_btp,
-                           mask=store & has_pos, other=0)
-            idx = tl.where(has_pos, page * PAGE_SIZE + pos % PAGE_SIZE, -1)
-        out_col = pid_c * K + dst
-        v = tl.where(chosen, _value(_signed(pkey)), float("-inf"))  # the key's value back
-        tl.store(out_v_ptr + rows[:, None] * stride_ovn + out_col * stride_ovk, v, mask=store)
-        tl.store(out_i_ptr + rows[:, None] * stride_oin + out_col * stride_oik,
-                 idx.to(tl.int32), mask=store)
+            pkey = _chunk_keys(vals_ptr, rows, mask_r, pcols, M, stride_vn, stride_vm)
+        a, t = _place_part(pkey, pcols, rows, mask_r, thr, room, n_above, n_ties, pid_c * K,
+                           req, idx_ptr, out_v_ptr, out_i_ptr, bt_ptr, stride_in, stride_im,
+                           stride_ovn, stride_ovk, stride_oin, stride_oik, stride_btn,
+                           stride_btp, ROWS, PART, PAGE_SIZE, HAS_INDEX, TO_SLOTS)
+        n_above += a
+        n_ties += t
+
+
+@triton.jit(do_not_specialize=SEARCH_INTS)
+def _topk_search_kernel(
+    vals_ptr,  # (N, M) fp32
+    meta_ptr,  # (N, num_chunks, PARTS, 4) int32: threshold key, room, above / ties before
+    N,
+    M,
+    stride_vn, stride_vm,
+    stride_mn,  # meta is contiguous: (N, num_chunks, PARTS, 4)
+    K: tl.constexpr,
+    CHUNK: tl.constexpr,
+    ROWS: tl.constexpr,
+    PARTS: tl.constexpr,
+    SECANT: tl.constexpr,
+):
+    """``SPLIT``'s first launch: a chunk's threshold, and per part of it the entries above and
+    at it in the parts before (what ``_topk_place_kernel`` needs to place that part alone)."""
+    pid_c = tl.program_id(0)
+    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    mask_r = rows < N
+    rows = rows.to(tl.int64)
+    ukey = _chunk_keys(vals_ptr, rows, mask_r, pid_c * CHUNK + tl.arange(0, CHUNK), M,
+                       stride_vn, stride_vm)
+    thr, room = _threshold(ukey, K, ROWS, SECANT)
+    parts = tl.reshape(ukey, (ROWS, PARTS, CHUNK // PARTS))
+    above = tl.sum((parts > thr[:, None, None]).to(tl.int32), 2)  # (ROWS, PARTS)
+    ties = tl.sum((parts == thr[:, None, None]).to(tl.int32), 2)
+    offs_p = tl.arange(0, PARTS)
+    base = meta_ptr + rows[:, None] * stride_mn + (pid_c * PARTS + offs_p[None, :]) * 4
+    keep = mask_r[:, None] & (offs_p < PARTS)[None, :]
+    zero = tl.zeros((ROWS, PARTS), tl.int32)
+    tl.store(base, zero + thr.to(tl.int32, bitcast=True)[:, None], mask=keep)
+    tl.store(base + 1, zero + room[:, None], mask=keep)
+    tl.store(base + 2, tl.cumsum(above, 1) - above, mask=keep)
+    tl.store(base + 3, tl.cumsum(ties, 1) - ties, mask=keep)
+
+
+@triton.jit(do_not_specialize=PLACE_INTS)
+def _topk_place_kernel(
+    vals_ptr, idx_ptr, out_v_ptr, out_i_ptr, bt_ptr, row_req_ptr,
+    meta_ptr,  # from _topk_search_kernel
+    N,
+    M,
+    stride_vn, stride_vm,
+    stride_in, stride_im,
+    stride_ovn, stride_ovk,
+    stride_oin, stride_oik,
+    stride_btn, stride_btp,
+    stride_rr,
+    stride_mn,  # meta: (N, num_chunks, PARTS, 4), contiguous
+    K: tl.constexpr,
+    CHUNK: tl.constexpr,
+    ROWS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HAS_INDEX: tl.constexpr,
+    TO_SLOTS: tl.constexpr,
+    HAS_ROW_REQ: tl.constexpr,
+    PARTS: tl.constexpr,
+):
+    """``SPLIT``'s second launch: one part of one chunk, its winners placed after those of the
+    parts before (a program a part: the placement, most of a pass's time, spreads over PARTS
+    times the programs)."""
+    pid = tl.program_id(0)
+    pid_c = pid // PARTS
+    part = pid % PARTS
+    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    mask_r = rows < N
+    rows = rows.to(tl.int64)
+    PART: tl.constexpr = CHUNK // PARTS
+    pcols = pid_c * CHUNK + part * PART + tl.arange(0, PART)
+    base = meta_ptr + rows * stride_mn + (pid_c * PARTS + part) * 4
+    thr = tl.load(base, mask=mask_r, other=0).to(tl.uint32, bitcast=True)
+    room = tl.load(base + 1, mask=mask_r, other=0)
+    n_above = tl.load(base + 2, mask=mask_r, other=0)
+    n_ties = tl.load(base + 3, mask=mask_r, other=0)
+    req = _row_requests(row_req_ptr, rows, mask_r, stride_rr, TO_SLOTS, HAS_ROW_REQ)
+    pkey = _chunk_keys(vals_ptr, rows, mask_r, pcols, M, stride_vn, stride_vm)
+    _place_part(pkey, pcols, rows, mask_r, thr, room, n_above, n_ties, pid_c * K, req,
+                idx_ptr, out_v_ptr, out_i_ptr, bt_ptr, stride_in, stride_im, stride_ovn,
+                stride_ovk, stride_oin, stride_oik, stride_btn, stride_btp, ROWS, PART,
+                PAGE_SIZE, HAS_INDEX, TO_SLOTS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,9 +233,9 @@ def _topk_chunk_kernel(
 # dependencies and shared memory, 230-255 registers (12.7% occupancy; 4 parts: 111-117, two
 # programs an SM).
 _GPU_DEFAULTS: dict[str, Any] = {"CHUNK": 8192, "ROWS": 1, "num_warps": 8, "PARTS": 1,
-                                 "SECANT": True}
+                                 "SECANT": True, "SPLIT": False, "place_warps": 4}
 _CPU_DEFAULTS: dict[str, Any] = {"CHUNK": 256, "ROWS": 32, "num_warps": 4, "PARTS": 2,
-                                 "SECANT": True}
+                                 "SECANT": True, "SPLIT": False, "place_warps": 4}
 
 
 def topk_config(device: torch.device, k: int, config: dict | None) -> dict[str, Any]:
@@ -344,15 +302,25 @@ def topk_rows(
             bt = block_table if block_table is not None and last else out_i
             rr = row_req if to_slots and row_req is not None else out_i
             rows = min(cfg["ROWS"], V.next_pow2(N, 1))
-            grid = (num_chunks, triton.cdiv(N, rows))
-            _topk_chunk_kernel[grid](
-                v, idx_arg, out_v, out_i, bt, rr, N, M,
-                *v.stride(), *idx_arg.stride(), *out_v.stride(), *out_i.stride(),
-                *bt.stride(), rr.stride(0),
-                K=k, CHUNK=chunk, ROWS=rows, PAGE_SIZE=page_size, HAS_INDEX=idx is not None, TO_SLOTS=to_slots,
-                HAS_ROW_REQ=row_req is not None, PARTS=cfg["PARTS"], SECANT=bool(cfg["SECANT"]),
-                num_warps=cfg["num_warps"],
-            )
+            row_blocks, parts = triton.cdiv(N, rows), cfg["PARTS"]
+            args = (N, M, *v.stride(), *idx_arg.stride(), *out_v.stride(), *out_i.stride(),
+                    *bt.stride(), rr.stride(0))
+            consts = dict(K=k, CHUNK=chunk, ROWS=rows, PAGE_SIZE=page_size,
+                          HAS_INDEX=idx is not None, TO_SLOTS=to_slots,
+                          HAS_ROW_REQ=row_req is not None, PARTS=parts)
+            if cfg["SPLIT"]:  # the threshold, then a program for each part's placement
+                meta = torch.empty((N, num_chunks, parts, 4), dtype=torch.int32, device=dev)
+                _topk_search_kernel[(num_chunks, row_blocks)](
+                    v, meta, N, M, *v.stride(), meta.stride(0), K=k, CHUNK=chunk,
+                    ROWS=rows, PARTS=parts, SECANT=bool(cfg["SECANT"]),
+                    num_warps=cfg["num_warps"])
+                _topk_place_kernel[(num_chunks * parts, row_blocks)](
+                    v, idx_arg, out_v, out_i, bt, rr, meta, *args, meta.stride(0),
+                    **consts, num_warps=cfg["place_warps"])
+            else:
+                _topk_chunk_kernel[(num_chunks, row_blocks)](
+                    v, idx_arg, out_v, out_i, bt, rr, *args, **consts,
+                    SECANT=bool(cfg["SECANT"]), num_warps=cfg["num_warps"])
         if last:
             return out_v, out_i
         v, idx, M = out_v, out_i, num_chunks * k

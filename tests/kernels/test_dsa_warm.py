@@ -51,8 +51,10 @@ def variants(monkeypatch):
     monkeypatch.setattr(dsa_index, "_PROGRAMS", 2)  # tiles per program grow within MAX_LEN
     monkeypatch.setattr(dsa_index, "_index_scores_kernel", _Recorder(
         dsa_index._index_scores_kernel, dsa_index.SHAPE_INTS, seen))
-    monkeypatch.setattr(topk, "_topk_chunk_kernel", _Recorder(
-        topk._topk_chunk_kernel, topk.SHAPE_INTS, seen))
+    for name, ints in (("_topk_chunk_kernel", topk.SHAPE_INTS),
+                       ("_topk_place_kernel", topk.PLACE_INTS),
+                       ("_topk_search_kernel", topk.SEARCH_INTS)):
+        monkeypatch.setattr(topk, name, _Recorder(getattr(topk, name), ints, seen))
     return seen
 
 
@@ -77,7 +79,7 @@ def _select(store, q_lens: list[int], kv_lens: list[int], gen, pieces: bool) -> 
     args = {"block_table": table, "seq_lens": torch.tensor(kv_lens, dtype=torch.int32),
             "q_start_loc": torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()],
                                         dtype=torch.int32)}
-    if any(q != 1 for q in q_lens):
+    if any(q != 1 for q in q_lens):  # (the engine's args also carry max_rows: not a variant)
         args["row_req"] = torch.repeat_interleave(torch.arange(B, dtype=torch.int32),
                                                   torch.tensor(q_lens))
     keys, _ = store.index_layer(1)
@@ -88,7 +90,9 @@ def _select(store, q_lens: list[int], kv_lens: list[int], gen, pieces: bool) -> 
                  lens=(q_lens, kv_lens) if pieces else None, budget=n * MAX_LEN // 3 + 1)
 
 
-def test_warm_up_launches_every_variant_later_steps_launch(variants, device):
+@pytest.mark.parametrize("split", [False, True])
+def test_warm_up_launches_every_variant_later_steps_launch(variants, device, split, monkeypatch):
+    monkeypatch.setitem(CONFIGS, "topk", {**CONFIGS["topk"], "SPLIT": split})
     gen = torch.Generator().manual_seed(0)
     store = _store(gen, device)
     assert warm_selection(store, [SimpleNamespace(indexer=None), _attn(device)], MAX_LEN,
@@ -103,7 +107,9 @@ def test_warm_up_launches_every_variant_later_steps_launch(variants, device):
     topk_rows(cands, K, index=torch.zeros((3, 2 * K), dtype=torch.int32, device=device),
               config=CONFIGS["topk"])  # CP's merge of two ranks' candidates
     kernels = {v[0] for v in variants}
-    assert kernels == {"_index_scores_kernel", "_topk_chunk_kernel"} and len(variants) >= 6
+    topk_kernels = {"_topk_search_kernel", "_topk_place_kernel"} if split else {
+        "_topk_chunk_kernel"}
+    assert kernels == {"_index_scores_kernel", *topk_kernels} and len(variants) >= 6
     missing = variants - warmed
     assert not missing, f"launched after the warm-up, never warmed: {sorted(missing)}"
 
