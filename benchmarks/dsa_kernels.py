@@ -1,7 +1,8 @@
 """DSA decode kernels on the GPU: the lightning indexer's scores over the paged history, the
 top-k of them, and sparse MLA over the winners, at batch 16 (16 and 128 attention heads), 32K
 and 128K context, index_topk 2048, DeepSeek-V3.2 dims (64 index heads of 128, fp8 keys with a
-per-token scale: 132 B per token; L=512, R=64; page 64, random page order).
+per-token scale: 132 B per token; L=512, R=64; page 64, random page order); and the indexer
+over a 2,048-row prefill chunk (``dsa_index_prefill``, 32K / 64K history).
 
 Each stage and the whole pipeline (``dsa``: scores + top-k + sparse MLA, what one decode layer
 runs) are timed like ``kernel_bench.py``'s decode records (CUDA-graph median ``ms``, eager
@@ -111,6 +112,37 @@ def _shape_records(dev, gen, ceil, kind: str, heads: int, batch: int,
     return out
 
 
+def _prefill_index_records(dev, gen, ceil, rows: int = 2048) -> list[dict]:
+    """The indexer over a prefill chunk: ``rows`` rows of one request after a history, fp8
+    keys (what a long prompt's chunks run), TFLOP/s of its e4m3 products beside the same run's
+    bf16 matmul peak (the e4m3 peak is about twice that)."""
+    out = []
+    for context in (32768, 65536):
+        _, _, keys, key_scale, table = _pools(1, context, "fp8", dev, gen)
+        iq = torch.randn(rows, INDEX_HEADS, INDEX_DIM, device=dev, dtype=torch.bfloat16,
+                         generator=gen)
+        w = torch.randn(rows, INDEX_HEADS, device=dev, generator=gen) * INDEX_HEADS ** -0.5
+        lens = torch.full((1,), context, dtype=torch.int32, device=dev)
+        starts = torch.tensor([0, rows], dtype=torch.int32, device=dev)
+
+        def run(iq=iq, w=w, keys=keys, table=table, lens=lens, starts=starts,
+                key_scale=key_scale):
+            return K.index_scores(iq, w, keys, table, lens, starts, INDEX_DIM ** -0.5,
+                                  table.shape[1] * PAGE, index_scale=key_scale, max_rows=rows)
+
+        seen = float(torch.isfinite(run()).sum())  # (row, token) pairs the rows see
+        times = bench_both(run)
+        tflops = 2 * INDEX_HEADS * INDEX_DIM * seen / times["ms"] / 1e9
+        rec = {"kernel": "dsa_index_prefill", "rows": rows, "context": context,
+               "index_heads": INDEX_HEADS, "index_dim": INDEX_DIM, "index_dtype": "fp8",
+               "ms": round(times["ms"], 4), "ms_eager": round(times["ms_eager"], 4),
+               "TFLOPs": round(tflops, 1),
+               "ceiling_matmul_bf16_TFLOPs": round(ceil["matmul_TFLOPs"], 1)}
+        out.append(rec)
+        print(json.dumps(rec), flush=True)
+    return out
+
+
 def dsa_records(dev: torch.device, ceil: dict[str, float], kinds=("bf16", "fp8"),
                 configs=None) -> list[dict]:
     """Records per (KV kind, heads, context): index_scores, topk_rows (winners checked against
@@ -122,7 +154,7 @@ def dsa_records(dev: torch.device, ceil: dict[str, float], kinds=("bf16", "fp8")
         for heads, batch, context in SHAPES:
             out += _shape_records(dev, gen, ceil, kind, heads, batch, context, configs)
             torch.cuda.empty_cache()
-    return out
+    return out + _prefill_index_records(dev, gen, ceil)
 
 
 def merge_dsa(path: str, dev: torch.device) -> None:
