@@ -9,7 +9,10 @@ times carry the launches' host cost, which decides nothing about a graph-replaye
   TILES × num_warps × num_stages, finer and deeper than the above;
 - ``index_scores`` with page ids gathered from registers (``--only index_gather``, a study):
   tiles per program × stages;
-- ``topk_rows`` at 32K and 128K: CHUNK × num_warps × PARTS, bisection or false position;
+- ``index_scores`` over a 2,048-row prefill chunk (``--only index_prefill``, a study): rows a
+  block × warps × BLOCK_T × stages, at 32K and 64K history;
+- ``topk_rows`` at 32K and 128K: CHUNK × num_warps × PARTS, bisection or false position, and
+  the split form (``SPLIT``: parts × placement warps × search warps);
 - ``mla_sparse`` at 128 heads (``--only sparse_splits``) and at 16 (``--only
   sparse_splits_few``), studies whose winners feed no record: num_splits × tiles × stages;
 - ``mla_sparse`` over 2,048 selected slots, 16 and 128 heads, bf16 and fp8 KV: BLOCK_N ×
@@ -36,6 +39,7 @@ from triton.testing import do_bench_cudagraph
 import splash.kernels_triton as K
 
 BATCH = 16
+PREFILL_ROWS = 2048
 INDEX_SPACE = [{"BLOCK_T": t, "TILES": n, "num_warps": w, "num_stages": st, "fp8_dot": e4m3,
                 "tokens_m": tm}
                for e4m3, tm, t, n, w, st in itertools.product((False, True), (False, True),
@@ -54,6 +58,11 @@ INDEX_GATHER_SPACE = [{}] + [{"gather_pages": True, "TILES": n, "num_stages": st
     {"gather_pages": True, "BLOCK_T": 64, "TILES": n, "num_stages": st}
     for n, st in itertools.product((16, 32), (3, 4))]  # 64-token tiles: 78 registers, 33 / 41 KB
 # of shared memory at 3 / 4 stages (offline sm_90): 6 / 5 programs an SM, against 4
+# prefill row blocks (``--only index_prefill``): rows a block x warps x tile x stages
+INDEX_PREFILL_SPACE = [{"BLOCK_M_EXTEND": m, "num_warps_extend": w, "BLOCK_T": t,
+                        "num_stages": st}
+                       for m, w, t, st in itertools.product((2, 4, 8), (4, 8, 16), (64, 128),
+                                                            (2, 3))]
 TOPK_SPACE = [{"CHUNK": c, "num_warps": w, "PARTS": p, "SECANT": sec}
               for sec, (c, w, p) in itertools.product((False, True), (
                   (8192, 8, 1), (8192, 16, 1), (8192, 8, 2), (16384, 16, 2), (16384, 16, 4)))] + [
@@ -158,6 +167,23 @@ def main() -> None:
 
                 sparse_shapes[f"{heads}h-{kind}"] = (sparse, lambda out, base=base: bool(
                     torch.allclose(out.float(), base.float(), rtol=2e-2, atol=2e-2)))
+    prefill_shapes = {}
+    for context in (32768, 65536):
+        _, _, keys, key_scale, table = _pools(1, context, "fp8", dev, gen)
+        iq = torch.randn(PREFILL_ROWS, INDEX_HEADS, INDEX_DIM, device=dev, dtype=torch.bfloat16,
+                         generator=gen)
+        w = torch.randn(PREFILL_ROWS, INDEX_HEADS, device=dev, generator=gen) * INDEX_HEADS ** -0.5
+        lens = torch.full((1,), context, dtype=torch.int32, device=dev)
+        starts = torch.tensor([0, PREFILL_ROWS], dtype=torch.int32, device=dev)
+
+        def prefill(cfg, iq=iq, w=w, keys=keys, table=table, lens=lens, starts=starts,
+                    key_scale=key_scale):
+            return K.index_scores(iq, w, keys, table, lens, starts, INDEX_DIM ** -0.5,
+                                  table.shape[1] * PAGE, index_scale=key_scale, config=cfg,
+                                  max_rows=PREFILL_ROWS)
+
+        prefill_shapes[f"{context}"] = (prefill, lambda out, ref=prefill(None): _close_scores(
+            out, ref))
     only = args.only.split(",")
     result: dict = {"triton": triton.__version__, "batch": BATCH, "sweeps": {}}
     many_heads = {t: f for t, f in sparse_shapes.items() if t.startswith("128h")}
@@ -167,6 +193,7 @@ def main() -> None:
             ("index_scores", "index_scores", INDEX_SPACE, index_shapes),
             ("index_tiles", "index_scores", INDEX_TILES_SPACE, index_shapes),
             ("index_gather", None, INDEX_GATHER_SPACE, index_shapes),
+            ("index_prefill", None, INDEX_PREFILL_SPACE, prefill_shapes),
             ("topk", "topk", TOPK_SPACE, topk_shapes),
             ("mla_sparse", "mla_sparse", SPARSE_SPACE, sparse_shapes),
             ("sparse_splits", None, SPARSE_SPLITS_SPACE, many_heads),
