@@ -112,23 +112,30 @@ def _shape_records(dev, gen, ceil, kind: str, heads: int, batch: int,
     return out
 
 
+def prefill_scores(dev, gen, context: int, rows: int):
+    """``index_scores`` over ``rows`` prefill rows of one request with a ``context``-token
+    history (fp8 keys): a function of the launch config."""
+    _, _, keys, key_scale, table = _pools(1, context, "fp8", dev, gen)
+    iq = torch.randn(rows, INDEX_HEADS, INDEX_DIM, device=dev, dtype=torch.bfloat16,
+                     generator=gen)
+    w = torch.randn(rows, INDEX_HEADS, device=dev, generator=gen) * INDEX_HEADS ** -0.5
+    lens = torch.full((1,), context, dtype=torch.int32, device=dev)
+    starts = torch.tensor([0, rows], dtype=torch.int32, device=dev)
+
+    def run(config: dict | None = None):
+        return K.index_scores(iq, w, keys, table, lens, starts, INDEX_DIM ** -0.5,
+                              table.shape[1] * PAGE, index_scale=key_scale, config=config,
+                              max_rows=rows)
+    return run
+
+
 def _prefill_index_records(dev, gen, ceil, rows: int = 2048) -> list[dict]:
     """The indexer over a prefill chunk: ``rows`` rows of one request after a history, fp8
     keys (what a long prompt's chunks run), TFLOP/s of its e4m3 products beside the same run's
     bf16 matmul peak (the e4m3 peak is about twice that)."""
     out = []
     for context in (32768, 65536):
-        _, _, keys, key_scale, table = _pools(1, context, "fp8", dev, gen)
-        iq = torch.randn(rows, INDEX_HEADS, INDEX_DIM, device=dev, dtype=torch.bfloat16,
-                         generator=gen)
-        w = torch.randn(rows, INDEX_HEADS, device=dev, generator=gen) * INDEX_HEADS ** -0.5
-        lens = torch.full((1,), context, dtype=torch.int32, device=dev)
-        starts = torch.tensor([0, rows], dtype=torch.int32, device=dev)
-
-        def run(iq=iq, w=w, keys=keys, table=table, lens=lens, starts=starts,
-                key_scale=key_scale):
-            return K.index_scores(iq, w, keys, table, lens, starts, INDEX_DIM ** -0.5,
-                                  table.shape[1] * PAGE, index_scale=key_scale, max_rows=rows)
+        run = prefill_scores(dev, gen, context, rows)
 
         seen = float(torch.isfinite(run()).sum())  # (row, token) pairs the rows see
         times = bench_both(run)

@@ -33,7 +33,18 @@ import torch
 import triton
 from _results import save_json  # noqa: E402  (benchmarks/ is on sys.path)
 from _timing import ceilings  # noqa: E402
-from dsa_kernels import INDEX_DIM, INDEX_HEADS, PAGE, SM_SCALE, TOPK, D, L, _pools, dsa_records
+from dsa_kernels import (
+    INDEX_DIM,
+    INDEX_HEADS,
+    PAGE,
+    SM_SCALE,
+    TOPK,
+    D,
+    L,
+    _pools,
+    dsa_records,
+    prefill_scores,
+)
 from triton.testing import do_bench_cudagraph
 
 import splash.kernels_triton as K
@@ -169,19 +180,7 @@ def main() -> None:
                     torch.allclose(out.float(), base.float(), rtol=2e-2, atol=2e-2)))
     prefill_shapes = {}
     for context in (32768, 65536):
-        _, _, keys, key_scale, table = _pools(1, context, "fp8", dev, gen)
-        iq = torch.randn(PREFILL_ROWS, INDEX_HEADS, INDEX_DIM, device=dev, dtype=torch.bfloat16,
-                         generator=gen)
-        w = torch.randn(PREFILL_ROWS, INDEX_HEADS, device=dev, generator=gen) * INDEX_HEADS ** -0.5
-        lens = torch.full((1,), context, dtype=torch.int32, device=dev)
-        starts = torch.tensor([0, PREFILL_ROWS], dtype=torch.int32, device=dev)
-
-        def prefill(cfg, iq=iq, w=w, keys=keys, table=table, lens=lens, starts=starts,
-                    key_scale=key_scale):
-            return K.index_scores(iq, w, keys, table, lens, starts, INDEX_DIM ** -0.5,
-                                  table.shape[1] * PAGE, index_scale=key_scale, config=cfg,
-                                  max_rows=PREFILL_ROWS)
-
+        prefill = prefill_scores(dev, gen, context, PREFILL_ROWS)
         prefill_shapes[f"{context}"] = (prefill, lambda out, ref=prefill(None): _close_scores(
             out, ref))
     only = args.only.split(",")
