@@ -77,8 +77,9 @@ INDEX_PREFILL_SPACE = [{"BLOCK_M_EXTEND": m, "num_warps_extend": w, "BLOCK_T": t
 TOPK_SPACE = [{"CHUNK": c, "num_warps": w, "PARTS": p, "SECANT": sec}
               for sec, (c, w, p) in itertools.product((False, True), (
                   (8192, 8, 1), (8192, 16, 1), (8192, 8, 2), (16384, 16, 2), (16384, 16, 4)))] + [
-    {"SPLIT": True, "PARTS": p, "place_warps": w, "num_warps": sw}  # search, then placement
-    for p, w, sw in itertools.product((2, 4, 8), (4, 8), (8, 16))]
+    {"SPLIT": True, "CHUNK": c, "PARTS": p, "place_warps": w, "num_warps": sw}  # search,
+    for c, p, w, sw in itertools.product((8192, 16384), (2, 4, 8), (4, 8), (8, 16))  # then
+    if c == 8192 or (sw == 16 and p > 2)]  # placement; 16K chunks: two passes at 128K
 # the split of each row's slot list at 128 heads (None: the launcher's choice) with the table's
 # tiles and deeper ones: ``--only sparse_splits``
 SPARSE_SPLITS_SPACE = [{"num_splits": s, **cfg} for s in (None, 2, 4, 8, 16)
