@@ -27,20 +27,17 @@ rounded once, and since that scale is positive it moves through the relu into th
 head sum then stays within each thread's row of the accumulator, and the widened keys can
 feed the product from registers).
 
-Latency: ncu on an H200 (16 rows x 128K) found the kernel waiting on global loads (long
-scoreboard 4.3 of ~8 cycles per instruction, 23% occupancy, 2.8 TB/s): a page-table load in
-the loop, which each tile's addresses depend on, keeps Triton's pipeliner (3.6) from running
-copies ahead. ``config["gather_pages"]`` (the default): a program loads its page ids once
-(``PAGES``, a power of two, at most 256) and each tile gathers its rows' ids from those
-registers (``tl.gather``), so one tile stays in flight beside the product at 3 stages (106
-registers offline; 2% faster). The fp8 key scales, a register load the pipeliner leaves in
-the loop, load one tile ahead: 16 rows at 32K / 128K 0.0343 / 0.1006 -> 0.0318 / 0.0941 ms
-(``kernel_bench.py --only-dsa``). A decode launch told ``max_rows=1`` runs only the row blocks
-the requests have (without it the grid's row axis, bounded by the rows, held 15 empty
-programs for each busy one at batch 16): 0.0320 / 0.0932 -> 0.0233 / 0.0865 ms. Not faster: 64-token tiles (78 registers, 5-6 programs an
-SM: 0.0316 / 0.0978 at best, ``dsa_topk_index.json``); the next key tile in registers ahead
-of the product (200 registers on 4 warps); keys and scales through tensor descriptors (TMA,
-a 64-token tile a page, 3-6 stages: 0.0341-0.0403 / 0.0947-0.0991 ms against 0.0319 / 0.0951).
+Latency (H200, 16 decode rows): ncu found the kernel waiting on global loads (2.8 TB/s, 23%
+occupancy): a page-table load in the loop, which each tile's addresses depend on, kept Triton's
+pipeliner (3.6) from running copies ahead. ``config["gather_pages"]`` (the default): a program
+loads its page ids once (``PAGES``, a power of two, at most 256) and each tile gathers its
+rows' ids from those registers (``tl.gather``); the fp8 key scales load one tile ahead (0.0343
+/ 0.1006 -> 0.0318 / 0.0941 ms at 32K / 128K); a decode launch told ``max_rows=1`` runs only
+the row blocks requests have (the grid's row axis, bounded by the rows, held 15 empty programs
+for each busy one at batch 16): 0.0320 / 0.0932 -> 0.0233 / 0.0865 ms. Not faster: 64-token
+tiles (0.0316 / 0.0978 at best); the next key tile in registers ahead of the product (200
+registers); keys and scales through tensor descriptors (TMA, a page a tile, 3-6 stages:
+0.0341-0.0403 / 0.0947-0.0991 ms against 0.0319 / 0.0951).
 """
 
 from __future__ import annotations
@@ -227,17 +224,13 @@ def _index_scores_kernel(
 # ---------------------------------------------------------------------------------------------
 # launcher
 
-# GPU: the best of benchmarks/dsa_sweep.py on an H200 (batch 16 decode rows, 64 index heads,
-# fp8 keys): e4m3 products with the keys on M, 0.0375 / 0.1036 ms at 32K / 128K against
-# 0.0656 / 0.2275 for fp16 products with the queries on M. Gathered page ids with 3 stages and
-# 16 tiles a program (``--only index_gather``): 0.0341 / 0.1002 ms, against 0.0344 / 0.1022
-# for page ids loaded per tile (2 stages, the best tiles: 8 at 32K, 32 at 128K); 32 gathered
-# tiles lose (0.0557 / 0.110). TILES None: tiles per program chosen for about ``_PROGRAMS``
-# programs, at most ``_MAX_TILES``. Prefill row blocks (BLOCK_M_EXTEND rows) run on
-# ``num_warps_extend``: with the keys on M a (128 tokens, 4 rows x 64 heads) fp32 product on 4
-# warps held 256 registers a thread; on 8, 2,048 rows over 32K / 64K took 4.76 / 9.52 -> 1.67 /
-# 3.30 ms (224 -> 640-656 TFLOP/s, e4m3); 2 rows a block on 4 warps 1.83 / 3.62, 8 rows on
-# 64-token tiles 1.74 / 3.43, the queries on M 3.8 ms and slower.
+# GPU (H200, benchmarks/dsa_sweep.py, 16 decode rows, 64 index heads, fp8 keys): e4m3
+# products with the keys on M, 0.0375 / 0.1036 ms at 32K / 128K against 0.0656 / 0.2275 for
+# fp16 products with the queries on M; gathered page ids, 3 stages, 16 tiles a program (32
+# lose). TILES None: tiles per program for about ``_PROGRAMS`` programs, at most ``_MAX_TILES``.
+# Prefill row blocks run on ``num_warps_extend``: a (128 tokens, 4 rows x 64 heads) fp32
+# product held 256 registers a thread on 4 warps; on 8, 2,048 rows over 32K / 64K took 4.76 /
+# 9.52 -> 1.67 / 3.30 ms (224 -> 640-656 TFLOP/s); 2 rows a block on 4 warps 1.83 / 3.62.
 _GPU_DEFAULTS: dict[str, Any] = {"BLOCK_T": 128, "TILES": None, "BLOCK_M_EXTEND": 4,
                                  "num_warps": 4, "num_warps_extend": 8, "num_stages": 3,
                                  "fp8_fp16": True, "fp8_dot": True, "tokens_m": True,
