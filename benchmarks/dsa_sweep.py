@@ -16,7 +16,8 @@ times carry the launches' host cost, which decides nothing about a graph-replaye
 - ``mla_sparse`` at 128 heads (``--only sparse_splits``) and at 16 (``--only
   sparse_splits_few``), studies whose winners feed no record: num_splits × tiles × stages;
 - ``mla_sparse`` over 2,048 selected slots, 16 and 128 heads, bf16 and fp8 KV: BLOCK_N ×
-  num_warps × num_stages; with the slot ids gathered (``--only sparse_gather``, a study).
+  num_warps × num_stages; with the slot ids gathered (``--only sparse_gather``, a study);
+  over a 2,048-row prefill chunk at 128 heads (``--only sparse_prefill``, a study).
 A config is the winner of a kernel when its summed time over the swept shapes is lowest
 (configs that fail to compile or give wrong results are reported and skipped). The records then
 run with the winners: ``python benchmarks/dsa_sweep.py --out sweep.json``.
@@ -93,6 +94,12 @@ SPARSE_GATHER_SPACE = [{}] + [{"gather_slots": True, "num_stages": st, "num_spli
                               for st, n in itertools.product((2, 3, 4), (None, 16))]
 SPARSE_SPACE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
                 for n, w, st in itertools.product((16, 32, 64), (4, 8), (1, 2))]
+# 128 heads over a prefill chunk's rows (``--only sparse_prefill``, a study): 20 of a 128K
+# prompt's 61 ms a chunk (4 layers) at ~234 TFLOP/s
+SPARSE_PREFILL_SPACE = [{}] + [{"BLOCK_N": n, "num_warps": w, "num_stages": st,
+                                "gather_slots": g}
+                               for n, w, st, g in itertools.product((32, 64), (4, 8), (1, 2, 3),
+                                                                    (False, True))]
 
 
 def _close_scores(out: torch.Tensor, ref: torch.Tensor) -> bool:
@@ -179,6 +186,18 @@ def main() -> None:
 
                 sparse_shapes[f"{heads}h-{kind}"] = (sparse, lambda out, base=base: bool(
                     torch.allclose(out.float(), base.float(), rtol=2e-2, atol=2e-2)))
+    sparse_prefill = {}
+    for kind in ("bf16", "fp8"):
+        kvk, sck, _, _, table = _pools(1, 65536, kind, dev, gen)
+        pos = torch.randint(0, 65536, (PREFILL_ROWS, TOPK), device=dev, generator=gen)
+        slots = (table[0].long()[pos // PAGE] * PAGE + pos % PAGE).to(torch.int32)
+        q = torch.randn(PREFILL_ROWS, 128, D, device=dev, dtype=torch.bfloat16, generator=gen)
+
+        def sparse_rows(cfg, q=q, kvk=kvk, sck=sck, slots=slots):
+            return K.mla_sparse(q, kvk, slots, SM_SCALE, L, kv_scale=sck, config=cfg)[0]
+
+        sparse_prefill[f"128h-{kind}"] = (sparse_rows, lambda out, base=sparse_rows(None): bool(
+            torch.allclose(out.float(), base.float(), rtol=2e-2, atol=2e-2)))
     prefill_shapes = {}
     for context in (32768, 65536):
         prefill = prefill_scores(dev, gen, context, PREFILL_ROWS)
@@ -198,7 +217,8 @@ def main() -> None:
             ("mla_sparse", "mla_sparse", SPARSE_SPACE, sparse_shapes),
             ("sparse_splits", None, SPARSE_SPLITS_SPACE, many_heads),
             ("sparse_splits_few", None, SPARSE_SPLITS_FEW, few_heads),
-            ("sparse_gather", None, SPARSE_GATHER_SPACE, sparse_shapes)):
+            ("sparse_gather", None, SPARSE_GATHER_SPACE, sparse_shapes),
+            ("sparse_prefill", None, SPARSE_PREFILL_SPACE, sparse_prefill)):
         if name in only:
             result["sweeps"][name] = _sweep(name, space, shapes)
             save_json(args.out, result)
