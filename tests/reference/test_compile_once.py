@@ -1,6 +1,7 @@
 """After start-up (its warm-up included) no Triton kernel compiles again, whatever shapes the
 requests take: one page, odd page counts, mixed batches, and on a DSA model histories long
-enough for several top-k passes (the warm-up saw none of these). The oracle is Triton's own
+enough for several top-k passes (the warm-up saw none of these), then the longest prompt again
+with its pages in the prefix cache. The oracle is Triton's own
 compile caches (``compiled_binaries``); the second serving of the same shapes checks that the
 count is stable."""
 
@@ -29,8 +30,9 @@ def test_no_kernel_compiles_after_start_up(arch, over, longest):
     with LLM(path, tp_size=1, backend="cuda", page_size=PAGE, max_model_len=longest + 64) as llm:
         started = compiled_binaries()
         assert sum(started.values()) > 0  # the warm-up compiled the engine's kernels
-        for lengths in groups:
-            prompts = [torch.randint(10, 200, (n,), generator=g).tolist() for n in lengths]
+        for lengths in groups + [None]:  # None: the last prompts again, from the prefix cache
+            if lengths is not None:
+                prompts = [torch.randint(10, 200, (n,), generator=g).tolist() for n in lengths]
             llm.generate(prompts, params)
             now = compiled_binaries()
             new = {k: n - started.get(k, 0) for k, n in now.items() if n != started.get(k, 0)}
