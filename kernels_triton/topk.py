@@ -164,8 +164,8 @@ def _topk_search_kernel(
     ties = tl.sum((parts == thr[:, None, None]).to(tl.int32), 2)
     offs_p = tl.arange(0, PARTS)
     base = meta_ptr + rows[:, None] * stride_mn + (pid_c * PARTS + offs_p[None, :]) * 4
-    keep = mask_r[:, None] & (offs_p < PARTS)[None, :]
     zero = tl.zeros((ROWS, PARTS), tl.int32)
+    keep = tl.broadcast_to(mask_r[:, None], (ROWS, PARTS))
     tl.store(base, zero + thr.to(tl.int32, bitcast=True)[:, None], mask=keep)
     tl.store(base + 1, zero + room[:, None], mask=keep)
     tl.store(base + 2, tl.cumsum(above, 1) - above, mask=keep)

@@ -43,9 +43,8 @@ def _kth_largest(ukey, K: tl.constexpr, ROWS: tl.constexpr):
 
 @triton.jit
 def _signed(ukey):
-    """Order keys as int32 in the same order: the search reduces and clamps signed ints (with
-    unsigned ones its threshold came out wrong on an H200, Triton 3.6, where the interpreter
-    was right)."""
+    """Order keys as int32 in the same order: the false-position bracket, whose ends are
+    clamped and stepped by one, lives in signed ints."""
     return ukey.to(tl.int32, bitcast=True) ^ _KEY_MIN
 
 
@@ -60,7 +59,7 @@ def _kth_largest_secant(ukey, K: tl.constexpr, ROWS: tl.constexpr, ROUNDS: tl.co
     """``_kth_largest`` by false position on the values: the candidate interpolates between a
     bracket's ends (count at ``lo`` >= K, above ``hi`` < K) where the count crosses K, the
     Illinois rule halving a stuck end's weight. After ``ROUNDS`` rounds the rows not done (ties,
-    odd shapes) bisect their bracket's keys, at most 32 rounds more. Same result as the
+    odd shapes) bisect their bracket's keys, at most 33 rounds more. Same result as the
     bisection, in fewer rounds on smooth scores (benchmarks/topk_rounds.py, a numpy model of
     both loops, 8K-entry chunks, k = 2,048): 8-10 rounds against 19-23 on scores shaped like
     the indexer's. The bracket is kept as signed keys (int32)."""
