@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import json
+import os
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
@@ -16,6 +18,22 @@ from splash.logging_utils import get_logger
 logger = get_logger("splash.backends")
 
 _REGISTRY: dict[str, type[BaseBackend]] = {}
+
+def kernel_overrides() -> dict[str, dict[str, Any]]:
+    """``SPLASH_KERNEL_CONFIG``: launch parameters over the tuning tables', per kernel, e.g.
+    ``{"topk": {"SPLIT": true}}`` (the kernel checks the names and values when it launches)."""
+    text = os.environ.get("SPLASH_KERNEL_CONFIG", "").strip()
+    if not text:
+        return {}
+    try:
+        table = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"SPLASH_KERNEL_CONFIG is not JSON ({exc})") from None
+    if not isinstance(table, dict) or not all(isinstance(v, dict) for v in table.values()):
+        raise ConfigError('SPLASH_KERNEL_CONFIG must map kernels to parameter objects, e.g. '
+                          '{"topk": {"SPLIT": true}}')
+    return table
+
 
 class BaseBackend(ABC):
     """Contract: one accelerator family.
@@ -96,10 +114,12 @@ class BaseBackend(ABC):
         return name, kv
 
     def kernel_config(self, kernel: str) -> dict[str, Any]:
-        """Launch parameters for ``kernel`` on this backend's profile."""
+        """Launch parameters for ``kernel`` on this backend's profile, with the entries of
+        ``SPLASH_KERNEL_CONFIG`` (JSON: kernel -> {parameter: value}) over them."""
         table = self.TUNING.get(kernel, {})
         merged = dict(table.get("default", {}))
         merged.update(table.get(self.profile_name, {}))
+        merged.update(kernel_overrides().get(kernel, {}))
         return merged
 
     def synchronize(self) -> None:

@@ -25,6 +25,7 @@ import triton
 from _timing import bench_both, ceilings  # noqa: E402  (benchmarks/ is on sys.path)
 
 import splash.kernels_triton as K
+from splash.kernels_triton.topk import floor_group
 
 L, R, PAGE, TOPK = 512, 64, 64, 2048
 D = L + R
@@ -75,15 +76,18 @@ def _shape_records(dev, gen, ceil, kind: str, heads: int, batch: int,
     width = table.shape[1] * PAGE
 
     configs = configs or {}
+    # the indexer's group maxima, top-k's floor, where the engine takes them (topk_indexed)
+    group = floor_group(dev, TOPK, width, configs.get("topk"))
+    gmax = torch.empty((batch, -(-width // group)), device=dev) if group else None
 
     def scores():
         return K.index_scores(iq, w, keys, table, lens, starts, INDEX_DIM ** -0.5, width,
                               index_scale=key_scale, config=configs.get("index_scores"),
-                              max_rows=1)
+                              max_rows=1, group_max=gmax, group=group or 8)
 
     def topk(s):
         return K.topk_rows(s, TOPK, block_table=table, page_size=PAGE,
-                           config=configs.get("topk"))[1]
+                           config=configs.get("topk"), floor_max=gmax)[1]
 
     def sparse(slots):
         return K.mla_sparse(q, kv, slots, SM_SCALE, L, kv_scale=scale,
@@ -97,10 +101,11 @@ def _shape_records(dev, gen, ceil, kind: str, heads: int, batch: int,
     sel_bytes = batch * TOPK * (D * kv.element_size() + (4 if scale is not None else 0))
     tag = {"heads": heads, "batch": batch, "context": context, "index_topk": TOPK,
            "index_heads": INDEX_HEADS, "index_dim": INDEX_DIM, "kv_dtype": kind,
-           "index_dtype": "fp8", "verified_topk": same}
+           "index_dtype": "fp8", "verified_topk": same, "topk_floor_group": group}
     if configs:
         tag["configs"] = configs
-    runs = [("dsa_index_scores", scores, key_bytes + batch * width * 4),
+    maxima_bytes = gmax.numel() * 4 if gmax is not None else 0
+    runs = [("dsa_index_scores", scores, key_bytes + batch * width * 4 + maxima_bytes),
             ("dsa_topk", lambda: topk(s), batch * width * 4),
             ("dsa_sparse_mla", lambda: sparse(slots), sel_bytes),
             ("dsa_decode", lambda: sparse(topk(scores())), key_bytes + sel_bytes)]

@@ -11,8 +11,9 @@ times carry the launches' host cost, which decides nothing about a graph-replaye
   tiles per program × stages;
 - ``index_scores`` over a 2,048-row prefill chunk (``--only index_prefill``, a study): rows a
   block × warps × BLOCK_T × stages, at 32K and 64K history;
-- ``topk_rows`` at 32K and 128K: CHUNK × num_warps × PARTS, bisection or false position, and
-  the split form (``SPLIT``: parts × placement warps × search warps);
+- ``topk_rows`` at 32K and 128K, split passes: without the floor, then with the indexer's
+  group maxima folded to FLOOR_N × false-position rounds for the floor × parts, 8K and 16K
+  chunks;
 - ``mla_sparse`` at 128 heads (``--only sparse_splits``) and at 16 (``--only
   sparse_splits_few``), studies whose winners feed no record: num_splits × tiles × stages;
 - ``mla_sparse`` over 2,048 selected slots, 16 and 128 heads, bf16 and fp8 KV: BLOCK_N ×
@@ -49,6 +50,7 @@ from dsa_kernels import (
 from triton.testing import do_bench_cudagraph
 
 import splash.kernels_triton as K
+from splash.kernels_triton.topk import floor_group
 
 BATCH = 16
 PREFILL_ROWS = 2048
@@ -75,12 +77,13 @@ INDEX_PREFILL_SPACE = [{"BLOCK_M_EXTEND": m, "num_warps_extend": w, "BLOCK_T": t
                         "num_stages": st}
                        for m, w, t, st in itertools.product((2, 4, 8), (4, 8, 16), (64, 128),
                                                             (2, 3))]
-TOPK_SPACE = [{"CHUNK": c, "num_warps": w, "PARTS": p, "SECANT": sec}
-              for sec, (c, w, p) in itertools.product((False, True), (
-                  (8192, 8, 1), (8192, 16, 1), (8192, 8, 2), (16384, 16, 2), (16384, 16, 4)))] + [
-    {"SPLIT": True, "CHUNK": c, "PARTS": p, "place_warps": w, "num_warps": sw}  # search,
-    for c, p, w, sw in itertools.product((8192, 16384), (2, 4, 8), (4, 8), (8, 16))  # then
-    if c == 8192 or (sw == 16 and p > 2)]  # placement; 16K chunks: two passes at 128K
+TOPK_SPACE = [{"SPLIT": True, "CHUNK": 8192, "PARTS": 8, "place_warps": 4, "num_warps": 8,
+               "FLOOR_N": 1}] + [  # the split passes without the floor (FLOOR_N <= k), then with
+    {"SPLIT": True, "CHUNK": c, "PARTS": p, "place_warps": 4, "num_warps": w, "FLOOR_N": n,
+     "FLOOR_ROUNDS": r}  # the indexer's group maxima: their fold and false-position rounds
+    for (c, w), p, n, r in itertools.product(((8192, 8), (16384, 16)), (4, 8), (4096, 8192),
+                                             (3, 6))
+    if (c == 8192 and (n == 4096 or p == 8)) or (p == 8 and n == 4096 and r == 3)]
 # the split of each row's slot list at 128 heads (None: the launcher's choice) with the table's
 # tiles and deeper ones: ``--only sparse_splits``
 SPARSE_SPLITS_SPACE = [{"num_splits": s, **cfg} for s in (None, 2, 4, 8, 16)
@@ -164,8 +167,13 @@ def main() -> None:
             return K.index_scores(iq, w, keys, table, lens, starts, INDEX_DIM ** -0.5, width,
                                   index_scale=key_scale, config=cfg, max_rows=1)
 
-        def topk(cfg, ref=ref, table=table):
-            return K.topk_rows(ref, TOPK, block_table=table, page_size=PAGE, config=cfg)[1]
+        pad = torch.full((BATCH, -width % 8), float("-inf"), device=dev)
+        gmax = torch.cat((ref, pad), 1).view(BATCH, -1, 8).amax(2)  # the indexer's maxima
+
+        def topk(cfg, ref=ref, table=table, gmax=gmax, width=width):
+            floor = gmax if floor_group(dev, TOPK, width, cfg) else None
+            return K.topk_rows(ref, TOPK, block_table=table, page_size=PAGE, config=cfg,
+                               floor_max=floor)[1]
 
         index_shapes[f"{context}"] = (scores, lambda out, ref=ref: _close_scores(out, ref))
         topk_shapes[f"{context}"] = (topk, lambda out, want=want: bool(

@@ -53,7 +53,7 @@ from splash.kernels_triton.mla_decode_kernels import _q_operand
 from splash.kernels_triton.paged_ids import _gather_page_ids, _load_page_ids
 
 # ints that vary by step: one binary for all (tests check the warm-up against them)
-SHAPE_INTS = ["stride_btn"]
+SHAPE_INTS = ["stride_btn", "stride_gn"]
 
 
 @triton.jit
@@ -95,11 +95,11 @@ def _tile_keys(k_ptr, page, slot, mask_t, stride_kp, stride_ks, stride_kd, q_dty
 
 
 @triton.jit
-def _tile_scores(q, w, k, col, t0, pos, mask_m, out_rows, T, stride_ot,
+def _tile_scores(q, w, k, col, t0, pos, mask_m, out_rows, T, stride_ot, max_rows, stride_og,
                  BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
-                 TOKENS_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 TOKENS_M: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP: tl.constexpr):
     """The head-weighted relu sum of one key tile against the rows' queries, stored (tokens
-    past a row's position -inf)."""
+    past a row's position -inf), with the maximum of each ``GROUP`` tokens (GROUP > 0)."""
     offs_t = t0 + tl.arange(0, BLOCK_T)
     if TOKENS_M:  # tokens on the product's M side: heads fold within a thread's row
         s = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_T, BM*BH)
@@ -118,6 +118,19 @@ def _tile_scores(q, w, k, col, t0, pos, mask_m, out_rows, T, stride_ot,
     score = tl.where(offs_t[None, :] <= pos[:, None], score, float("-inf"))
     tl.store(out_rows + offs_t[None, :] * stride_ot, score,
              mask=mask_m[:, None] & (offs_t < T)[None, :])
+    _store_maxima(score, t0, mask_m, max_rows, T, stride_og, BLOCK_M, BLOCK_T, GROUP)
+
+
+@triton.jit
+def _store_maxima(score, t0, mask_m, max_rows, T, stride_og, BLOCK_M: tl.constexpr,
+                  BLOCK_T: tl.constexpr, GROUP: tl.constexpr):
+    """The maxima of a tile's ``GROUP``-token groups (nothing where GROUP is 0)."""
+    if GROUP > 0:
+        NG: tl.constexpr = BLOCK_T // GROUP
+        gmax = tl.max(tl.reshape(score, (BLOCK_M, NG, GROUP)), axis=2)
+        offs_g = t0 // GROUP + tl.arange(0, NG)
+        tl.store(max_rows + offs_g[None, :] * stride_og, gmax,
+                 mask=mask_m[:, None] & (offs_g < tl.cdiv(T, GROUP))[None, :])
 
 
 @triton.jit(do_not_specialize=SHAPE_INTS)
@@ -130,6 +143,7 @@ def _index_scores_kernel(
     seq_lens_ptr,  # (B,) int
     q_start_ptr,  # (B + 1,) int
     out_ptr,  # (Nq, T) fp32
+    max_ptr,  # (Nq, cdiv(T, GROUP)) fp32 (GROUP > 0)
     softmax_scale,
     T,
     stride_qn, stride_qh, stride_qd,
@@ -140,6 +154,7 @@ def _index_scores_kernel(
     stride_sl,
     stride_qs,
     stride_on, stride_ot,
+    stride_gn, stride_og,
     HI: tl.constexpr,
     I: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -154,6 +169,7 @@ def _index_scores_kernel(
     TOKENS_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PAGES: tl.constexpr,  # > 0: page ids gathered from the program's PAGES, loaded once
+    GROUP: tl.constexpr = 0,  # > 0: also each GROUP tokens' maximum (topk_rows' floor)
 ):
     pid_t = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -187,6 +203,7 @@ def _index_scores_kernel(
         pos = seq_len - n_rows + rows  # (BLOCK_M,) absolute positions
         bt_row = bt_ptr + pid_b * stride_btn
         out_rows = out_ptr + (row_start + rows).to(tl.int64)[:, None] * stride_on
+        max_rows = max_ptr + (row_start + rows).to(tl.int64)[:, None] * stride_gn
         t_lo = pid_t * (TILES * BLOCK_T)
         t_hi = tl.minimum(t_lo + TILES * BLOCK_T, T)
         # tiles holding keys: a loop with bounds, which the compiler pipelines
@@ -212,13 +229,14 @@ def _index_scores_kernel(
                                              stride_btp, PAGE_SIZE, BLOCK_T, PAGES)
             col_next = _tile_col(ks_ptr, page, slot, mask_t, softmax_scale, stride_sp,
                                  stride_ss, BLOCK_T, IS_FP8)
-            _tile_scores(q, w, k, col, t0, pos, mask_m, out_rows, T, stride_ot, BLOCK_M, BLOCK_H,
-                         BLOCK_T, TOKENS_M, DOT_PRECISION)
+            _tile_scores(q, w, k, col, t0, pos, mask_m, out_rows, T, stride_ot, max_rows,
+                         stride_og, BLOCK_M, BLOCK_H, BLOCK_T, TOKENS_M, DOT_PRECISION, GROUP)
         for t0 in range(t_mid, t_hi, BLOCK_T):  # columns past the history
             offs_t = t0 + tl.arange(0, BLOCK_T)
-            tl.store(out_rows + offs_t[None, :] * stride_ot,
-                     tl.full((BLOCK_M, BLOCK_T), float("-inf"), tl.float32),
+            unseen = tl.full((BLOCK_M, BLOCK_T), float("-inf"), tl.float32)
+            tl.store(out_rows + offs_t[None, :] * stride_ot, unseen,
                      mask=mask_m[:, None] & (offs_t < T)[None, :])
+            _store_maxima(unseen, t0, mask_m, max_rows, T, stride_og, BLOCK_M, BLOCK_T, GROUP)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,6 +317,8 @@ def index_scores(
     index_scale: torch.Tensor | None = None,
     config: dict | None = None,
     max_rows: int | None = None,
+    group_max: torch.Tensor | None = None,
+    group: int = 8,
 ) -> torch.Tensor:
     """Indexer scores ``(Nq, max_len)`` fp32 of ``q`` (Nq, HI, I) with head ``weights`` (Nq, HI)
     fp32 against the paged keys ``index_cache`` (P, PS, I) (+ ``index_scale`` (P, PS) when fp8);
@@ -306,7 +326,9 @@ def index_scores(
     including the rows). Tokens a row does not see, and columns past its history, are -inf.
     ``max_rows``: the most rows any one request has, when the caller knows it (1 for decode);
     None bounds it by Nq without a host sync, launching programs for row blocks that requests
-    do not have (they exit at once, but at batch 16 decode they were 15 of every 16)."""
+    do not have (they exit at once, but at batch 16 decode they were 15 of every 16).
+    ``group_max`` (Nq, cdiv(max_len, group)) fp32, when given, receives the maximum of each
+    ``group`` (a power of two <= BLOCK_T) consecutive columns: ``topk_rows``' floor."""
     V.check_tensor("q", q, 3, V.FLOAT_DTYPES)
     dev = q.device
     cache = V.check_tensor("index_cache", index_cache, 3, V.KV_DTYPES, dev)
@@ -337,9 +359,18 @@ def index_scores(
             raise ValueError(f"seq_lens must lie in [0, max_len={max_len}]")
         V.check_paged_lengths(block_table, seq_lens, PS, P)
     out = torch.empty((Nq, max_len), dtype=torch.float32, device=dev)
+    cfg = index_config(dev, config)
+    if group_max is not None:
+        if not isinstance(group, int) or group < 1 or group & (group - 1) or group > cfg[
+                "BLOCK_T"]:
+            raise ValueError(f"group={group!r} must be a power of two <= BLOCK_T "
+                             f"({cfg['BLOCK_T']})")
+        V.check_tensor("group_max", group_max, 2, (torch.float32,), dev)
+        want = (Nq, triton.cdiv(max_len, group))
+        if tuple(group_max.shape) != want:
+            raise ValueError(f"group_max has shape {tuple(group_max.shape)}; expected {want}")
     if Nq == 0 or max_len == 0 or B == 0:
         return out
-    cfg = index_config(dev, config)
     block_m = 1 if Nq == B else cfg["BLOCK_M_EXTEND"]  # decode: one row per request
     block_h = V.next_pow2(HI, max(16 // block_m, 1))  # the dot's M side is >= 16
     num_m_blocks = triton.cdiv(V.row_bound(max_rows, Nq), block_m)  # of any one request
@@ -352,12 +383,14 @@ def index_scores(
     fp8 = V.is_fp8(cache.dtype)
     fp16 = fp8 and bool(cfg["fp8_fp16"])
     scale = index_scale if index_scale is not None else out  # never read unless fp8
+    gmax = group_max if group_max is not None else out  # never written without GROUP
     _index_scores_kernel[(triton.cdiv(max_len, per_program), num_m_blocks, B)](
-        q, weights, cache, scale, block_table, seq_lens, q_start_loc, out,
+        q, weights, cache, scale, block_table, seq_lens, q_start_loc, out, gmax,
         float(softmax_scale), max_len,
         *q.stride(), *weights.stride(), *cache.stride(),
         *(index_scale.stride() if index_scale is not None else (0, 0)),
         *block_table.stride(), seq_lens.stride(0), q_start_loc.stride(0), *out.stride(),
+        *gmax.stride(), GROUP=group if group_max is not None else 0,
         HI=HI, I=I, PAGE_SIZE=PS, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_I=V.next_pow2(I),
         BLOCK_T=cfg["BLOCK_T"], TILES=tiles, IS_FP8=fp8, FP8_FP16=fp16,
         FP8_DOT=fp8 and bool(cfg["fp8_dot"]), TOKENS_M=bool(cfg["tokens_m"]),

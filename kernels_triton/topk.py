@@ -77,11 +77,14 @@ from splash.kernels_triton.topk_search import (
     _row_requests,
     _threshold,
 )
+from splash.kernels_triton.topk_split import (
+    _topk_last_search_kernel,
+    _topk_place_kernel,
+    _topk_search_kernel,
+)
 
 # ints that vary by step: one binary for all (tests check the warm-up against them)
 SHAPE_INTS = ["N", "stride_btn"]
-SEARCH_INTS = ["N", "stride_mn"]  # the split form's two launches
-PLACE_INTS = SHAPE_INTS + ["stride_mn"]
 
 
 @triton.jit(do_not_specialize=SHAPE_INTS)
@@ -128,94 +131,13 @@ def _topk_chunk_kernel(
             pkey = ukey  # still in registers
         else:
             pkey = _chunk_keys(vals_ptr, rows, mask_r, pcols, M, stride_vn, stride_vm)
-        a, t = _place_part(pkey, pcols, rows, mask_r, thr, room, n_above, n_ties, pid_c * K,
+        a, t = _place_part(pkey, pcols, rows, mask_r, thr, room, n_above, n_ties,
+                           tl.zeros((ROWS,), tl.int32) + pid_c * K,
                            req, idx_ptr, out_v_ptr, out_i_ptr, bt_ptr, stride_in, stride_im,
                            stride_ovn, stride_ovk, stride_oin, stride_oik, stride_btn,
                            stride_btp, ROWS, PART, PAGE_SIZE, HAS_INDEX, TO_SLOTS)
         n_above += a
         n_ties += t
-
-
-@triton.jit(do_not_specialize=SEARCH_INTS)
-def _topk_search_kernel(
-    vals_ptr,  # (N, M) fp32
-    meta_ptr,  # (N, num_chunks, PARTS, 4) int32: threshold key, room, above / ties before
-    N,
-    M,
-    stride_vn, stride_vm,
-    stride_mn,  # meta is contiguous: (N, num_chunks, PARTS, 4)
-    K: tl.constexpr,
-    CHUNK: tl.constexpr,
-    ROWS: tl.constexpr,
-    PARTS: tl.constexpr,
-    SECANT: tl.constexpr,
-):
-    """``SPLIT``'s first launch: a chunk's threshold, and per part of it the entries above and
-    at it in the parts before (what ``_topk_place_kernel`` needs to place that part alone)."""
-    pid_c = tl.program_id(0)
-    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
-    mask_r = rows < N
-    rows = rows.to(tl.int64)
-    ukey = _chunk_keys(vals_ptr, rows, mask_r, pid_c * CHUNK + tl.arange(0, CHUNK), M,
-                       stride_vn, stride_vm)
-    thr, room = _threshold(ukey, K, ROWS, SECANT)
-    parts = tl.reshape(ukey, (ROWS, PARTS, CHUNK // PARTS))
-    above = tl.sum((parts > thr[:, None, None]).to(tl.int32), 2)  # (ROWS, PARTS)
-    ties = tl.sum((parts == thr[:, None, None]).to(tl.int32), 2)
-    offs_p = tl.arange(0, PARTS)
-    base = meta_ptr + rows[:, None] * stride_mn + (pid_c * PARTS + offs_p[None, :]) * 4
-    zero = tl.zeros((ROWS, PARTS), tl.int32)
-    keep = tl.broadcast_to(mask_r[:, None], (ROWS, PARTS))
-    tl.store(base, zero + thr.to(tl.int32, bitcast=True)[:, None], mask=keep)
-    tl.store(base + 1, zero + room[:, None], mask=keep)
-    tl.store(base + 2, tl.cumsum(above, 1) - above, mask=keep)
-    tl.store(base + 3, tl.cumsum(ties, 1) - ties, mask=keep)
-
-
-@triton.jit(do_not_specialize=PLACE_INTS)
-def _topk_place_kernel(
-    vals_ptr, idx_ptr, out_v_ptr, out_i_ptr, bt_ptr, row_req_ptr,
-    meta_ptr,  # from _topk_search_kernel
-    N,
-    M,
-    stride_vn, stride_vm,
-    stride_in, stride_im,
-    stride_ovn, stride_ovk,
-    stride_oin, stride_oik,
-    stride_btn, stride_btp,
-    stride_rr,
-    stride_mn,  # meta: (N, num_chunks, PARTS, 4), contiguous
-    K: tl.constexpr,
-    CHUNK: tl.constexpr,
-    ROWS: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    HAS_INDEX: tl.constexpr,
-    TO_SLOTS: tl.constexpr,
-    HAS_ROW_REQ: tl.constexpr,
-    PARTS: tl.constexpr,
-):
-    """``SPLIT``'s second launch: one part of one chunk, its winners placed after those of the
-    parts before (a program a part: the placement, most of a pass's time, spreads over PARTS
-    times the programs)."""
-    pid = tl.program_id(0)
-    pid_c = pid // PARTS
-    part = pid % PARTS
-    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
-    mask_r = rows < N
-    rows = rows.to(tl.int64)
-    PART: tl.constexpr = CHUNK // PARTS
-    pcols = pid_c * CHUNK + part * PART + tl.arange(0, PART)
-    base = meta_ptr + rows * stride_mn + (pid_c * PARTS + part) * 4
-    thr = tl.load(base, mask=mask_r, other=0).to(tl.uint32, bitcast=True)
-    room = tl.load(base + 1, mask=mask_r, other=0)
-    n_above = tl.load(base + 2, mask=mask_r, other=0)
-    n_ties = tl.load(base + 3, mask=mask_r, other=0)
-    req = _row_requests(row_req_ptr, rows, mask_r, stride_rr, TO_SLOTS, HAS_ROW_REQ)
-    pkey = _chunk_keys(vals_ptr, rows, mask_r, pcols, M, stride_vn, stride_vm)
-    _place_part(pkey, pcols, rows, mask_r, thr, room, n_above, n_ties, pid_c * K, req,
-                idx_ptr, out_v_ptr, out_i_ptr, bt_ptr, stride_in, stride_im, stride_ovn,
-                stride_ovk, stride_oin, stride_oik, stride_btn, stride_btp, ROWS, PART,
-                PAGE_SIZE, HAS_INDEX, TO_SLOTS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,10 +154,27 @@ def _topk_place_kernel(
 # SM. ncu at 16 x 128K: the three passes 29.6 / 17.1 / 20.1 us, stalls on fixed-latency
 # dependencies and shared memory, 230-255 registers (12.7% occupancy; 4 parts: 111-117, two
 # programs an SM).
-_GPU_DEFAULTS: dict[str, Any] = {"CHUNK": 8192, "ROWS": 1, "num_warps": 8, "PARTS": 1,
-                                 "SECANT": True, "SPLIT": False, "place_warps": 4}
+# A pass as two launches (``SPLIT``: the search on 8 warps, 92 registers, then a program per
+# eighth of a chunk placing its winners on 4) beat the fused pass in the DSA pipeline (dsa_sweep
+# --only topk, 16 x 32K / 128K): 0.0275 / 0.0495 ms against 0.0317 / 0.0576 (fused, one part);
+# 16K chunks split won at 128K alone (0.0472) and lost at 32K (0.0366).
+_GPU_DEFAULTS: dict[str, Any] = {"CHUNK": 8192, "ROWS": 1, "num_warps": 8, "PARTS": 8,
+                                 "SECANT": True, "SPLIT": True, "place_warps": 4,
+                                 "FLOOR_N": 4096, "FLOOR_ROUNDS": 6}
 _CPU_DEFAULTS: dict[str, Any] = {"CHUNK": 256, "ROWS": 32, "num_warps": 4, "PARTS": 2,
-                                 "SECANT": True, "SPLIT": False, "place_warps": 4}
+                                 "SECANT": True, "SPLIT": False, "place_warps": 4,
+                                 "FLOOR_N": 64, "FLOOR_ROUNDS": 6}
+FLOOR_GROUP = 8  # tokens a group maximum of the indexer's covers (``index_scores(group=)``)
+_NCB = 64  # chunk counts a split pass sums in registers (one binary up to 64 chunks)
+
+
+def floor_group(device: torch.device, k: int, width: int, config: dict | None) -> int:
+    """The group size ``index_scores`` should take maxima over for ``topk_rows``' floor: a
+    selection of ``k`` over ``width`` columns in several split passes, with more groups than
+    k (else 0: no floor helps)."""
+    cfg = topk_config(device, k, config)
+    several = width > cfg["CHUNK"] and cfg["SPLIT"] and cfg["FLOOR_N"] > k
+    return FLOOR_GROUP if several and width // FLOOR_GROUP > k else 0
 
 
 def topk_config(device: torch.device, k: int, config: dict | None) -> dict[str, Any]:
@@ -244,7 +183,7 @@ def topk_config(device: torch.device, k: int, config: dict | None) -> dict[str, 
     if unknown:
         raise ValueError(f"topk_rows config: unknown keys {unknown}; known: {sorted(cfg)}")
     cfg.update(config or {})
-    for key, low in (("CHUNK", 16), ("ROWS", 1), ("PARTS", 1)):
+    for key, low in (("CHUNK", 16), ("ROWS", 1), ("PARTS", 1), ("FLOOR_N", 1)):
         value = cfg[key]
         if not isinstance(value, int) or value < low or value & (value - 1):
             raise ValueError(f"config {key}={value!r} must be a power of two >= {low}")
@@ -263,10 +202,13 @@ def topk_rows(
     row_req: torch.Tensor | None = None,
     page_size: int = 1,
     config: dict | None = None,
+    floor_max: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` largest finite entries of each row of ``values`` (N, M) fp32 ->
     ``(values (N, k) fp32, index (N, k) int32)``; see the module docstring for ``index``,
-    ``block_table``, ``row_req`` and ``page_size``."""
+    ``block_table``, ``row_req`` and ``page_size``. ``floor_max`` (N, G) fp32: maxima of
+    disjoint groups of each row's entries (``index_scores(group=)``), which let the split
+    passes drop entries that cannot win (``topk_split``); the result is the same without."""
     v = V.check_tensor("values", values, 2, (torch.float32,))
     dev = v.device
     if not isinstance(k, int) or k < 1:
@@ -288,7 +230,15 @@ def topk_rows(
             V.check_index_range("row_req", row_req, block_table.shape[0], allow_neg1=False)
     elif row_req is not None:
         raise ValueError("row_req needs a block_table")
+    if floor_max is not None:
+        V.check_tensor("floor_max", floor_max, 2, (torch.float32,), dev)
+        V.check_dim("floor_max", floor_max, 0, N, "one row per row of values")
+        if floor_max.stride(1) != 1:
+            raise ValueError("floor_max must have unit stride along its groups")
     cfg = topk_config(dev, k, config)
+    if cfg["SPLIT"]:
+        return _split_passes(v, k, idx=index, block_table=block_table, row_req=row_req,
+                             page_size=page_size, cfg=cfg, floor_max=floor_max)
     chunk = cfg["CHUNK"]
     idx = index
     while True:
@@ -302,28 +252,77 @@ def topk_rows(
             bt = block_table if block_table is not None and last else out_i
             rr = row_req if to_slots and row_req is not None else out_i
             rows = min(cfg["ROWS"], V.next_pow2(N, 1))
-            row_blocks, parts = triton.cdiv(N, rows), cfg["PARTS"]
-            args = (N, M, *v.stride(), *idx_arg.stride(), *out_v.stride(), *out_i.stride(),
-                    *bt.stride(), rr.stride(0))
-            consts = dict(K=k, CHUNK=chunk, ROWS=rows, PAGE_SIZE=page_size,
-                          HAS_INDEX=idx is not None, TO_SLOTS=to_slots,
-                          HAS_ROW_REQ=row_req is not None, PARTS=parts)
-            if cfg["SPLIT"]:  # the threshold, then a program for each part's placement
-                meta = torch.empty((N, num_chunks, parts, 4), dtype=torch.int32, device=dev)
-                _topk_search_kernel[(num_chunks, row_blocks)](
-                    v, meta, N, M, *v.stride(), meta.stride(0), K=k, CHUNK=chunk,
-                    ROWS=rows, PARTS=parts, SECANT=bool(cfg["SECANT"]),
-                    num_warps=cfg["num_warps"])
-                _topk_place_kernel[(num_chunks * parts, row_blocks)](
-                    v, idx_arg, out_v, out_i, bt, rr, meta, *args, meta.stride(0),
-                    **consts, num_warps=cfg["place_warps"])
-            else:
-                _topk_chunk_kernel[(num_chunks, row_blocks)](
-                    v, idx_arg, out_v, out_i, bt, rr, *args, **consts,
-                    SECANT=bool(cfg["SECANT"]), num_warps=cfg["num_warps"])
+            _topk_chunk_kernel[(num_chunks, triton.cdiv(N, rows))](
+                v, idx_arg, out_v, out_i, bt, rr, N, M, *v.stride(), *idx_arg.stride(),
+                *out_v.stride(), *out_i.stride(), *bt.stride(), rr.stride(0), K=k,
+                CHUNK=chunk, ROWS=rows, PAGE_SIZE=page_size, HAS_INDEX=idx is not None,
+                TO_SLOTS=to_slots, HAS_ROW_REQ=row_req is not None, PARTS=cfg["PARTS"],
+                SECANT=bool(cfg["SECANT"]), num_warps=cfg["num_warps"])
         if last:
             return out_v, out_i
         v, idx, M = out_v, out_i, num_chunks * k
+
+
+def _split_passes(v: torch.Tensor, k: int, idx: torch.Tensor | None,
+                  block_table: torch.Tensor | None, row_req: torch.Tensor | None,
+                  page_size: int, cfg: dict[str, Any],
+                  floor_max: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``topk_rows`` in split passes (``topk_split``): each compacts its winners; the first may
+    drop entries under the floor of ``floor_max``, and the pass after it is then the last."""
+    (N, M), dev = v.shape, v.device
+    chunk, parts = cfg["CHUNK"], cfg["PARTS"]
+    rows = min(cfg["ROWS"], V.next_pow2(N, 1))
+    grid_rows = triton.cdiv(N, rows)
+    prev: torch.Tensor | None = None  # the previous pass's winners per chunk
+    floor = floor_max if N else None
+    while True:
+        num_chunks = max(triton.cdiv(M, chunk), 1)
+        if num_chunks > _NCB:
+            raise ValueError(f"topk_rows: {M} columns are {num_chunks} chunks of {chunk}; "
+                             f"the split passes take at most {_NCB} (raise CHUNK)")
+        after_floor = prev is not None and floor is not None and num_chunks > 1
+        last = num_chunks == 1 or after_floor  # after the floor, one threshold for all chunks
+        out_v = torch.empty((N, (1 if last else num_chunks) * k), dtype=torch.float32,
+                            device=dev)
+        out_i = torch.empty(out_v.shape, dtype=torch.int32, device=dev)
+        if N == 0:
+            return out_v, out_i
+        meta = torch.empty((N, num_chunks, parts, 4), dtype=torch.int32, device=dev)
+        taken = torch.empty((N, num_chunks), dtype=torch.int32, device=dev)
+        prev_arg = prev if prev is not None else taken  # never read without HAS_PREV
+        num_prev = prev.shape[1] if prev is not None else 0
+        common = dict(K=k, ROWS=rows, NCB=_NCB, SECANT=bool(cfg["SECANT"]),
+                      num_warps=cfg["num_warps"])
+        if after_floor:
+            _topk_last_search_kernel[(1, grid_rows)](
+                v, meta, taken, prev_arg, N, M, num_prev, *v.stride(), meta.stride(0),
+                taken.stride(0), prev_arg.stride(0), CHUNK=chunk, PARTS=parts, **common)
+        else:
+            use = floor if prev is None and not last else None
+            floor_arg = use if use is not None else v  # never read without FLOOR_N
+            _topk_search_kernel[(num_chunks, grid_rows)](
+                v, meta, taken, prev_arg, floor_arg, N, M, num_prev,
+                use.shape[1] if use is not None else 0, *v.stride(), meta.stride(0),
+                taken.stride(0), prev_arg.stride(0), floor_arg.stride(0), CHUNK=chunk,
+                PARTS=parts, HAS_PREV=prev is not None, PAD=last,
+                FLOOR_N=V.next_pow2(cfg["FLOOR_N"]) if use is not None else 0,
+                FLOOR_ROUNDS=cfg["FLOOR_ROUNDS"], **common)
+            if use is None:
+                floor = None  # no floor, or not the first pass
+        idx_arg = idx if idx is not None else out_i  # never read without HAS_INDEX
+        to_slots = block_table is not None and last
+        bt = block_table if block_table is not None and last else out_i
+        rr = row_req if to_slots and row_req is not None else out_i
+        _topk_place_kernel[(num_chunks * parts, grid_rows)](
+            v, idx_arg, out_v, out_i, bt, rr, meta, taken, prev_arg, N, M, num_prev,
+            *v.stride(), *idx_arg.stride(), *out_v.stride(), *out_i.stride(), *bt.stride(),
+            rr.stride(0), meta.stride(0), taken.stride(0), prev_arg.stride(0), K=k,
+            CHUNK=chunk, ROWS=rows, PARTS=parts, NCB=_NCB, HAS_PREV=prev is not None,
+            PAD=last, PAGE_SIZE=page_size, HAS_INDEX=idx is not None, TO_SLOTS=to_slots,
+            HAS_ROW_REQ=row_req is not None, num_warps=cfg["place_warps"])
+        if last:
+            return out_v, out_i
+        v, idx, M, prev = out_v, out_i, num_chunks * k, taken
 
 
 # ---------------------------------------------------------------------------------------------

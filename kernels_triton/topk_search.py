@@ -55,14 +55,18 @@ def _value(skey):
 
 
 @triton.jit
-def _kth_largest_secant(ukey, K: tl.constexpr, ROWS: tl.constexpr, ROUNDS: tl.constexpr = 16):
+def _kth_largest_secant(ukey, K: tl.constexpr, ROWS: tl.constexpr, ROUNDS: tl.constexpr = 16,
+                        BISECT: tl.constexpr = True):
     """``_kth_largest`` by false position on the values: the candidate interpolates between a
     bracket's ends (count at ``lo`` >= K, above ``hi`` < K) where the count crosses K, the
     Illinois rule halving a stuck end's weight. After ``ROUNDS`` rounds the rows not done (ties,
     odd shapes) bisect their bracket's keys, at most 33 rounds more. Same result as the
     bisection, in fewer rounds on smooth scores (benchmarks/topk_rounds.py, a numpy model of
     both loops, 8K-entry chunks, k = 2,048): 8-10 rounds against 19-23 on scores shaped like
-    the indexer's. The bracket is kept as signed keys (int32)."""
+    the indexer's. The bracket is kept as signed keys (int32). Without ``BISECT`` the search
+    stops after ``ROUNDS`` rounds and returns the least key at or above the bracket's low end:
+    at least K keys reach it (a lower bound of the K-th largest, exact when the rounds found
+    it)."""
     chosen = ukey > 0
     n = tl.sum(chosen.to(tl.int32), 1)
     done = n <= K
@@ -90,14 +94,15 @@ def _kth_largest_secant(ukey, K: tl.constexpr, ROWS: tl.constexpr, ROUNDS: tl.co
         side = tl.where(up, 1, tl.where(down, -1, side))
         done = done | (up & (count == K)) | (lo >= hi)
         r += 1
-    while (r < ROUNDS + 40) & (tl.sum((~done).to(tl.int32)) > 0):  # 33 rounds always suffice
-        cand = (lo.to(tl.int64) + (hi.to(tl.int64) - lo + 1) // 2).to(tl.int32)  # in (lo, hi]
-        count = _count_from(ukey, cand)
-        up = (count >= K) & ~done
-        lo = tl.where(up, cand, lo)
-        hi = tl.where((count < K) & ~done, cand - 1, hi)
-        done = done | (up & (count == K)) | (lo >= hi)
-        r += 1
+    if BISECT:
+        while (r < ROUNDS + 40) & (tl.sum((~done).to(tl.int32)) > 0):  # 33 rounds suffice
+            cand = (lo.to(tl.int64) + (hi.to(tl.int64) - lo + 1) // 2).to(tl.int32)  # (lo, hi]
+            count = _count_from(ukey, cand)
+            up = (count >= K) & ~done
+            lo = tl.where(up, cand, lo)
+            hi = tl.where((count < K) & ~done, cand - 1, hi)
+            done = done | (up & (count == K)) | (lo >= hi)
+            r += 1
     lo_u = (lo ^ _KEY_MIN).to(tl.uint32, bitcast=True)
     thr = tl.min(_signed(tl.where(ukey >= lo_u[:, None], ukey, never)), 1)
     return (thr ^ _KEY_MIN).to(tl.uint32, bitcast=True)
@@ -111,9 +116,10 @@ def _count_from(ukey, cand):
 
 
 @triton.jit
-def _chunk_keys(vals_ptr, rows, mask_r, cols, M, stride_vn, stride_vm):
-    """Order keys (``_order_key``) of rows x cols of the values; -inf (key 0) outside."""
-    inside = mask_r[:, None] & (cols < M)[None, :]
+def _chunk_keys(vals_ptr, rows, mask_r, cols, lim, stride_vn, stride_vm):
+    """Order keys (``_order_key``) of rows x cols of the values; -inf (key 0) outside, and at
+    columns from ``lim`` on (an int, or (ROWS, 1): each row's valid columns)."""
+    inside = mask_r[:, None] & (cols[None, :] < lim)
     return _order_key(tl.load(vals_ptr + rows[:, None] * stride_vn + cols[None, :] * stride_vm,
                               mask=inside, other=float("-inf")))
 
@@ -133,10 +139,12 @@ def _place_part(pkey, pcols, rows, mask_r, thr, room, n_above, n_ties, out_base,
                 idx_ptr, out_v_ptr, out_i_ptr, bt_ptr, stride_in, stride_im, stride_ovn,
                 stride_ovk, stride_oin, stride_oik, stride_btn, stride_btp,
                 ROWS: tl.constexpr, PART: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                HAS_INDEX: tl.constexpr, TO_SLOTS: tl.constexpr):
+                HAS_INDEX: tl.constexpr, TO_SLOTS: tl.constexpr, PAD: tl.constexpr = True):
     """Store a part's winners (keys ``pkey`` (ROWS, PART) at columns ``pcols``) at
-    ``out_base`` + their rank: ``n_above`` / ``n_ties`` entries above / at the threshold come
-    before the part. Returns the part's own counts of both."""
+    ``out_base`` (ROWS,) + their rank: ``n_above`` / ``n_ties`` entries above / at the
+    threshold come before the part. Without ``PAD`` entries never chosen (key 0) are not
+    stored even where they tie (a compacting pass: only the last pads a row to k). Returns the
+    part's own counts of both."""
     above = pkey > thr[:, None]
     ties = pkey == thr[:, None]
     # one scan counts both, entries above (low 16 bits) and ties (high): PART <= 16K
@@ -147,6 +155,8 @@ def _place_part(pkey, pcols, rows, mask_r, thr, room, n_above, n_ties, out_base,
     dst = above_rank + tl.minimum(tie_rank, room[:, None]) - 1  # in column order
     chosen = pkey > 0
     store = take & mask_r[:, None]
+    if not PAD:
+        store = store & chosen
     if HAS_INDEX:
         idx = tl.load(idx_ptr + rows[:, None] * stride_in + pcols[None, :] * stride_im,
                       mask=store & chosen, other=-1)
@@ -159,7 +169,7 @@ def _place_part(pkey, pcols, rows, mask_r, thr, room, n_above, n_ties, out_base,
         page = tl.load(bt_ptr + req[:, None] * stride_btn + (pos // PAGE_SIZE) * stride_btp,
                        mask=store & has_pos, other=0)
         idx = tl.where(has_pos, page * PAGE_SIZE + pos % PAGE_SIZE, -1)
-    out_col = out_base + dst
+    out_col = out_base[:, None] + dst
     v = tl.where(chosen, _value(_signed(pkey)), float("-inf"))  # the key's value back
     tl.store(out_v_ptr + rows[:, None] * stride_ovn + out_col * stride_ovk, v, mask=store)
     tl.store(out_i_ptr + rows[:, None] * stride_oin + out_col * stride_oik, idx.to(tl.int32),
@@ -175,3 +185,32 @@ def _row_requests(row_req_ptr, rows, mask_r, stride_rr, TO_SLOTS: tl.constexpr,
     if TO_SLOTS and HAS_ROW_REQ:
         req = tl.load(row_req_ptr + rows * stride_rr, mask=mask_r, other=0).to(tl.int64)
     return req
+
+
+@triton.jit
+def _counts_before(ptr, rows, mask_r, n, stride_n, NCB: tl.constexpr):
+    """Per row, the sum of the first ``n`` entries of an (N, >= n) int32 table (``n`` <=
+    ``NCB``, a power of two): the winners of the chunks before, or a compacted row's length."""
+    offs = tl.arange(0, NCB)
+    counts = tl.load(ptr + rows[:, None] * stride_n + offs[None, :],
+                     mask=mask_r[:, None] & (offs < n)[None, :], other=0)
+    return tl.sum(counts, 1)
+
+
+@triton.jit
+def _floor_key(floor_ptr, rows, mask_r, G, stride_fn, K: tl.constexpr, ROWS: tl.constexpr,
+               FLOOR_N: tl.constexpr, ROUNDS: tl.constexpr):
+    """A lower bound of each row's K-th largest key from ``G`` maxima of disjoint groups of
+    its entries: at least K entries reach any value that K group maxima reach. The maxima fold
+    to ``FLOOR_N`` (entry i takes those at i, i + FLOOR_N, ...: still disjoint groups), then
+    ``ROUNDS`` rounds of false position bound their K-th largest from below. Key 0 (no bound)
+    where fewer than K groups hold a finite entry."""
+    offs = tl.arange(0, FLOOR_N)
+    base = floor_ptr + rows[:, None] * stride_fn
+    m = tl.load(base + offs[None, :], mask=mask_r[:, None] & (offs < G)[None, :],
+                other=float("-inf"))
+    for j in range(FLOOR_N, G, FLOOR_N):
+        more = tl.load(base + (j + offs)[None, :], mask=mask_r[:, None] & (j + offs < G)[None, :],
+                       other=float("-inf"))
+        m = tl.maximum(m, more)
+    return _kth_largest_secant(_order_key(m), K, ROWS, ROUNDS, BISECT=False)

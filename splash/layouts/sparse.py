@@ -19,6 +19,7 @@ the whole history.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -30,6 +31,7 @@ import torch
 from splash.dist.comm import Comm
 from splash.kernels_triton import index_scores, topk_rows
 from splash.kernels_triton.dsa_index import tile_counts
+from splash.kernels_triton.topk import FLOOR_GROUP, floor_group
 from splash.layouts.base import KVStore, StepMeta
 
 SCORE_BUDGET = 1 << 26  # fp32 scores (256 MiB) one index_scores call may write; rows beyond
@@ -66,12 +68,19 @@ def topk_indexed(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
     table, page_size = args["block_table"], keys.shape[1]
     width = table.shape[1] * page_size
     score_cfg, topk_cfg = configs.get("index_scores") or None, configs.get("topk") or None
+    group = floor_group(q.device, k, width, topk_cfg)
+
+    def maxima(n: int) -> torch.Tensor | None:  # the indexer's group maxima: top-k's floor
+        return torch.empty((n, -(-width // group)), dtype=torch.float32,
+                           device=q.device) if group else None
+
     if q.shape[0] * width <= budget or lens is None:
+        gmax = maxima(q.shape[0])
         scores = index_scores(q, weights, keys, table, args["seq_lens"], args["q_start_loc"],
                               softmax_scale, width, index_scale=key_scale, config=score_cfg,
-                              max_rows=args.get("max_rows"))
+                              max_rows=args.get("max_rows"), group_max=gmax, group=group)
         return topk_rows(scores, k, block_table=table, row_req=args.get("row_req"),
-                         page_size=page_size, config=topk_cfg)
+                         page_size=page_size, config=topk_cfg, floor_max=gmax)
     values = torch.empty((q.shape[0], k), dtype=torch.float32, device=q.device)
     slots = torch.empty((q.shape[0], k), dtype=torch.int32, device=q.device)
 
@@ -81,14 +90,16 @@ def topk_indexed(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
     for rows, reqs, seq_lens, q_start in _pieces(*lens, max(budget // width, 1)):
         rows_t, reqs_t = t(rows), t(reqs)
         sub_table = table[reqs_t]
+        gmax = maxima(len(rows))
         scores = index_scores(q[rows_t], weights[rows_t], keys, sub_table,
                               t(seq_lens).to(torch.int32), t(q_start).to(torch.int32),
                               softmax_scale, width, index_scale=key_scale, config=score_cfg,
-                              max_rows=max(int(np.diff(q_start).max()), 1))
+                              max_rows=max(int(np.diff(q_start).max()), 1), group_max=gmax,
+                              group=group)
         row_req = t(np.repeat(np.arange(len(reqs)), np.diff(q_start))).to(torch.int32)
         values[rows_t], slots[rows_t] = topk_rows(scores, k, block_table=sub_table,
                                                   row_req=row_req, page_size=page_size,
-                                                  config=topk_cfg)
+                                                  config=topk_cfg, floor_max=gmax)
     return values, slots
 
 
@@ -161,17 +172,25 @@ def warm_selection(store: KVStore, attn_layers: list, max_len: int, world: int) 
     width = table.shape[1] * page_size  # whole pages, as every step's history bound
     gen = torch.Generator(device=dev).manual_seed(0)
     launches: list[Callable[[], Any]] = []
-    for rows in (1, 2):  # a decode row; prefill rows (row blocks of several)
+    # lengths in whole pages, as steps score: one pass; several without the floor (too few
+    # groups for one); every pass kind, the floor too
+    one_chunk = min(width, -(-2 * k // page_size) * page_size)
+    no_floor = min(width, max(FLOOR_GROUP * k // page_size, 1) * page_size)
+    lengths = sorted({one_chunk, no_floor, width})
+    groups = {floor_group(dev, k, n, topk_cfg) for n in lengths}  # with and without maxima
+    for rows, group in itertools.product((1, 2), groups):  # decode rows; prefill row blocks
         starts = torch.tensor([0, rows], dtype=torch.int32, device=dev)
+        gmax = torch.empty((rows, -(-width // group)), device=dev) if group else None
         launches += [partial(index_scores, q[:rows], weights[:rows], keys, table, one, starts,
                              ix.softmax_scale, width, index_scale=key_scale,
-                             config={**score_cfg, "TILES": tiles})
+                             config={**score_cfg, "TILES": tiles}, group_max=gmax, group=group)
                      for tiles in tile_counts(dev, score_cfg or None)]
-    one_chunk = min(width, -(-2 * k // page_size) * page_size)  # lengths in whole pages,
-    for length in sorted({one_chunk, width}):  # as steps score: one pass; every pass kind
+    for length in lengths:
         scores = torch.randn((1, length), generator=gen, device=dev)
+        group = floor_group(dev, k, length, topk_cfg)
+        floor = torch.randn((1, -(-length // group)), generator=gen, device=dev) if group else None
         launches += [partial(topk_rows, scores, k, block_table=table, row_req=row_req,
-                             page_size=page_size, config=topk_cfg)
+                             page_size=page_size, config=topk_cfg, floor_max=floor)
                      for row_req in (None, one - 1)]
     if world > 1:  # CP: the global top-k of the ranks' candidates
         candidates = torch.randn((1, world * k), generator=gen, device=dev)

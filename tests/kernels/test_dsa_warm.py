@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from splash.kernels_triton import dsa_index, topk
+from splash.kernels_triton import dsa_index, topk, topk_split
 from splash.kernels_triton.topk import topk_rows
 from splash.layouts.base import KVStore
 from splash.layouts.sparse import topk_indexed, warm_selection
@@ -52,8 +52,8 @@ def variants(monkeypatch):
     monkeypatch.setattr(dsa_index, "_index_scores_kernel", _Recorder(
         dsa_index._index_scores_kernel, dsa_index.SHAPE_INTS, seen))
     for name, ints in (("_topk_chunk_kernel", topk.SHAPE_INTS),
-                       ("_topk_place_kernel", topk.PLACE_INTS),
-                       ("_topk_search_kernel", topk.SEARCH_INTS)):
+                       ("_topk_place_kernel", topk_split.PLACE_INTS),
+                       ("_topk_search_kernel", topk_split.SEARCH_INTS)):
         monkeypatch.setattr(topk, name, _Recorder(getattr(topk, name), ints, seen))
     return seen
 

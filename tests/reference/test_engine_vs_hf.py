@@ -5,6 +5,8 @@ architectures: top-k sparse attention, not a dense fallback)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from tiny_models import checkpoint, hf_greedy, mixed_prompts
 
@@ -48,6 +50,18 @@ def test_dsa_beyond_index_topk_same_tokens_as_transformers(dsa_arch):
     ours, stats = _run(path, prompts, max_num_batched_tokens=16)
     assert ours == hf_greedy(path, prompts, MAX_NEW)
     assert stats["kv_pages_used"] == [0]
+
+
+def test_dsa_split_top_k_with_the_indexer_floor(monkeypatch):
+    """The GPU's selection on the CPU: split passes that compact their winners, the first
+    dropping entries under the floor that the indexer's 8-token group maxima give (index_topk
+    4, chunks of 16: every history past 32 tokens takes it)."""
+    monkeypatch.setenv("SPLASH_KERNEL_CONFIG", json.dumps(
+        {"topk": {"CHUNK": 16, "ROWS": 1, "SPLIT": True, "FLOOR_N": 16}}))
+    path = checkpoint("v32", index_topk=4)
+    prompts = mixed_prompts()
+    ours, _ = _run(path, prompts, max_num_batched_tokens=16)
+    assert ours == hf_greedy(path, prompts, MAX_NEW)
 
 
 def test_preemption_keeps_tokens():
