@@ -27,6 +27,9 @@ rounded once, and since that scale is positive it moves through the relu into th
 head sum then stays within each thread's row of the accumulator, and the widened keys can
 feed the product from registers).
 
+With ``group_max`` the kernel also writes the maximum of every ``group`` consecutive columns
+(8 in the engine) from the scores in registers: the bound ``topk_rows`` drops entries by.
+
 Latency (H200, 16 decode rows): ncu found the kernel waiting on global loads (2.8 TB/s, 23%
 occupancy): a page-table load in the loop, which each tile's addresses depend on, kept Triton's
 pipeliner (3.6) from running copies ahead. ``config["gather_pages"]`` (the default): a program

@@ -35,12 +35,15 @@ part's values are read again, so only the keys stay in registers through the rou
 sm_90, Triton 3.6, 8K chunk, 8 warps: 215 registers with one part, 111 / 117 with four, two
 programs an SM; the last pass, with the block table, 255). Two parts: 0.0326 / 0.0594.
 
-``config["SPLIT"]`` runs a pass as two launches: ``_topk_search_kernel`` finds each chunk's
-threshold and the counts above and at it in each of its ``PARTS`` parts (only the keys in
-registers), then ``_topk_place_kernel`` places each part's winners in a program of its own
-(``place_warps`` warps): the placement, about three quarters of a pass's samples under ncu
-(its scans, index and block-table loads and scattered stores), spreads over PARTS times the
-programs, and the search's programs fit more to an SM. Not yet timed on a GPU: off by default.
+``config["SPLIT"]`` (the GPU default) runs a pass as two launches (``topk_split``):
+``_topk_search_kernel`` finds each chunk's threshold and the counts above and at it in each of
+its ``PARTS`` parts (only the keys in registers), then ``_topk_place_kernel`` places each
+part's winners in a program of its own (``place_warps`` warps): the placement, about three
+quarters of a pass's samples under ncu (its scans, index and block-table loads and scattered
+stores), spreads over PARTS times the programs, and the search's programs fit more to an SM.
+The split passes compact (a chunk's winners follow the row's earlier chunks'), and with
+``floor_max``, the indexer's group maxima, the first drops what cannot win and the pass after
+it is the last (``topk_split``'s docstring).
 
 Tried on an H200 (16 rows, k = 2048, graph-timed), against 0.032 / 0.061 ms at 32K / 128K now:
 - a radix select in each program instead of the bisection (rounds of 16- or 256-bin
@@ -161,6 +164,10 @@ def _topk_chunk_kernel(
 _GPU_DEFAULTS: dict[str, Any] = {"CHUNK": 8192, "ROWS": 1, "num_warps": 8, "PARTS": 8,
                                  "SECANT": True, "SPLIT": True, "place_warps": 4,
                                  "FLOOR_N": 4096, "FLOOR_ROUNDS": 6}
+# (the floor from 4,096 folded maxima in 6 false-position rounds: 0.0230 / 0.0344 ms at 16 x
+# 32K / 128K against 0.0293 / 0.0533 without; 3 rounds 0.0230 / 0.0329, but a looser floor
+# (8,192 maxima, 3 rounds) left rows longer than a chunk: 0.261 ms at 128K, the exact
+# fallback; dsa_topk.json)
 _CPU_DEFAULTS: dict[str, Any] = {"CHUNK": 256, "ROWS": 32, "num_warps": 4, "PARTS": 2,
                                  "SECANT": True, "SPLIT": False, "place_warps": 4,
                                  "FLOOR_N": 64, "FLOOR_ROUNDS": 6}
@@ -171,7 +178,8 @@ _NCB = 64  # chunk counts a split pass sums in registers (one binary up to 64 ch
 def floor_group(device: torch.device, k: int, width: int, config: dict | None) -> int:
     """The group size ``index_scores`` should take maxima over for ``topk_rows``' floor: a
     selection of ``k`` over ``width`` columns in several split passes, with more groups than
-    k (else 0: no floor helps)."""
+    k (else 0). (At 16 x 32K on an H200 the maxima cost the indexer 0.0015 ms and the floor
+    saved top-k as much: 0.0735 ms for the pipeline with it, 0.0739 without.)"""
     cfg = topk_config(device, k, config)
     several = width > cfg["CHUNK"] and cfg["SPLIT"] and cfg["FLOOR_N"] > k
     return FLOOR_GROUP if several and width // FLOOR_GROUP > k else 0

@@ -18,7 +18,8 @@ def warm_up(engine: Any, layouts: list[str] | None = None) -> float:
     """Compile ``engine``'s kernels before the first user request: in each of ``layouts``
     (default: every layout the engine may use — all that fit under auto, else its own) serve
     one request per rank (two prefill chunks, then decode steps), then one short request per
-    rank (a DSA model's dense steps), then return to the start layout and forget it all
+    rank (a DSA model's dense steps), then the first requests again (from the prefix cache),
+    then return to the start layout and forget it all
     (counters, switch history, prefix cache). Seconds."""
     start = engine.layout
     if layouts is None:
@@ -39,12 +40,14 @@ def warm_up(engine: Any, layouts: list[str] | None = None) -> float:
             if name != engine.layout:
                 engine.switches.request(name)
             # one request per owner rank, long (two prefill chunks), then short: a DSA model
-            # attends densely only while every history of the step is within index_topk
-            for size in (length, min(SHORT, length)):
+            # attends densely only while every history of the step is within index_topk; then
+            # the long prompts again, their pages from the prefix cache: a few rows over a
+            # cached history (absorbed attention, which a fresh prompt's chunk may not take)
+            for turn, size in enumerate((length, min(SHORT, length), length)):
                 for rank in range(engine.world):
                     prompt = [2 + (rank * 7919 + j) % vocab for j in range(size)]
                     engine.add_request(prompt, params,
-                                       request_id=f"warm-up-{name}-{rank}-{size}")
+                                       request_id=f"warm-up-{name}-{rank}-{turn}")
                 while engine.has_unfinished():
                     engine.step()
             logger.info("compiling kernels: layout %s [%d/%d] done in %.1f s", name, i + 1,
