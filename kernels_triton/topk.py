@@ -159,15 +159,15 @@ def _topk_chunk_kernel(
 # programs an SM).
 # A pass as two launches (``SPLIT``: the search on 8 warps, 92 registers, then a program per
 # eighth of a chunk placing its winners on 4) beat the fused pass in the DSA pipeline (dsa_sweep
-# --only topk, 16 x 32K / 128K): 0.0275 / 0.0495 ms against 0.0317 / 0.0576 (fused, one part);
-# 16K chunks split won at 128K alone (0.0472) and lost at 32K (0.0366).
+# --only topk, 16 x 32K / 128K, dsa_topk_split.json): 0.0275 / 0.0495 ms against 0.0317 /
+# 0.0576 (fused, one part); 16K chunks split won at 128K alone (0.0472), lost at 32K (0.0366).
 _GPU_DEFAULTS: dict[str, Any] = {"CHUNK": 8192, "ROWS": 1, "num_warps": 8, "PARTS": 8,
                                  "SECANT": True, "SPLIT": True, "place_warps": 4,
                                  "FLOOR_N": 4096, "FLOOR_ROUNDS": 6}
 # (the floor from 4,096 folded maxima in 6 false-position rounds: 0.0230 / 0.0344 ms at 16 x
 # 32K / 128K against 0.0293 / 0.0533 without; 3 rounds 0.0230 / 0.0329, but a looser floor
 # (8,192 maxima, 3 rounds) left rows longer than a chunk: 0.261 ms at 128K, the exact
-# fallback; dsa_topk.json)
+# fallback; dsa_topk_floor.json)
 _CPU_DEFAULTS: dict[str, Any] = {"CHUNK": 256, "ROWS": 32, "num_warps": 4, "PARTS": 2,
                                  "SECANT": True, "SPLIT": False, "place_warps": 4,
                                  "FLOOR_N": 64, "FLOOR_ROUNDS": 6}
