@@ -21,7 +21,7 @@ _REGISTRY: dict[str, type[BaseBackend]] = {}
 
 def kernel_overrides() -> dict[str, dict[str, Any]]:
     """``SPLASH_KERNEL_CONFIG``: launch parameters over the tuning tables', per kernel, e.g.
-    ``{"topk": {"SPLIT": true}}`` (the kernel checks the names and values when it launches)."""
+    ``{"topk": {"PARTS": 4}}`` (the kernel checks the names and values when it launches)."""
     text = os.environ.get("SPLASH_KERNEL_CONFIG", "").strip()
     if not text:
         return {}
@@ -31,7 +31,7 @@ def kernel_overrides() -> dict[str, dict[str, Any]]:
         raise ConfigError(f"SPLASH_KERNEL_CONFIG is not JSON ({exc})") from None
     if not isinstance(table, dict) or not all(isinstance(v, dict) for v in table.values()):
         raise ConfigError('SPLASH_KERNEL_CONFIG must map kernels to parameter objects, e.g. '
-                          '{"topk": {"SPLIT": true}}')
+                          '{"topk": {"PARTS": 4}}')
     return table
 
 

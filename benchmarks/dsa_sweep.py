@@ -77,9 +77,8 @@ INDEX_PREFILL_SPACE = [{"BLOCK_M_EXTEND": m, "num_warps_extend": w, "BLOCK_T": t
                         "num_stages": st}
                        for m, w, t, st in itertools.product((2, 4, 8), (4, 8, 16), (64, 128),
                                                             (2, 3))]
-TOPK_SPACE = [{"SPLIT": True, "CHUNK": 8192, "PARTS": 8, "place_warps": 4, "num_warps": 8,
-               "FLOOR_N": 1}] + [  # the split passes without the floor (FLOOR_N <= k), then with
-    {"SPLIT": True, "CHUNK": c, "PARTS": p, "place_warps": 4, "num_warps": w, "FLOOR_N": n,
+TOPK_SPACE = [{"CHUNK": 8192, "PARTS": 8, "place_warps": 4, "num_warps": 8, "FLOOR_N": 1}] + [  # the split passes without the floor (FLOOR_N <= k), then with
+    {"CHUNK": c, "PARTS": p, "place_warps": 4, "num_warps": w, "FLOOR_N": n,
      "FLOOR_ROUNDS": r}  # the indexer's group maxima: their fold and false-position rounds
     for (c, w), p, n, r in itertools.product(((8192, 8), (16384, 16)), (4, 8), (4096, 8192),
                                              (3, 6))

@@ -48,8 +48,8 @@ CASES: dict[str, tuple[str, int, str]] = {
                               "stages"),
     "decode_fp8_16h_64x32k_ids": ("^_mla_decode", 1, "mla_decode 16 heads, 64 x 32K, fp8 KV, "
                                   "page ids loaded per tile on 32-token tiles"),
-    "dsa_topk_16x128k": ("^_topk_chunk", 3, "topk_rows 16 rows x 128K scores, k 2048 "
-                         "(the three passes)"),
+    "dsa_topk_16x128k": ("^_topk_", 6, "topk_rows 16 rows x 128K scores, k 2048, no floor "
+                         "(three passes: search, place)"),
     "dsa_sparse_16h_16x2k": ("^_mla_sparse", 1,
                              "mla_sparse 16 rows x 16 heads over 2048 chosen bf16 latent rows"),
 }

@@ -26,26 +26,22 @@ takes 0.0351 / 0.0604 ms at 32K / 128K against the bisection's 0.0370 / 0.0678
 (``dsa_topk.json``). Its first GPU form lost the width history it bisects by (a Triton while
 loop drops a carried name whose value enters the loop as another carried name's) and crawled
 through denormals on a row crossing zero; the fixed round budget needs no history.
-The winners are then compacted with one prefix sum (counts of the entries above the threshold and
-of the ties packed in one int32), ``PARTS`` column parts (at most 16K entries each) one after
-another. With one part (the GPU default) the keys still in registers place the winners and give
-back their values (the order key inverts exactly): H200, DSA pipeline scores, 0.0350 / 0.0605
--> 0.0322 / 0.0580 ms at 32K / 128K against reading the values again; with more parts each
-part's values are read again, so only the keys stay in registers through the rounds (offline
-sm_90, Triton 3.6, 8K chunk, 8 warps: 215 registers with one part, 111 / 117 with four, two
-programs an SM; the last pass, with the block table, 255). Two parts: 0.0326 / 0.0594.
+A pass is two launches (``topk_split``): ``_topk_search_kernel`` finds each chunk's threshold
+and the counts above and at it in each of its ``PARTS`` column parts (only the keys in
+registers: offline sm_90, 8K chunk, 8 warps, 92 registers, two programs an SM), then
+``_topk_place_kernel`` places each part's winners, a program a part (``place_warps`` warps),
+with one prefix sum (counts of the entries above the threshold and of the ties packed in one
+int32). The placement (its scans, index and block-table loads, scattered stores) held three
+quarters of a pass's samples under ncu when one program did both: split, it spreads over PARTS
+times the programs (H200, DSA pipeline scores, 16 x 32K / 128K: 0.0317 / 0.0576 ms fused with
+the winners placed from the keys still in registers, 0.0275 / 0.0495 split, eight parts;
+``dsa_topk_split.json``). A pass compacts: a chunk's winners follow those of the row's chunks
+before it, so the next pass reads each row only as far as they go. With ``floor_max``, the
+indexer's group maxima, the first pass drops every entry under a bound of the row's k-th
+largest and the next pass, a program a row, is the last (``topk_split``'s docstring): 0.0293 /
+0.0533 -> 0.0230 / 0.0344 ms (``dsa_topk_floor.json``).
 
-``config["SPLIT"]`` (the GPU default) runs a pass as two launches (``topk_split``):
-``_topk_search_kernel`` finds each chunk's threshold and the counts above and at it in each of
-its ``PARTS`` parts (only the keys in registers), then ``_topk_place_kernel`` places each
-part's winners in a program of its own (``place_warps`` warps): the placement, about three
-quarters of a pass's samples under ncu (its scans, index and block-table loads and scattered
-stores), spreads over PARTS times the programs, and the search's programs fit more to an SM.
-The split passes compact (a chunk's winners follow the row's earlier chunks'), and with
-``floor_max``, the indexer's group maxima, the first drops what cannot win and the pass after
-it is the last (``topk_split``'s docstring).
-
-Tried on an H200 (16 rows, k = 2048, graph-timed), against 0.032 / 0.061 ms at 32K / 128K now:
+Tried on an H200 (16 rows, k = 2048, graph-timed), against 0.032 / 0.061 ms at 32K / 128K then:
 - a radix select in each program instead of the bisection (rounds of 16- or 256-bin
   ``tl.histogram`` counts, or counts with atomics in scratch, then the digit where the count
   from the top reaches what is left), with two scans for the winners: 0.047 / 0.091 ms at best
@@ -71,77 +67,13 @@ from typing import Any
 
 import torch
 import triton
-import triton.language as tl
 
 from splash.kernels_triton import _validate as V
-from splash.kernels_triton.topk_search import (
-    _chunk_keys,
-    _place_part,
-    _row_requests,
-    _threshold,
-)
 from splash.kernels_triton.topk_split import (
     _topk_last_search_kernel,
     _topk_place_kernel,
     _topk_search_kernel,
 )
-
-# ints that vary by step: one binary for all (tests check the warm-up against them)
-SHAPE_INTS = ["N", "stride_btn"]
-
-
-@triton.jit(do_not_specialize=SHAPE_INTS)
-def _topk_chunk_kernel(
-    vals_ptr,  # (N, M) fp32
-    idx_ptr,  # (N, M) int32 (HAS_INDEX)
-    out_v_ptr,  # (N, num_chunks * K) fp32
-    out_i_ptr,  # (N, num_chunks * K) int32
-    bt_ptr,  # (B, W) int (TO_SLOTS)
-    row_req_ptr,  # (N,) int (TO_SLOTS and HAS_ROW_REQ)
-    N,
-    M,
-    stride_vn, stride_vm,
-    stride_in, stride_im,
-    stride_ovn, stride_ovk,
-    stride_oin, stride_oik,
-    stride_btn, stride_btp,
-    stride_rr,
-    K: tl.constexpr,
-    CHUNK: tl.constexpr,
-    ROWS: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    HAS_INDEX: tl.constexpr,
-    TO_SLOTS: tl.constexpr,
-    HAS_ROW_REQ: tl.constexpr,
-    PARTS: tl.constexpr,  # the winners are placed in PARTS column parts, one after another
-    SECANT: tl.constexpr = False,  # the k-th largest by _kth_largest_secant
-):
-    pid_c = tl.program_id(0)
-    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
-    mask_r = rows < N
-    rows = rows.to(tl.int64)
-    # the keys live through the rounds alone; the winners are then placed a part at a time
-    ukey = _chunk_keys(vals_ptr, rows, mask_r, pid_c * CHUNK + tl.arange(0, CHUNK), M,
-                       stride_vn, stride_vm)
-    thr, room = _threshold(ukey, K, ROWS, SECANT)
-    req = _row_requests(row_req_ptr, rows, mask_r, stride_rr, TO_SLOTS, HAS_ROW_REQ)
-    PART: tl.constexpr = CHUNK // PARTS
-    n_above = tl.zeros((ROWS,), tl.int32)  # winners above the threshold in the parts before
-    n_ties = tl.zeros((ROWS,), tl.int32)
-    for part in tl.static_range(PARTS):
-        pcols = pid_c * CHUNK + part * PART + tl.arange(0, PART)
-        if PARTS == 1:
-            pkey = ukey  # still in registers
-        else:
-            pkey = _chunk_keys(vals_ptr, rows, mask_r, pcols, M, stride_vn, stride_vm)
-        a, t = _place_part(pkey, pcols, rows, mask_r, thr, room, n_above, n_ties,
-                           tl.zeros((ROWS,), tl.int32) + pid_c * K,
-                           req, idx_ptr, out_v_ptr, out_i_ptr, bt_ptr, stride_in, stride_im,
-                           stride_ovn, stride_ovk, stride_oin, stride_oik, stride_btn,
-                           stride_btp, ROWS, PART, PAGE_SIZE, HAS_INDEX, TO_SLOTS)
-        n_above += a
-        n_ties += t
-
 
 # ---------------------------------------------------------------------------------------------
 # launcher
@@ -157,20 +89,18 @@ def _topk_chunk_kernel(
 # SM. ncu at 16 x 128K: the three passes 29.6 / 17.1 / 20.1 us, stalls on fixed-latency
 # dependencies and shared memory, 230-255 registers (12.7% occupancy; 4 parts: 111-117, two
 # programs an SM).
-# A pass as two launches (``SPLIT``: the search on 8 warps, 92 registers, then a program per
-# eighth of a chunk placing its winners on 4) beat the fused pass in the DSA pipeline (dsa_sweep
-# --only topk, 16 x 32K / 128K, dsa_topk_split.json): 0.0275 / 0.0495 ms against 0.0317 /
-# 0.0576 (fused, one part); 16K chunks split won at 128K alone (0.0472), lost at 32K (0.0366).
+# Split passes (dsa_topk_split.json): the search on 8 warps, eight parts placed on 4; 16K chunks
+# won at 128K alone (0.0472 against 0.0495 ms) and lost at 32K (0.0366 against 0.0275).
 _GPU_DEFAULTS: dict[str, Any] = {"CHUNK": 8192, "ROWS": 1, "num_warps": 8, "PARTS": 8,
-                                 "SECANT": True, "SPLIT": True, "place_warps": 4,
-                                 "FLOOR_N": 4096, "FLOOR_ROUNDS": 6}
+                                 "SECANT": True, "place_warps": 4, "FLOOR_N": 4096,
+                                 "FLOOR_ROUNDS": 6}
 # (the floor from 4,096 folded maxima in 6 false-position rounds: 0.0230 / 0.0344 ms at 16 x
 # 32K / 128K against 0.0293 / 0.0533 without; 3 rounds 0.0230 / 0.0329, but a looser floor
 # (8,192 maxima, 3 rounds) left rows longer than a chunk: 0.261 ms at 128K, the exact
 # fallback; dsa_topk_floor.json)
 _CPU_DEFAULTS: dict[str, Any] = {"CHUNK": 256, "ROWS": 32, "num_warps": 4, "PARTS": 2,
-                                 "SECANT": True, "SPLIT": False, "place_warps": 4,
-                                 "FLOOR_N": 64, "FLOOR_ROUNDS": 6}
+                                 "SECANT": True, "place_warps": 4, "FLOOR_N": 64,
+                                 "FLOOR_ROUNDS": 6}
 FLOOR_GROUP = 8  # tokens a group maximum of the indexer's covers (``index_scores(group=)``)
 _NCB = 64  # chunk counts a split pass sums in registers (one binary up to 64 chunks)
 
@@ -181,7 +111,7 @@ def floor_group(device: torch.device, k: int, width: int, config: dict | None) -
     k (else 0). (At 16 x 32K on an H200 the maxima cost the indexer 0.0015 ms and the floor
     saved top-k as much: 0.0735 ms for the pipeline with it, 0.0739 without.)"""
     cfg = topk_config(device, k, config)
-    several = width > cfg["CHUNK"] and cfg["SPLIT"] and cfg["FLOOR_N"] > k
+    several = width > cfg["CHUNK"] and cfg["FLOOR_N"] > k
     return FLOOR_GROUP if several and width // FLOOR_GROUP > k else 0
 
 
@@ -244,31 +174,8 @@ def topk_rows(
         if floor_max.stride(1) != 1:
             raise ValueError("floor_max must have unit stride along its groups")
     cfg = topk_config(dev, k, config)
-    if cfg["SPLIT"]:
-        return _split_passes(v, k, idx=index, block_table=block_table, row_req=row_req,
-                             page_size=page_size, cfg=cfg, floor_max=floor_max)
-    chunk = cfg["CHUNK"]
-    idx = index
-    while True:
-        num_chunks = max(triton.cdiv(M, chunk), 1)
-        last = num_chunks == 1
-        out_v = torch.empty((N, num_chunks * k), dtype=torch.float32, device=dev)
-        out_i = torch.empty((N, num_chunks * k), dtype=torch.int32, device=dev)
-        if N:
-            idx_arg = idx if idx is not None else out_i  # never read without HAS_INDEX
-            to_slots = block_table is not None and last
-            bt = block_table if block_table is not None and last else out_i
-            rr = row_req if to_slots and row_req is not None else out_i
-            rows = min(cfg["ROWS"], V.next_pow2(N, 1))
-            _topk_chunk_kernel[(num_chunks, triton.cdiv(N, rows))](
-                v, idx_arg, out_v, out_i, bt, rr, N, M, *v.stride(), *idx_arg.stride(),
-                *out_v.stride(), *out_i.stride(), *bt.stride(), rr.stride(0), K=k,
-                CHUNK=chunk, ROWS=rows, PAGE_SIZE=page_size, HAS_INDEX=idx is not None,
-                TO_SLOTS=to_slots, HAS_ROW_REQ=row_req is not None, PARTS=cfg["PARTS"],
-                SECANT=bool(cfg["SECANT"]), num_warps=cfg["num_warps"])
-        if last:
-            return out_v, out_i
-        v, idx, M = out_v, out_i, num_chunks * k
+    return _split_passes(v, k, idx=index, block_table=block_table, row_req=row_req,
+                         page_size=page_size, cfg=cfg, floor_max=floor_max)
 
 
 def _split_passes(v: torch.Tensor, k: int, idx: torch.Tensor | None,

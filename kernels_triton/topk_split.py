@@ -1,5 +1,5 @@
-"""``topk_rows``' split passes (``config["SPLIT"]``): each pass is two launches, a search of
-every chunk's threshold, then a program per column part placing that part's winners.
+"""``topk_rows``' passes: each is two launches, a search of every chunk's threshold, then a
+program per column part placing that part's winners.
 
 A pass compacts: a chunk's winners follow those of the chunks before it in its row (the
 per-chunk counts, ``taken``, tell every program where its chunk starts), and entries never

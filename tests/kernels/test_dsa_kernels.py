@@ -172,15 +172,15 @@ def _same_sets(index, ref_index):
         assert sorted(row) == sorted(ref_row)
 
 
-@pytest.mark.parametrize("secant,split", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("secant", [False, True])
 @pytest.mark.parametrize("parts", [1, 4])
 @pytest.mark.parametrize("rows", [1, 32])
 @pytest.mark.parametrize("chunk", [16, 64])
-def test_topk_matches_torch(device, chunk, rows, parts, secant, split):
+def test_topk_matches_torch(device, chunk, rows, parts, secant):
     """Rows longer than a chunk (several passes), rows with fewer finite entries than k, a row
     with none; one row a program (a GPU's) and several (the interpreter's); the winners placed
-    in one column part or in several, by the program that found the threshold or (``SPLIT``)
-    a program a part; the k-th largest by bisection or by false position."""
+    in one column part or in several, a program a part; the k-th largest by bisection or by
+    false position."""
     gen = torch.Generator().manual_seed(3)
     values = torch.randn(4, 300, generator=gen)
     values[1, 20:] = float("-inf")  # 20 finite: all of them, then -1
@@ -189,7 +189,7 @@ def test_topk_matches_torch(device, chunk, rows, parts, secant, split):
     values = values.to(device)
     k = 8 if chunk == 16 else 24
     v, i = topk_rows(values, k, config={"CHUNK": chunk, "ROWS": rows, "PARTS": parts,
-                                        "SECANT": secant, "SPLIT": split})
+                                        "SECANT": secant})
     ref_v, ref_i = topk_rows_ref(values, k)
     assert v.shape == i.shape == (4, k) and i.dtype == torch.int32
     _same_sets(i, ref_i)
@@ -199,7 +199,7 @@ def test_topk_matches_torch(device, chunk, rows, parts, secant, split):
 @pytest.mark.parametrize("config", [{"CHUNK": 16}, {"CHUNK": 16, "ROWS": 1},
                                     {"CHUNK": 16, "ROWS": 1, "PARTS": 4},
                                     {"CHUNK": 16, "SECANT": False}, {"CHUNK": 16, "SECANT": True},
-                                    {"CHUNK": 16, "ROWS": 1, "PARTS": 4, "SPLIT": True}])
+                                    {"CHUNK": 16, "ROWS": 1, "PARTS": 2, "place_warps": 2}])
 def test_topk_ties_in_column_order(device, config):
     values = torch.zeros(3, 200, device=device)
     values[1, 150:] = 1.0
@@ -227,7 +227,7 @@ def test_topk_over_wide_chunks(device):
     assert i[1].sort().values.cpu().tolist() == torch.cat((above, ties)).sort().values.tolist()
 
 
-@pytest.mark.parametrize("config", [None, {"CHUNK": 16, "PARTS": 2, "SPLIT": True}])
+@pytest.mark.parametrize("config", [None, {"CHUNK": 16, "PARTS": 4}])
 def test_topk_carries_index_and_slots(device, config):
     """A given index travels with its values (-1 entries stay -1 when chosen); block tables
     turn positions into slots (with a request per row)."""

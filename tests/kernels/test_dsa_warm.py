@@ -51,9 +51,9 @@ def variants(monkeypatch):
     monkeypatch.setattr(dsa_index, "_PROGRAMS", 2)  # tiles per program grow within MAX_LEN
     monkeypatch.setattr(dsa_index, "_index_scores_kernel", _Recorder(
         dsa_index._index_scores_kernel, dsa_index.SHAPE_INTS, seen))
-    for name, ints in (("_topk_chunk_kernel", topk.SHAPE_INTS),
-                       ("_topk_place_kernel", topk_split.PLACE_INTS),
-                       ("_topk_search_kernel", topk_split.SEARCH_INTS)):
+    for name, ints in (("_topk_place_kernel", topk_split.PLACE_INTS),
+                       ("_topk_search_kernel", topk_split.SEARCH_INTS),
+                       ("_topk_last_search_kernel", topk_split.LAST_INTS)):
         monkeypatch.setattr(topk, name, _Recorder(getattr(topk, name), ints, seen))
     return seen
 
@@ -90,9 +90,7 @@ def _select(store, q_lens: list[int], kv_lens: list[int], gen, pieces: bool) -> 
                  lens=(q_lens, kv_lens) if pieces else None, budget=n * MAX_LEN // 3 + 1)
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_warm_up_launches_every_variant_later_steps_launch(variants, device, split, monkeypatch):
-    monkeypatch.setitem(CONFIGS, "topk", {**CONFIGS["topk"], "SPLIT": split})
+def test_warm_up_launches_every_variant_later_steps_launch(variants, device):
     gen = torch.Generator().manual_seed(0)
     store = _store(gen, device)
     assert warm_selection(store, [SimpleNamespace(indexer=None), _attn(device)], MAX_LEN,
@@ -107,9 +105,8 @@ def test_warm_up_launches_every_variant_later_steps_launch(variants, device, spl
     topk_rows(cands, K, index=torch.zeros((3, 2 * K), dtype=torch.int32, device=device),
               config=CONFIGS["topk"])  # CP's merge of two ranks' candidates
     kernels = {v[0] for v in variants}
-    topk_kernels = {"_topk_search_kernel", "_topk_place_kernel"} if split else {
-        "_topk_chunk_kernel"}
-    assert kernels == {"_index_scores_kernel", *topk_kernels} and len(variants) >= 6
+    assert kernels == {"_index_scores_kernel", "_topk_search_kernel", "_topk_place_kernel",
+                       "_topk_last_search_kernel"} and len(variants) >= 6
     missing = variants - warmed
     assert not missing, f"launched after the warm-up, never warmed: {sorted(missing)}"
 

@@ -44,7 +44,7 @@ def _check(v, i, values, k):
 def test_floor_keeps_the_winners(device, k, chunk, floor_n, group, rows):
     gen = torch.Generator().manual_seed(k + chunk)
     values = _rows(gen, 600)
-    cfg = {"CHUNK": chunk, "ROWS": rows, "PARTS": 2, "SPLIT": True, "FLOOR_N": floor_n}
+    cfg = {"CHUNK": chunk, "ROWS": rows, "PARTS": 2, "FLOOR_N": floor_n}
     floor = _group_max(values, group).to(device)  # G = 600 / group > FLOOR_N: folded
     v, i = topk_rows(values.to(device), k, config=cfg, floor_max=floor)
     _check(v, i, values, k)
@@ -58,7 +58,7 @@ def test_floor_from_a_strided_grouping_and_with_slots(device):
     gen = torch.Generator().manual_seed(9)
     values = _rows(gen, 320)
     strided = values.view(6, 8, 40).amax(1)  # 40 groups of 8 columns, 40 apart
-    cfg = {"CHUNK": 16, "ROWS": 1, "SPLIT": True, "FLOOR_N": 16}
+    cfg = {"CHUNK": 16, "ROWS": 1, "FLOOR_N": 16}
     table = torch.randperm(480, generator=gen)[:6 * 80].view(6, 80).to(torch.int32)
     v, slots = topk_rows(values.to(device), 6, config=cfg, floor_max=strided.to(device),
                          block_table=table.to(device), page_size=4)

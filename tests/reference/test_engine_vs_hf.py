@@ -57,7 +57,7 @@ def test_dsa_split_top_k_with_the_indexer_floor(monkeypatch):
     dropping entries under the floor that the indexer's 8-token group maxima give (index_topk
     8, chunks of 16: histories past 64 tokens take it, in prefill chunks and decode)."""
     monkeypatch.setenv("SPLASH_KERNEL_CONFIG", json.dumps(
-        {"topk": {"CHUNK": 16, "ROWS": 1, "SPLIT": True, "FLOOR_N": 16}}))
+        {"topk": {"CHUNK": 16, "ROWS": 1, "FLOOR_N": 16}}))
     path = checkpoint("v32", index_topk=8)
     prompts = mixed_prompts(seed=5, lengths=(1, 9, 70))
     ours, _ = _run(path, prompts, max_num_batched_tokens=16)
