@@ -13,7 +13,8 @@ times carry the launches' host cost, which decides nothing about a graph-replaye
   block × warps × BLOCK_T × stages, at 32K and 64K history;
 - ``topk_rows`` at 32K and 128K, split passes: without the floor, then with the indexer's
   group maxima folded to FLOOR_N × false-position rounds for the floor × parts, 8K and 16K
-  chunks;
+  chunks; on scores with a trend along the history (``--only topk_ramp``, a study: the floor
+  loose, the last pass's exact fallback), without the floor and with the default;
 - ``mla_sparse`` at 128 heads (``--only sparse_splits``) and at 16 (``--only
   sparse_splits_few``), studies whose winners feed no record: num_splits × tiles × stages;
 - ``mla_sparse`` over 2,048 selected slots, 16 and 128 heads, bf16 and fp8 KV: BLOCK_N ×
@@ -124,6 +125,20 @@ def _time(fn, check) -> float | str:
         return repr(exc)[:160]
 
 
+def _topk_shape(scores: torch.Tensor, table: torch.Tensor, width: int, dev) -> tuple:
+    """``topk_rows`` of ``scores`` with the indexer's group maxima as its floor where the
+    config takes one, as a function of the config, and its check against torch.topk."""
+    want = K.topk_rows_ref(scores, TOPK, block_table=table, page_size=PAGE)[1].sort(1).values
+    pad = torch.full((scores.shape[0], -width % 8), float("-inf"), device=dev)
+    gmax = torch.cat((scores, pad), 1).view(scores.shape[0], -1, 8).amax(2)
+
+    def topk(cfg):
+        floor = gmax if floor_group(dev, TOPK, width, cfg) else None
+        return K.topk_rows(scores, TOPK, block_table=table, page_size=PAGE, config=cfg,
+                           floor_max=floor)[1]
+    return topk, lambda out: bool((out.sort(1).values == want).all())
+
+
 def _sweep(name: str, space: list[dict], shapes: dict[str, tuple]) -> dict:
     """Times every config of ``space`` on every shape (``tag -> (fn(config), check)``)."""
     rows, best, best_ms = [], None, float("inf")
@@ -148,7 +163,7 @@ def main() -> None:
     K.set_value_checks(False)
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    index_shapes, topk_shapes, sparse_shapes = {}, {}, {}
+    index_shapes, topk_shapes, topk_ramp_shapes, sparse_shapes = {}, {}, {}, {}
     for context in (32768, 131072):
         kv, scale, keys, key_scale, table = _pools(BATCH, context, "fp8", dev, gen)
         iq = torch.randn(BATCH, INDEX_HEADS, INDEX_DIM, device=dev, dtype=torch.bfloat16,
@@ -159,26 +174,20 @@ def main() -> None:
         width = table.shape[1] * PAGE
         ref = K.index_scores(iq, w, keys, table, lens, starts, INDEX_DIM ** -0.5, width,
                              index_scale=key_scale, max_rows=1)
-        want = K.topk_rows_ref(ref, TOPK, block_table=table, page_size=PAGE)[1].sort(1).values
 
         def scores(cfg, iq=iq, w=w, keys=keys, table=table, lens=lens, starts=starts,
                    width=width, key_scale=key_scale):
             return K.index_scores(iq, w, keys, table, lens, starts, INDEX_DIM ** -0.5, width,
                                   index_scale=key_scale, config=cfg, max_rows=1)
 
-        pad = torch.full((BATCH, -width % 8), float("-inf"), device=dev)
-        gmax = torch.cat((ref, pad), 1).view(BATCH, -1, 8).amax(2)  # the indexer's maxima
-
-        def topk(cfg, ref=ref, table=table, gmax=gmax, width=width):
-            floor = gmax if floor_group(dev, TOPK, width, cfg) else None
-            return K.topk_rows(ref, TOPK, block_table=table, page_size=PAGE, config=cfg,
-                               floor_max=floor)[1]
-
         index_shapes[f"{context}"] = (scores, lambda out, ref=ref: _close_scores(out, ref))
-        topk_shapes[f"{context}"] = (topk, lambda out, want=want: bool(
-            (out.sort(1).values == want).all()))
+        topk_shapes[f"{context}"] = _topk_shape(ref, table, width, dev)
+        # a trend along the history (recency: scores rising to 4 standard deviations at the
+        # end): consecutive tokens' group maxima then bound the k-th largest loosely
+        ramp = torch.linspace(0, 4, width, device=dev) * ref[torch.isfinite(ref)].std()
+        topk_ramp_shapes[f"{context}-ramp"] = _topk_shape(ref + ramp, table, width, dev)
         if context == 32768:
-            slots = topk(None)
+            slots = topk_shapes[f"{context}"][0](None)
             for heads, kind in itertools.product((16, 128), ("bf16", "fp8")):
                 q = torch.randn(BATCH, heads, D, device=dev, dtype=torch.bfloat16, generator=gen)
                 kvk, sck = (kv, scale) if kind == "fp8" else _pools(BATCH, context, kind, dev,
@@ -221,6 +230,7 @@ def main() -> None:
             ("index_gather", None, INDEX_GATHER_SPACE, index_shapes),
             ("index_prefill", None, INDEX_PREFILL_SPACE, prefill_shapes),
             ("topk", "topk", TOPK_SPACE, topk_shapes),
+            ("topk_ramp", None, TOPK_SPACE[:1] + [{}], topk_ramp_shapes),
             ("mla_sparse", "mla_sparse", SPARSE_SPACE, sparse_shapes),
             ("sparse_splits", None, SPARSE_SPLITS_SPACE, many_heads),
             ("sparse_splits_few", None, SPARSE_SPLITS_FEW, few_heads),
@@ -231,7 +241,7 @@ def main() -> None:
             save_json(args.out, result)
             if kernel and result["sweeps"][name]["best"]:
                 winners[kernel] = result["sweeps"][name]["best"]
-    del index_shapes, topk_shapes, sparse_shapes, many_heads, few_heads
+    del index_shapes, topk_shapes, topk_ramp_shapes, sparse_shapes, many_heads, few_heads
     torch.cuda.empty_cache()
     if args.no_records:
         return

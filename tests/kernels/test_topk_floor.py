@@ -1,8 +1,9 @@
 """The split top-k's floor and compaction against torch.topk: with group maxima of any disjoint
 grouping of a row's entries (consecutive groups as the indexer emits them, folded when there are
 more than ``FLOOR_N``), the winners are those of the plain selection, on smooth rows, rows of
-many ties, constant rows (the floor then keeps every entry), rows with few or no finite entries;
-and the indexer's group maxima are those of its scores."""
+many ties, constant rows (the floor then keeps every entry), rows with a trend along the columns
+(the floor loose: the last pass's exact fallback), rows with few or no finite entries; and the
+indexer's group maxima are those of its scores."""
 
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ from splash.kernels_triton import index_scores, topk_rows, topk_rows_ref
 
 
 def _rows(gen: torch.Generator, m: int) -> torch.Tensor:
-    values = torch.randn(6, m, generator=gen)
+    values = torch.randn(7, m, generator=gen)
     values[1] = (values[1] * 2).round() / 2  # many ties
     values[2] = 0.5  # constant: the floor is the value itself, every entry ties
     values[3, 30:] = float("-inf")  # fewer finite entries than some k
     values[4] = float("-inf")
     values[5, ::3] = float("-inf")
+    values[6] += torch.linspace(0, 8, m)  # a trend: consecutive groups' maxima bound loosely
     return values
 
 
@@ -57,14 +59,14 @@ def test_floor_from_a_strided_grouping_and_with_slots(device):
     become KV slots through the block table."""
     gen = torch.Generator().manual_seed(9)
     values = _rows(gen, 320)
-    strided = values.view(6, 8, 40).amax(1)  # 40 groups of 8 columns, 40 apart
+    strided = values.view(7, 8, 40).amax(1)  # 40 groups of 8 columns, 40 apart
     cfg = {"CHUNK": 16, "ROWS": 1, "FLOOR_N": 16}
-    table = torch.randperm(480, generator=gen)[:6 * 80].view(6, 80).to(torch.int32)
+    table = torch.randperm(560, generator=gen)[:7 * 80].view(7, 80).to(torch.int32)
     v, slots = topk_rows(values.to(device), 6, config=cfg, floor_max=strided.to(device),
                          block_table=table.to(device), page_size=4)
     want = topk_rows_ref(values, 6, block_table=table, page_size=4)
     torch.testing.assert_close(v.sort(dim=1, descending=True).values.cpu(), want[0])
-    for row in (0, 3, 4, 5):
+    for row in (0, 3, 4, 5, 6):
         assert sorted(slots[row].tolist()) == sorted(want[1][row].tolist())
 
 
