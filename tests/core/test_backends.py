@@ -130,3 +130,18 @@ def test_sparse_attention_launches_with_its_own_entry(monkeypatch):
     base.attend(torch.zeros(1, 2, 8), store, 0, {"decode": True}, 0.1, 4,
                 slots=torch.zeros(1, 3, dtype=torch.int32))
     assert seen["config"] == {"BLOCK_N": 32}
+
+
+def test_kernel_config_from_the_environment(monkeypatch):
+    """SPLASH_KERNEL_CONFIG lays its entries over the tuning table's; a malformed value is a
+    clear error naming the variable."""
+    cpu = get_backend("cpu")
+    base = cpu.kernel_config("mla_decode")
+    monkeypatch.setenv("SPLASH_KERNEL_CONFIG", json.dumps({"mla_decode": {"BLOCK_N": 32},
+                                                           "topk": {"PARTS": 4}}))
+    assert cpu.kernel_config("mla_decode") == {**base, "BLOCK_N": 32}
+    assert cpu.kernel_config("topk") == {"PARTS": 4}
+    for bad in ("{not json", '["topk"]', '{"topk": 4}'):
+        monkeypatch.setenv("SPLASH_KERNEL_CONFIG", bad)
+        with pytest.raises(ConfigError, match="SPLASH_KERNEL_CONFIG"):
+            cpu.kernel_config("topk")
