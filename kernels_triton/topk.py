@@ -185,16 +185,15 @@ def _split_passes(v: torch.Tensor, k: int, idx: torch.Tensor | None,
     """``topk_rows`` in split passes (``topk_split``): each compacts its winners; the first may
     drop entries under the floor of ``floor_max``, and the pass after it is then the last."""
     (N, M), dev = v.shape, v.device
-    chunk, parts = cfg["CHUNK"], cfg["PARTS"]
     rows = min(cfg["ROWS"], V.next_pow2(N, 1))
     grid_rows = triton.cdiv(N, rows)
     prev: torch.Tensor | None = None  # the previous pass's winners per chunk
     floor = floor_max if N else None
     while True:
+        # at most _NCB chunks a pass: wider chunks past that (the GPU's 8K: rows past 512K)
+        chunk = max(cfg["CHUNK"], V.next_pow2(triton.cdiv(M, _NCB)))
+        parts = min(max(cfg["PARTS"], chunk // 16384), chunk)
         num_chunks = max(triton.cdiv(M, chunk), 1)
-        if num_chunks > _NCB:
-            raise ValueError(f"topk_rows: {M} columns are {num_chunks} chunks of {chunk}; "
-                             f"the split passes take at most {_NCB} (raise CHUNK)")
         after_floor = prev is not None and floor is not None and num_chunks > 1
         last = num_chunks == 1 or after_floor  # after the floor, one threshold for all chunks
         out_v = torch.empty((N, (1 if last else num_chunks) * k), dtype=torch.float32,

@@ -100,6 +100,25 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[
     return outs
 
 
+def hf_greedy_full(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy tokens from full forwards over the whole sequence at every step (no
+    KV cache). For DSA checkpoints its cached generate can part from its own full forward (seen
+    with DeepSeek-V3.2, index_topk 4 and a 9-token prompt: a different first token)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    outs = []
+    for p in prompts:
+        seq = torch.tensor([p])
+        with torch.no_grad():
+            for _ in range(max_new_tokens):
+                nxt = model(seq, use_cache=False).logits[0, -1].argmax()
+                seq = torch.cat([seq, nxt.view(1, 1)], 1)
+        outs.append(seq[0, len(p):].tolist())
+    return outs
+
+
 def mixed_prompts(seed: int = 0, lengths=(1, 4, 7, 16, 37)) -> list[list[int]]:
     """Mixed lengths: 1 token, page-boundary lengths (page 4), longer than a 16-row chunk."""
     g = torch.Generator().manual_seed(seed)

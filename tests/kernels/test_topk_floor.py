@@ -40,9 +40,8 @@ def _check(v, i, values, k):
     return ref_v
 
 
-@pytest.mark.parametrize("k,chunk,floor_n,group", [(8, 32, 16, 8), (8, 64, 64, 4), (24, 64, 32, 2),
-                                                   (4, 16, 16, 16)])
-@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("k,chunk,floor_n,group,rows", [
+    (8, 32, 16, 8, 1), (8, 32, 16, 8, 8), (8, 64, 64, 4, 8), (24, 64, 32, 2, 8), (4, 16, 16, 16, 8)])
 def test_floor_keeps_the_winners(device, k, chunk, floor_n, group, rows):
     gen = torch.Generator().manual_seed(k + chunk)
     values = _rows(gen, 600)
@@ -60,7 +59,7 @@ def test_floor_from_a_strided_grouping_and_with_slots(device):
     gen = torch.Generator().manual_seed(9)
     values = _rows(gen, 320)
     strided = values.view(7, 8, 40).amax(1)  # 40 groups of 8 columns, 40 apart
-    cfg = {"CHUNK": 16, "ROWS": 1, "FLOOR_N": 16}
+    cfg = {"CHUNK": 16, "ROWS": 8, "FLOOR_N": 16}
     table = torch.randperm(560, generator=gen)[:7 * 80].view(7, 80).to(torch.int32)
     v, slots = topk_rows(values.to(device), 6, config=cfg, floor_max=strided.to(device),
                          block_table=table.to(device), page_size=4)
@@ -89,3 +88,14 @@ def test_index_group_maxima_are_the_scores_maxima(setting, case, group):
     with pytest.raises(ValueError, match="group_max has shape"):
         index_scores(q, w, keys, table, lens, starts, I ** -0.5, T, index_scale=scale,
                      group_max=gmax[:, 1:], group=group)
+
+
+def test_rows_of_more_than_64_chunks(device):
+    """A pass sums at most 64 chunk counts in registers: longer rows take wider chunks."""
+    gen = torch.Generator().manual_seed(11)
+    values = torch.randn(2, 16 * 64 + 100, generator=gen)
+    cfg = {"CHUNK": 16, "ROWS": 2}
+    v, i = topk_rows(values.to(device), 4, config=cfg)
+    ref_v, ref_i = topk_rows_ref(values, 4)
+    torch.testing.assert_close(v.sort(dim=1, descending=True).values.cpu(), ref_v)
+    assert [sorted(r) for r in i.cpu().tolist()] == [sorted(r) for r in ref_i.tolist()]
