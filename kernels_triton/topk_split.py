@@ -45,18 +45,18 @@ def _row_limit(prev_ptr, rows, mask_r, NUM_PREV, M, stride_pn, ROWS: tl.constexp
 
 
 @triton.jit
-def _store_meta(meta_ptr, rows, mask_r, stride_mn, first_part, thr, room, above, ties, n_above,
-                n_ties, ROWS: tl.constexpr, PARTS: tl.constexpr):
-    """Meta of ``PARTS`` parts from ``first_part`` on: threshold, room, and the entries above
-    and at the threshold before each (``n_above`` / ``n_ties`` before the first)."""
+def _store_meta(meta_ptr, rows, mask_r, stride_mn, first_part, thr, room, above, ties,
+                ROWS: tl.constexpr, PARTS: tl.constexpr):
+    """Meta of a chunk's ``PARTS`` parts from ``first_part`` on: threshold, room, and the
+    chunk's entries above and at the threshold before each part."""
     offs_p = tl.arange(0, PARTS)
     base = meta_ptr + rows[:, None] * stride_mn + (first_part + offs_p[None, :]) * 4
     zero = tl.zeros((ROWS, PARTS), tl.int32)
     keep = tl.broadcast_to(mask_r[:, None], (ROWS, PARTS))
     tl.store(base, zero + thr.to(tl.int32, bitcast=True)[:, None], mask=keep)
     tl.store(base + 1, zero + room[:, None], mask=keep)
-    tl.store(base + 2, n_above[:, None] + tl.cumsum(above, 1) - above, mask=keep)
-    tl.store(base + 3, n_ties[:, None] + tl.cumsum(ties, 1) - ties, mask=keep)
+    tl.store(base + 2, tl.cumsum(above, 1) - above, mask=keep)
+    tl.store(base + 3, tl.cumsum(ties, 1) - ties, mask=keep)
 
 
 @triton.jit(do_not_specialize=SEARCH_INTS)
@@ -109,9 +109,8 @@ def _topk_search_kernel(
     parts = tl.reshape(ukey, (ROWS, PARTS, CHUNK // PARTS))
     above = tl.sum((parts > thr[:, None, None]).to(tl.int32), 2)  # (ROWS, PARTS)
     ties = tl.sum((parts == thr[:, None, None]).to(tl.int32), 2)
-    zero = tl.zeros((ROWS,), tl.int32)
-    _store_meta(meta_ptr, rows, mask_r, stride_mn, pid_c * PARTS, thr, room, above, ties, zero,
-                zero, ROWS, PARTS)
+    _store_meta(meta_ptr, rows, mask_r, stride_mn, pid_c * PARTS, thr, room, above, ties, ROWS,
+                PARTS)
     if PAD:
         taken = tl.full((ROWS,), K, tl.int32)
     else:
@@ -210,8 +209,8 @@ def _topk_last_search_kernel(
         parts = tl.reshape(ukey, (ROWS, PARTS, PART))
         above = tl.sum((parts > thr[:, None, None]).to(tl.int32), 2)
         ties = tl.sum((parts == thr[:, None, None]).to(tl.int32), 2)
-        _store_meta(meta_ptr, rows, mask_r, stride_mn, 0, thr, room, above, ties, zero, zero,
-                    ROWS, PARTS)
+        _store_meta(meta_ptr, rows, mask_r, stride_mn, 0, thr, room, above, ties, ROWS,
+                    PARTS)
         tl.store(taken_ptr + rows * stride_tn, zero + K, mask=mask_r)
         for c in range(1, num_chunks):
             tl.store(taken_ptr + rows * stride_tn + c, zero, mask=mask_r)
@@ -237,7 +236,7 @@ def _topk_last_search_kernel(
             above = tl.sum((parts > thr[:, None, None]).to(tl.int32), 2)
             ties = tl.sum((parts == thr[:, None, None]).to(tl.int32), 2)
             _store_meta(meta_ptr, rows, mask_r, stride_mn, c * PARTS, thr, room, above, ties,
-                        zero, zero, ROWS, PARTS)
+                        ROWS, PARTS)
             took = tl.minimum(tl.sum(ties, 1), room)
             tl.store(taken_ptr + rows * stride_tn + c, tl.sum(above, 1) + took, mask=mask_r)
             room -= took
