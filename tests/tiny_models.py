@@ -84,13 +84,15 @@ def checkpoint(arch: str = "v3", **over) -> str:
     return _CACHE[key]
 
 
-def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' own greedy generate, one prompt at a time (no padding effects)."""
+def _hf_model(path: str):
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
-    model.eval()
-    outs = []
+    return transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+
+
+def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' own greedy generate, one prompt at a time (no padding effects)."""
+    model, outs = _hf_model(path), []
     for p in prompts:
         ids = torch.tensor([p])
         with torch.no_grad():
@@ -104,11 +106,7 @@ def hf_greedy_full(path: str, prompts: list[list[int]], max_new_tokens: int) -> 
     """transformers' greedy tokens from full forwards over the whole sequence at every step (no
     KV cache). For DSA checkpoints its cached generate can part from its own full forward (seen
     with DeepSeek-V3.2, index_topk 4 and a 9-token prompt: a different first token)."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.eval()
-    outs = []
+    model, outs = _hf_model(path), []
     for p in prompts:
         seq = torch.tensor([p])
         with torch.no_grad():
