@@ -50,6 +50,8 @@ CASES: dict[str, tuple[str, int, str]] = {
                                   "page ids loaded per tile on 32-token tiles"),
     "dsa_topk_16x128k": ("^_topk_", 6, "topk_rows 16 rows x 128K scores, k 2048, no floor "
                          "(three passes: search, place)"),
+    "dsa_topk_16x128k_floor": ("^_topk_", 4, "the same with the indexer group maxima as the "
+                               "engine runs it (the floor pass, then the last)"),
     "dsa_sparse_16h_16x2k": ("^_mla_sparse", 1,
                              "mla_sparse 16 rows x 16 heads over 2048 chosen bf16 latent rows"),
 }
@@ -134,6 +136,9 @@ def _dsa(case: str, dev, gen) -> Callable[[], Any]:
     s = scores()
     if case == "dsa_topk_16x128k":
         return lambda: K.topk_rows(s, TOPK, block_table=table, page_size=PAGE)
+    if case == "dsa_topk_16x128k_floor":
+        gmax = s.view(batch, -1, 8).amax(2)  # what index_scores(group_max=) writes
+        return lambda: K.topk_rows(s, TOPK, block_table=table, page_size=PAGE, floor_max=gmax)
     slots = K.topk_rows(s, TOPK, block_table=table, page_size=PAGE)[1]
     q = torch.randn(batch, 16, D, device=dev, dtype=torch.bfloat16, generator=gen)
     return lambda: K.mla_sparse(q, kv, slots, SM_SCALE, L)
