@@ -83,7 +83,7 @@ def _shape_records(dev, gen, ceil, kind: str, heads: int, batch: int,
     def scores():
         return K.index_scores(iq, w, keys, table, lens, starts, INDEX_DIM ** -0.5, width,
                               index_scale=key_scale, config=configs.get("index_scores"),
-                              max_rows=1, group_max=gmax, group=group or 8)
+                              max_rows=1, group_max=gmax, group=group)
 
     def topk(s):
         return K.topk_rows(s, TOPK, block_table=table, page_size=PAGE,

@@ -139,12 +139,11 @@ def _place_part(pkey, pcols, rows, mask_r, thr, room, n_above, n_ties, out_base,
                 idx_ptr, out_v_ptr, out_i_ptr, bt_ptr, stride_in, stride_im, stride_ovn,
                 stride_ovk, stride_oin, stride_oik, stride_btn, stride_btp,
                 ROWS: tl.constexpr, PART: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                HAS_INDEX: tl.constexpr, TO_SLOTS: tl.constexpr, PAD: tl.constexpr = True):
+                HAS_INDEX: tl.constexpr, TO_SLOTS: tl.constexpr, PAD: tl.constexpr):
     """Store a part's winners (keys ``pkey`` (ROWS, PART) at columns ``pcols``) at
     ``out_base`` (ROWS,) + their rank: ``n_above`` / ``n_ties`` entries above / at the
     threshold come before the part. Without ``PAD`` entries never chosen (key 0) are not
-    stored even where they tie (a compacting pass: only the last pads a row to k). Returns the
-    part's own counts of both."""
+    stored even where they tie (a compacting pass: only the last pads a row to k)."""
     above = pkey > thr[:, None]
     ties = pkey == thr[:, None]
     # one scan counts both, entries above (low 16 bits) and ties (high): PART <= 16K
@@ -174,7 +173,6 @@ def _place_part(pkey, pcols, rows, mask_r, thr, room, n_above, n_ties, out_base,
     tl.store(out_v_ptr + rows[:, None] * stride_ovn + out_col * stride_ovk, v, mask=store)
     tl.store(out_i_ptr + rows[:, None] * stride_oin + out_col * stride_oik, idx.to(tl.int32),
              mask=store)
-    return tl.sum(above.to(tl.int32), 1), tl.sum(ties.to(tl.int32), 1)
 
 
 @triton.jit
