@@ -61,6 +61,7 @@ from splash.kernels_triton.dsa_index_tiles import (
 )
 from splash.kernels_triton.mla_decode_kernels import _q_operand
 from splash.kernels_triton.paged_ids import _load_page_ids
+from splash.kernels_triton.pdl import pdl, pdl_enter
 
 # ints that vary by step: one binary for all (tests check the warm-up against them)
 SHAPE_INTS = ["stride_btn", "stride_gn"]
@@ -103,7 +104,9 @@ def _index_scores_kernel(
     DOT_PRECISION: tl.constexpr,
     PAGES: tl.constexpr,  # > 0: page ids gathered from the program's PAGES, loaded once
     GROUP: tl.constexpr = 0,  # > 0: also each GROUP tokens' maximum (topk_rows' floor)
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     pid_t = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_b = tl.program_id(2)
@@ -330,7 +333,7 @@ def index_scores(
         PAGES=_gathered_pages(cfg, per_program, PS),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 and not fp16 else None,
         num_warps=cfg["num_warps_extend" if block_m > 1 else "num_warps"],
-        num_stages=cfg["num_stages"],
+        num_stages=cfg["num_stages"], PDL=(on := pdl(dev)), launch_pdl=on,
     )
     return out
 

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from splash.kernels_triton import _validate as V
+from splash.kernels_triton.pdl import pdl, pdl_enter
 
 
 @triton.jit(do_not_specialize=["S"])  # ints that vary by step: one binary for all
@@ -35,7 +36,9 @@ def _lse_merge_kernel(
     L: tl.constexpr,
     BLOCK_L: tl.constexpr,
     RANGES: tl.constexpr,  # each request's own run of partial rows (a request of one wrote out)
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     pid_h = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_l = tl.arange(0, BLOCK_L)
@@ -94,6 +97,7 @@ def _merge_into(
         outs.shape[0] if ranges is None else 0,
         *outs.stride(), *lses.stride(), *out.stride(), *lse.stride(),
         L=L, BLOCK_L=V.next_pow2(L, 16), RANGES=ranges is not None, num_warps=num_warps,
+        PDL=(on := pdl(out.device)), launch_pdl=on,
     )
 
 

@@ -41,6 +41,7 @@ from splash.kernels_triton.mla_decode_kernels import (
     _softmax_totals,
     _widen_kv,
 )
+from splash.kernels_triton.pdl import pdl, pdl_enter
 
 
 @triton.jit
@@ -73,7 +74,9 @@ def _mla_sparse_kernel(
     FP8_PTX: tl.constexpr,  # _widen_kv
     DOT_PRECISION: tl.constexpr,
     SLOTS: tl.constexpr,  # > 0: a split's slot ids (at most SLOTS) loaded once and gathered
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     pid_h = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_n = tl.program_id(2).to(tl.int64)
@@ -220,7 +223,7 @@ def mla_sparse(
         BLOCK_L=V.next_pow2(L), BLOCK_R=V.next_pow2(R), IS_FP8=fp8, FP8_FP16=fp16,
         FP8_PTX=V.ptx_fp8_widen(cfg, fp16, kv.dtype, dev),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 and not fp16 else None,
-        SLOTS=_gathered_slots(cfg, K, num_splits, block_n),
+        SLOTS=_gathered_slots(cfg, K, num_splits, block_n), PDL=(on := pdl(dev)), launch_pdl=on,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if num_splits > 1:

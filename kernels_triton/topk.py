@@ -69,6 +69,7 @@ import torch
 import triton
 
 from splash.kernels_triton import _validate as V
+from splash.kernels_triton.pdl import pdl
 from splash.kernels_triton.topk_split import (
     _topk_last_search_kernel,
     _topk_place_kernel,
@@ -188,6 +189,7 @@ def _split_passes(v: torch.Tensor, k: int, idx: torch.Tensor | None,
     rows = min(cfg["ROWS"], V.next_pow2(N, 1))
     grid_rows = triton.cdiv(N, rows)
     prev: torch.Tensor | None = None  # the previous pass's winners per chunk
+    on = pdl(dev)
     floor = floor_max if N else None
     while True:
         # at most _NCB chunks a pass: wider chunks past that (the GPU's 8K: rows past 512K)
@@ -206,7 +208,7 @@ def _split_passes(v: torch.Tensor, k: int, idx: torch.Tensor | None,
         prev_arg = prev if prev is not None else taken  # never read without HAS_PREV
         num_prev = prev.shape[1] if prev is not None else 0
         common = dict(K=k, ROWS=rows, NCB=_NCB, SECANT=bool(cfg["SECANT"]),
-                      num_warps=cfg["num_warps"])
+                      num_warps=cfg["num_warps"], PDL=on, launch_pdl=on)
         if after_floor:
             _topk_last_search_kernel[(1, grid_rows)](
                 v, meta, taken, prev_arg, N, M, num_prev, *v.stride(), meta.stride(0),
@@ -233,7 +235,8 @@ def _split_passes(v: torch.Tensor, k: int, idx: torch.Tensor | None,
             rr.stride(0), meta.stride(0), taken.stride(0), prev_arg.stride(0), K=k,
             CHUNK=chunk, ROWS=rows, PARTS=parts, NCB=_NCB, HAS_PREV=prev is not None,
             PAD=last, PAGE_SIZE=page_size, HAS_INDEX=idx is not None, TO_SLOTS=to_slots,
-            HAS_ROW_REQ=row_req is not None, num_warps=cfg["place_warps"])
+            HAS_ROW_REQ=row_req is not None, num_warps=cfg["place_warps"], PDL=on,
+            launch_pdl=on)
         if last:
             return out_v, out_i
         v, idx, M, prev = out_v, out_i, num_chunks * k, taken

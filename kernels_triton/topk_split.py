@@ -19,6 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from splash.kernels_triton.pdl import pdl_enter
 from splash.kernels_triton.topk_search import (
     _chunk_keys,
     _counts_before,
@@ -85,9 +86,11 @@ def _topk_search_kernel(
     PAD: tl.constexpr,  # the last pass: rows padded to K
     FLOOR_N: tl.constexpr,  # > 0: the group maxima fold to this many for the floor
     FLOOR_ROUNDS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """A chunk's threshold, and per part of it the entries above and at it in the parts
     before (what ``_topk_place_kernel`` needs to place that part alone)."""
+    pdl_enter(PDL)
     pid_c = tl.program_id(0)
     rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     mask_r = rows < N
@@ -147,10 +150,12 @@ def _topk_place_kernel(
     NCB: tl.constexpr,
     HAS_PREV: tl.constexpr,
     PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One part of one chunk, its winners placed after those of the chunks and parts before
     (a program a part: the placement, most of a pass's time, spreads over PARTS times the
     programs)."""
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     pid_c = pid // PARTS
     part = pid % PARTS
@@ -187,6 +192,7 @@ def _topk_last_search_kernel(
     PARTS: tl.constexpr,
     SECANT: tl.constexpr,
     NCB: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """The last pass after a floor: one program a row over the whole compacted row, which
     the floor leaves short (about 1.4 k on iid scores), its first ``CHUNK`` columns in
@@ -195,6 +201,7 @@ def _topk_last_search_kernel(
     again each round. Meta and counts as the search's for ``cdiv(M, CHUNK)`` chunks that share
     one threshold (each chunk's room: the ties left after the chunks before), so the place
     kernel places them as any last pass."""
+    pdl_enter(PDL)
     rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     mask_r = rows < N
     rows = rows.to(tl.int64)
