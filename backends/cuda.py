@@ -76,8 +76,10 @@ class CUDABackend(BaseBackend):
         # dsa_gather.json): 16 heads with 3 stages bf16 0.0221 -> 0.0205 ms, fp8 0.0224 ->
         # 0.0217; 128 heads fp8 with 2 stages 0.0841 -> 0.0763; 128 heads bf16 loses (0.0569
         # -> 0.0585) and 3 stages overflow shared memory there
+        # "dim_chunks" at every head count (dsa_sparse_chunks.json): 16 heads bf16 0.0204 ->
+        # 0.0186 ms, fp8 0.0239 -> 0.0207; 128 heads bf16 0.0568 -> 0.0515, fp8 0.0766 -> 0.0666
         "mla_sparse": {"default": {"BLOCK_N": 64, "num_warps": 8, "num_stages": 3,
-                                   "gather_slots": True,
+                                   "gather_slots": True, "dim_chunks": True,
                                    "many_heads": {"num_stages": 2, "gather_slots": False},
                                    "fp8": {"many_heads": {"fp8_fp16": False,
                                                           "gather_slots": True}}}},

@@ -19,6 +19,7 @@ times carry the launches' host cost, which decides nothing about a graph-replaye
   sparse_splits_few``), studies whose winners feed no record: num_splits × tiles × stages;
 - ``mla_sparse`` over 2,048 selected slots, 16 and 128 heads, bf16 and fp8 KV: BLOCK_N ×
   num_warps × num_stages; with the slot ids gathered (``--only sparse_gather``, a study);
+  in four column chunks of the latent dims or not (``--only sparse_chunks``, a study);
   over a 2,048-row prefill chunk at 128 heads (``--only sparse_prefill``, a study).
 A config is the winner of a kernel when its summed time over the swept shapes is lowest
 (configs that fail to compile or give wrong results are reported and skipped). The records then
@@ -95,6 +96,10 @@ SPARSE_SPLITS_FEW = [{"num_splits": s, **cfg} for s in (None, 2, 4, 8, 16, 32)
 # with deeper pipelines: ``--only sparse_gather``, against the default (its first row)
 SPARSE_GATHER_SPACE = [{}] + [{"gather_slots": True, "num_stages": st, "num_splits": n}
                               for st, n in itertools.product((2, 3, 4), (None, 16))]
+# the latent dims in four column chunks, against one 576-wide tile (its first row), with the
+# table's tiles and others: ``--only sparse_chunks``
+SPARSE_CHUNKS_SPACE = [{"dim_chunks": False}, {}] + [
+    {"dim_chunks": True, "BLOCK_N": n, "num_stages": st} for n, st in ((32, 3), (64, 2), (64, 3))]
 SPARSE_SPACE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
                 for n, w, st in itertools.product((16, 32, 64), (4, 8), (1, 2))]
 # 128 heads over a prefill chunk's rows (``--only sparse_prefill``, a study): 20 of a 128K
@@ -235,6 +240,7 @@ def main() -> None:
             ("sparse_splits", None, SPARSE_SPLITS_SPACE, many_heads),
             ("sparse_splits_few", None, SPARSE_SPLITS_FEW, few_heads),
             ("sparse_gather", None, SPARSE_GATHER_SPACE, sparse_shapes),
+            ("sparse_chunks", None, SPARSE_CHUNKS_SPACE, sparse_shapes),
             ("sparse_prefill", None, SPARSE_PREFILL_SPACE, sparse_prefill)):
         if name in only:
             result["sweeps"][name] = _sweep(name, space, shapes)

@@ -21,6 +21,9 @@ loading them in the loop, where the tile's addresses wait on that load and Trito
 (3.6) then runs no copy ahead (offline sm_90: with it and 3 stages the loop keeps two copy
 groups in flight; without, every iteration waits for all). On an H200 (16 rows x 2,048
 selected rows): 16 heads 3-7% faster, 128 heads fp8 9% faster, 128 heads bf16 3% slower.
+
+``config["dim_chunks"]`` (the CUDA default, latents of 64 columns or more): the latent dims in
+four column chunks (``mla_sparse_chunked``), 9-13% faster on an H200 at 16 and 128 heads.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from splash.kernels_triton.mla_decode_kernels import (
     _softmax_totals,
     _widen_kv,
 )
+from splash.kernels_triton.mla_sparse_chunked import CHUNKS, _mla_sparse_chunked_kernel
 from splash.kernels_triton.pdl import pdl, pdl_enter
 
 
@@ -215,7 +219,10 @@ def mla_sparse(
         stride_os, stride_ls = o_part.stride(0), lse_part.stride(0)
     fp16 = fp8 and bool(cfg.get("fp8_fp16", False))
     scale = kv_scale if kv_scale is not None else lse  # never read unless fp8
-    _mla_sparse_kernel[(head_groups, num_splits, N)](
+    # the chunked form takes latents of at least 16 columns a chunk (the products' K)
+    chunked = bool(cfg.get("dim_chunks")) and V.next_pow2(L) >= 16 * CHUNKS.value
+    kernel = _mla_sparse_chunked_kernel if chunked else _mla_sparse_kernel
+    kernel[(head_groups, num_splits, N)](
         q, kv, scale, slots, o_part, lse_part, float(sm_scale) * _LOG2E, H, K, num_splits,
         *q.stride(), *kv.stride(), *(kv_scale.stride() if kv_scale is not None else (0, 0)),
         *slots.stride(), stride_os, *o_part.stride()[-3:], stride_ls, *lse_part.stride()[-2:],

@@ -55,6 +55,12 @@ Tried on an H200 (16 rows, k = 2048, graph-timed), against 0.032 / 0.061 ms at 3
   warps), slower from 64 rows up, and with 8-bit digits on 4 or 8 warps the later rounds'
   counts came out short (wrong winners; round 0 exact; not understood, Triton 3.6). Dropped:
   too little gain for a wrong-result mode (benchmarks/results/h200/topk_split_tried.json).
+- with the floor, two launches instead of four: a program per chunk keeping its entries at or
+  above the floor (or its k largest), compacted into its own k slots, then a program per row
+  copying the survivors together, searching them in registers and placing the winners with one
+  scan (the placement inside the searching programs, one program a row): 16 x 32K / 128K, the
+  DSA layer 0.0724 -> 0.0856 / 0.1428 -> 0.1632 ms (per-kernel timeline, ``dsa_timeline.py``),
+  the row's placement alone ~8 us against 4 for 32 programs a row.
 
 ``block_table`` (B, W) with ``row_req`` (N,) (request of each row; None: row n is request n)
 turns the final winners' columns, token positions in the row's paged history, into KV slots

@@ -279,6 +279,21 @@ def test_sparse_matches_reference(setting, case, num_splits, gather):
     assert torch.all(out[2].cpu() == 0)
 
 
+@pytest.mark.parametrize("gather", [False, True])
+@pytest.mark.parametrize("num_splits", [1, None])
+@pytest.mark.parametrize("L", [64, 96])
+def test_sparse_in_column_chunks_matches_reference(setting, L, num_splits, gather):
+    """The latent dims in four column chunks (``dim_chunks``, latents of 64 columns or more;
+    96: the last chunk past the latent, masked)."""
+    q, kv, scale, slots = _sparse_inputs(setting, L, 16, 8, 16, 12)
+    out, lse = mla_sparse(q, kv, slots, 0.15, L, kv_scale=scale, num_splits=num_splits,
+                          config={"gather_slots": gather, "dim_chunks": True})
+    ref_out, ref_lse = mla_sparse_ref(q, kv, slots, 0.15, L, kv_scale=scale)
+    assert_close(out, ref_out, setting.atol, setting.rtol)
+    assert_lse(lse, ref_lse, setting.lse_tol)
+    assert torch.all(out[2].cpu() == 0)
+
+
 def test_sparse_over_the_whole_history_is_dense_decode(device):
     setting = make_setting("fp32")
     gen = torch.Generator().manual_seed(5)
