@@ -18,6 +18,7 @@ import argparse
 import datetime
 import json
 import sys
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -64,8 +65,12 @@ def _record(name: str, times: dict[str, Any], nbytes: int, ceil: dict[str, float
     return rec
 
 
-def _shape_records(dev, gen, ceil, kind: str, heads: int, batch: int,
-                   context: int, configs: dict | None = None) -> list[dict]:
+def decode_layer(dev, gen, kind: str, heads: int, batch: int, context: int,
+                 configs: dict | None = None):
+    """A DSA decode layer's three stages over fresh inputs: ``scores()``, ``topk(scores) ->
+    slots``, ``sparse(slots) -> (out, lse)``, with the pool (``kv``, ``scale``, ``table``) and the
+    indexer's group maxima (``gmax``, ``group``) taken where the engine takes them
+    (``topk_indexed``); ``configs``: kernel -> launch config."""
     kv, scale, keys, key_scale, table = _pools(batch, context, kind, dev, gen)
     iq = torch.randn(batch, INDEX_HEADS, INDEX_DIM, device=dev, dtype=torch.bfloat16,
                      generator=gen)
@@ -74,9 +79,7 @@ def _shape_records(dev, gen, ceil, kind: str, heads: int, batch: int,
     lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
     starts = torch.arange(batch + 1, dtype=torch.int32, device=dev)
     width = table.shape[1] * PAGE
-
     configs = configs or {}
-    # the indexer's group maxima, top-k's floor, where the engine takes them (topk_indexed)
     group = floor_group(dev, TOPK, width, configs.get("topk"))
     gmax = torch.empty((batch, -(-width // group)), device=dev) if group else None
 
@@ -93,15 +96,25 @@ def _shape_records(dev, gen, ceil, kind: str, heads: int, batch: int,
         return K.mla_sparse(q, kv, slots, SM_SCALE, L, kv_scale=scale,
                             config=configs.get("mla_sparse"))
 
+    return SimpleNamespace(scores=scores, topk=topk, sparse=sparse, kv=kv, scale=scale,
+                           table=table, gmax=gmax, group=group)
+
+
+def _shape_records(dev, gen, ceil, kind: str, heads: int, batch: int,
+                   context: int, configs: dict | None = None) -> list[dict]:
+    layer = decode_layer(dev, gen, kind, heads, batch, context, configs)
+    scores, topk, sparse, kv, scale, gmax = (layer.scores, layer.topk, layer.sparse, layer.kv,
+                                             layer.scale, layer.gmax)
+    width = layer.table.shape[1] * PAGE
     s = scores()
     slots = topk(s)
-    want = K.topk_rows_ref(s, TOPK, block_table=table, page_size=PAGE)[1]
+    want = K.topk_rows_ref(s, TOPK, block_table=layer.table, page_size=PAGE)[1]
     same = bool((slots.sort(dim=1).values == want.sort(dim=1).values).all())
     key_bytes = batch * context * (INDEX_DIM + 4)
     sel_bytes = batch * TOPK * (D * kv.element_size() + (4 if scale is not None else 0))
     tag = {"heads": heads, "batch": batch, "context": context, "index_topk": TOPK,
            "index_heads": INDEX_HEADS, "index_dim": INDEX_DIM, "kv_dtype": kind,
-           "index_dtype": "fp8", "verified_topk": same, "topk_floor_group": group}
+           "index_dtype": "fp8", "verified_topk": same, "topk_floor_group": layer.group}
     if configs:
         tag["configs"] = configs
     maxima_bytes = gmax.numel() * 4 if gmax is not None else 0

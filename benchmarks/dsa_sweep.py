@@ -99,7 +99,8 @@ SPARSE_GATHER_SPACE = [{}] + [{"gather_slots": True, "num_stages": st, "num_spli
 # the latent dims in four column chunks, against one 576-wide tile (its first row), with the
 # table's tiles and others: ``--only sparse_chunks``
 SPARSE_CHUNKS_SPACE = [{"dim_chunks": False}, {}] + [
-    {"dim_chunks": True, "BLOCK_N": n, "num_stages": st} for n, st in ((32, 3), (64, 2), (64, 3))]
+    {"dim_chunks": True, "BLOCK_N": n, "num_stages": st, "num_warps": w}
+    for n, st, w in ((32, 3, 8), (64, 2, 8), (64, 3, 8), (64, 3, 4), (64, 2, 4))]
 SPARSE_SPACE = [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
                 for n, w, st in itertools.product((16, 32, 64), (4, 8), (1, 2))]
 # 128 heads over a prefill chunk's rows (``--only sparse_prefill``, a study): 20 of a 128K

@@ -15,31 +15,10 @@ import sys
 
 import torch
 from _results import save_json  # noqa: E402  (benchmarks/ is on sys.path)
-from dsa_kernels import INDEX_DIM, INDEX_HEADS, PAGE, SM_SCALE, TOPK, D, L, _pools
+from dsa_kernels import TOPK, decode_layer
 from torch.profiler import ProfilerActivity, profile
 
 import splash.kernels_triton as K
-from splash.kernels_triton.topk import floor_group
-
-
-def _layer(dev, gen, heads: int, kind: str, context: int, batch: int = 16):
-    kv, scale, keys, key_scale, table = _pools(batch, context, kind, dev, gen)
-    iq = torch.randn(batch, INDEX_HEADS, INDEX_DIM, device=dev, dtype=torch.bfloat16,
-                     generator=gen)
-    w = torch.randn(batch, INDEX_HEADS, device=dev, generator=gen) * INDEX_HEADS ** -0.5
-    q = torch.randn(batch, heads, D, device=dev, dtype=torch.bfloat16, generator=gen)
-    lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
-    starts = torch.arange(batch + 1, dtype=torch.int32, device=dev)
-    width = table.shape[1] * PAGE
-    group = floor_group(dev, TOPK, width, None)
-    gmax = torch.empty((batch, -(-width // group)), device=dev) if group else None
-
-    def layer():
-        s = K.index_scores(iq, w, keys, table, lens, starts, INDEX_DIM ** -0.5, width,
-                           index_scale=key_scale, max_rows=1, group_max=gmax, group=group)
-        slots = K.topk_rows(s, TOPK, block_table=table, page_size=PAGE, floor_max=gmax)[1]
-        return K.mla_sparse(q, kv, slots, SM_SCALE, L, kv_scale=scale)
-    return layer
 
 
 def timeline(layer, replays: int = 5) -> dict:
@@ -83,7 +62,8 @@ def main() -> None:
     for heads in (16, 128):
         for context in (32768, 131072):
             name = f"{heads}h-bf16-{context}"
-            result["shapes"][name] = timeline(_layer(dev, gen, heads, "bf16", context))
+            layer = decode_layer(dev, gen, "bf16", heads, 16, context)
+            result["shapes"][name] = timeline(lambda ly=layer: ly.sparse(ly.topk(ly.scores())))
             print(name, result["shapes"][name]["ms_per_step"], "ms", flush=True)
             for k in result["shapes"][name]["kernels"]:
                 print(f"    {k['name'][:40]:40s} start {k['start_us']:8.2f} us  {k['us']:7.2f} us")

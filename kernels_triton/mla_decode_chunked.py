@@ -54,6 +54,18 @@ def _chunk_scores(qk, q_rows, kv_rows, c: tl.constexpr, mask_h, mask_t, stride_q
 
 
 @triton.jit
+def _value_chunks(p, alpha, kv0, kv1, kv2, kv3, acc0, acc1, acc2, acc3,
+                  DOT_PRECISION: tl.constexpr):
+    """The value product over the four column chunks: each accumulator rescaled by ``alpha``
+    (the online softmax's correction) plus ``p`` times its chunk of the tile."""
+    acc0 = tl.dot(p, kv0, acc0 * alpha[:, None], input_precision=DOT_PRECISION)
+    acc1 = tl.dot(p, kv1, acc1 * alpha[:, None], input_precision=DOT_PRECISION)
+    acc2 = tl.dot(p, kv2, acc2 * alpha[:, None], input_precision=DOT_PRECISION)
+    acc3 = tl.dot(p, kv3, acc3 * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def _attend_tile_chunked(
     q_rows, mask_h, m_i, l_i, acc0, acc1, acc2, acc3,
     kv_ptr, scale_ptr, bt_row_ptr, pages, first_page, t0, end, qk_scale,
@@ -105,11 +117,8 @@ def _attend_tile_chunked(
     l_i = l_i * alpha + tl.sum(p, 1)
     if IS_FP8:
         p = p * row_scale[None, :]
-    p = p.to(kv0.dtype)
-    acc0 = tl.dot(p, kv0, acc0 * alpha[:, None], input_precision=DOT_PRECISION)
-    acc1 = tl.dot(p, kv1, acc1 * alpha[:, None], input_precision=DOT_PRECISION)
-    acc2 = tl.dot(p, kv2, acc2 * alpha[:, None], input_precision=DOT_PRECISION)
-    acc3 = tl.dot(p, kv3, acc3 * alpha[:, None], input_precision=DOT_PRECISION)
+    acc0, acc1, acc2, acc3 = _value_chunks(p.to(kv0.dtype), alpha, kv0, kv1, kv2, kv3, acc0,
+                                           acc1, acc2, acc3, DOT_PRECISION)
     return m_new, l_i, acc0, acc1, acc2, acc3
 
 

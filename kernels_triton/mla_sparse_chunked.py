@@ -16,10 +16,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from splash.kernels_triton.mla_decode_chunked import CHUNKS, _value_chunks
 from splash.kernels_triton.mla_decode_kernels import _q_operand, _softmax_totals, _widen_kv
 from splash.kernels_triton.pdl import pdl_enter
-
-CHUNKS = tl.constexpr(4)
 
 
 @triton.jit
@@ -143,11 +142,8 @@ def _mla_sparse_chunked_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         if IS_FP8:
             p = p * row_scale[None, :]
-        p = p.to(kv0.dtype)
-        acc0 = tl.dot(p, kv0, acc0 * alpha[:, None], input_precision=DOT_PRECISION)
-        acc1 = tl.dot(p, kv1, acc1 * alpha[:, None], input_precision=DOT_PRECISION)
-        acc2 = tl.dot(p, kv2, acc2 * alpha[:, None], input_precision=DOT_PRECISION)
-        acc3 = tl.dot(p, kv3, acc3 * alpha[:, None], input_precision=DOT_PRECISION)
+        acc0, acc1, acc2, acc3 = _value_chunks(p.to(kv0.dtype), alpha, kv0, kv1, kv2, kv3,
+                                               acc0, acc1, acc2, acc3, DOT_PRECISION)
         m_i = m_new
 
     l_safe, lse = _softmax_totals(m_i, l_i)
