@@ -59,8 +59,10 @@ Tried on an H200 (16 rows, k = 2048, graph-timed), against 0.032 / 0.061 ms at 3
   above the floor (or its k largest), compacted into its own k slots, then a program per row
   copying the survivors together, searching them in registers and placing the winners with one
   scan (the placement inside the searching programs, one program a row): 16 x 32K / 128K, the
-  DSA layer 0.0724 -> 0.0856 / 0.1428 -> 0.1632 ms (per-kernel timeline, ``dsa_timeline.py``),
-  the row's placement alone ~8 us against 4 for 32 programs a row.
+  DSA layer 0.0724 -> 0.0856 / 0.1428 -> 0.1632 ms (per-kernel timeline, ``dsa_timeline.py``):
+  at 32K the per-chunk kernel ended 17 us after the indexer and the per-row pick 19 us after
+  it, against 12 and 12 for the search and placement launches each replaced (placing in the
+  searching programs, one a row, is what costs).
 
 ``block_table`` (B, W) with ``row_req`` (N,) (request of each row; None: row n is request n)
 turns the final winners' columns, token positions in the row's paged history, into KV slots
