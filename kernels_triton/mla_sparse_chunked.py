@@ -18,6 +18,7 @@ import triton.language as tl
 
 from splash.kernels_triton.mla_decode_chunked import CHUNKS, _value_chunks
 from splash.kernels_triton.mla_decode_kernels import _q_operand, _softmax_totals, _widen_kv
+from splash.kernels_triton.paged_ids import _split_slots, _tile_slots
 from splash.kernels_triton.pdl import pdl_enter
 
 
@@ -76,9 +77,8 @@ def _mla_sparse_chunked_kernel(
     pid_h = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_n = tl.program_id(2).to(tl.int64)
-    split_len = tl.cdiv(tl.cdiv(K, num_splits), BLOCK_N) * BLOCK_N
-    start = pid_s * split_len
-    end = tl.minimum(start + split_len, K)
+    slot_row, start, end, chosen = _split_slots(slots_ptr, pid_n, pid_s, K, num_splits,
+                                                stride_sln, stride_slk, BLOCK_N, SLOTS)
     CH: tl.constexpr = BLOCK_L // CHUNKS
 
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -100,21 +100,8 @@ def _mla_sparse_chunked_kernel(
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
 
-    slot_row = slots_ptr + pid_n * stride_sln
-    chosen = start
-    if SLOTS > 0:
-        offs_c = start + tl.arange(0, SLOTS)
-        chosen = tl.load(slot_row + offs_c * stride_slk, mask=offs_c < end, other=-1)
     for j0 in range(start, end, BLOCK_N):
-        offs_j = j0 + tl.arange(0, BLOCK_N)
-        if SLOTS > 0:
-            slot = tl.gather(chosen, tl.minimum(offs_j - start, SLOTS - 1), 0).to(tl.int64)
-            slot = tl.where(offs_j < end, slot, -1)
-        else:
-            slot = tl.load(slot_row + offs_j * stride_slk, mask=offs_j < end,
-                           other=-1).to(tl.int64)
-        valid = slot >= 0
-        slot = tl.where(valid, slot, 0)
+        slot, valid = _tile_slots(chosen, slot_row, j0, start, end, stride_slk, BLOCK_N, SLOTS)
         kv_rows = kv_ptr + ((slot // PAGE_SIZE) * stride_kvp
                             + (slot % PAGE_SIZE) * stride_kvs)[:, None]
         kv0 = _kv_chunk(kv_rows, 0, valid, stride_kvd, L, CH, q0.dtype, IS_FP8, FP8_PTX)

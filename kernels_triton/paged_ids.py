@@ -6,7 +6,7 @@ copy at the top of each iteration, whatever ``num_stages`` says, so no load over
 products. Loading a block of ids before the loop and gathering each tile's from registers
 (``tl.gather``) removes that load: the loop then keeps ``num_stages - 2`` tiles' copies in
 flight. ``mla_decode`` walks a split in such blocks (``_page_block``); ``index_scores`` loads
-a program's ids at once.
+a program's ids at once; ``mla_sparse`` its split's slot ids (``_split_slots``, ``_tile_slots``).
 """
 
 from __future__ import annotations
@@ -41,3 +41,35 @@ def _page_block(bt_row_ptr, b0, start, full_end, end, stride_btp, PAGE_SIZE: tl.
     first_page = b0 // PAGE_SIZE
     pages = _load_page_ids(bt_row_ptr, first_page, end, stride_btp, PAGE_SIZE, PAGES)
     return first_page, pages, tl.maximum(start, b0), tl.minimum(full_end, b0 + PAGES * PAGE_SIZE)
+
+
+@triton.jit
+def _split_slots(slots_ptr, pid_n, pid_s, K, num_splits, stride_sln, stride_slk,
+                 BLOCK_N: tl.constexpr, SLOTS: tl.constexpr):
+    """Split ``pid_s`` of row ``pid_n``'s ``K`` slot ids (whole tiles of ``BLOCK_N``): the row's
+    slot pointer, the split's [start, end), and with ``SLOTS`` > 0 its ids loaded once (at most
+    SLOTS) for ``_tile_slots`` to gather."""
+    split_len = tl.cdiv(tl.cdiv(K, num_splits), BLOCK_N) * BLOCK_N
+    start = pid_s * split_len
+    end = tl.minimum(start + split_len, K)
+    slot_row = slots_ptr + pid_n * stride_sln
+    chosen = start  # unused without SLOTS
+    if SLOTS > 0:
+        offs_c = start + tl.arange(0, SLOTS)
+        chosen = tl.load(slot_row + offs_c * stride_slk, mask=offs_c < end, other=-1)
+    return slot_row, start, end, chosen
+
+
+@triton.jit
+def _tile_slots(chosen, slot_row, j0, start, end, stride_slk, BLOCK_N: tl.constexpr,
+                SLOTS: tl.constexpr):
+    """The tile at ``j0``'s slots (int64; 0 where none) and which are valid (-1 entries and
+    those past the split's end are not): gathered from ``chosen`` or loaded."""
+    offs_j = j0 + tl.arange(0, BLOCK_N)
+    if SLOTS > 0:
+        slot = tl.gather(chosen, tl.minimum(offs_j - start, SLOTS - 1), 0).to(tl.int64)
+        slot = tl.where(offs_j < end, slot, -1)
+    else:
+        slot = tl.load(slot_row + offs_j * stride_slk, mask=offs_j < end, other=-1).to(tl.int64)
+    valid = slot >= 0
+    return tl.where(valid, slot, 0), valid

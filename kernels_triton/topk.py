@@ -59,7 +59,7 @@ Tried on an H200 (16 rows, k = 2048, graph-timed), against 0.032 / 0.061 ms at 3
   above the floor (or its k largest), compacted into its own k slots, then a program per row
   copying the survivors together, searching them in registers and placing the winners with one
   scan (the placement inside the searching programs, one program a row): 16 x 32K / 128K, the
-  DSA layer 0.0724 -> 0.0856 / 0.1428 -> 0.1632 ms (per-kernel timeline, ``dsa_timeline.py``):
+  DSA layer 0.0724 -> 0.0856 / 0.1428 -> 0.1632 ms (per-kernel timeline, ``dsa_timeline.json``):
   at 32K the per-chunk kernel ended 17 us after the indexer and the per-row pick 19 us after
   it, against 12 and 12 for the search and placement launches each replaced (placing in the
   searching programs, one a row, is what costs).
