@@ -89,6 +89,7 @@ from splash.kernels_triton.mla_decode_chunked import CHUNKS, _mla_decode_chunked
 from splash.kernels_triton.mla_decode_kernels import _LOG2E, _MAX_SPLITS, _mla_decode_kernel
 from splash.kernels_triton.mla_decode_plan import _decode_plan_kernel, planned
 from splash.kernels_triton.mla_decode_tokens_m import _mla_decode_tokens_m_kernel
+from splash.kernels_triton.pdl import pdl
 
 # fp32 queries on a GPU (the GPU test suite's exact-token runs): tiles twice as wide in bytes,
 # so small tiles and one stage keep shared memory under the limit
@@ -224,6 +225,7 @@ def mla_decode(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 and not fp16_products else None,
         FP8_FP16=fp16_products, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         FP8_PTX=V.ptx_fp8_widen(cfg, fp16_products, kv.dtype, q.device),
+        PDL=(on := pdl(q.device)), launch_pdl=on,
     )
     if cfg.get("maxnreg") and q.is_cuda and torch.version.hip is None:
         consts["maxnreg"] = int(cfg["maxnreg"])  # a register cap for ptxas (occupancy)
@@ -257,7 +259,7 @@ def mla_decode(
             items = torch.empty((launched, 4), dtype=torch.int32, device=q.device)
             _decode_plan_kernel[(launched,)](seq_lens, seq_lens.stride(0), N, programs,
                                              min_tiles, items, meta, BLOCK_N=BLOCK_N,
-                                             num_warps=4)
+                                             num_warps=4, PDL=on, launch_pdl=on)
             return items, meta
 
         items, meta = planned(seq_lens, (N, programs, min_tiles, BLOCK_N, q.device), plan)

@@ -32,6 +32,7 @@ from splash.kernels_triton.mla_decode_kernels import (
     _widen_kv,
 )
 from splash.kernels_triton.paged_ids import _page_block
+from splash.kernels_triton.pdl import pdl_enter
 
 CHUNKS = tl.constexpr(4)  # the latent dims' column chunks (BLOCK_L // CHUNKS columns each)
 
@@ -148,7 +149,9 @@ def _mla_decode_chunked_kernel(
     FP8_PTX: tl.constexpr,
     BALANCED: tl.constexpr,
     PAGES: tl.constexpr = 0,  # > 0: page ids in blocks of PAGES, gathered (config gather_pages)
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     pid_h = tl.program_id(0)
     if BALANCED:
         pid_s = tl.program_id(1)

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from splash.kernels_triton.paged_ids import _gather_page_ids, _page_block
+from splash.kernels_triton.pdl import pdl_enter
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
@@ -313,7 +314,9 @@ def _mla_decode_kernel(
     FP8_PTX: tl.constexpr,  # _widen_kv
     BALANCED: tl.constexpr,  # splits from the batch's total work (``_decode_plan_kernel``)
     PAGES: tl.constexpr = 0,  # > 0: page ids in blocks of PAGES, gathered (config gather_pages)
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     pid_h = tl.program_id(0)
     if BALANCED:
         pid_s = tl.program_id(1)

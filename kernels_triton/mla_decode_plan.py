@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from splash.kernels_triton.pdl import pdl_enter
+
 
 @triton.jit
 def _balanced_split(seq_lens_ptr, stride_sl, N, P, p, meta_ptr, write_meta, MIN_TILES,
@@ -60,10 +62,11 @@ def _balanced_split(seq_lens_ptr, stride_sl, N, P, p, meta_ptr, write_meta, MIN_
 
 @triton.jit(do_not_specialize=["N", "P"])  # vary by step: one binary
 def _decode_plan_kernel(seq_lens_ptr, stride_sl, N, P, MIN_TILES, items_ptr, meta_ptr,
-                        BLOCK_N: tl.constexpr):
+                        BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
     """Balanced splits, planned once per launch: program p stores its (request, splits, start,
     end) at ``items[4p:4p + 4]`` (request N: no work); program 0 also stores ``meta``. Kept out
     of the attention kernel, whose registers it would crowd."""
+    pdl_enter(PDL)
     p = tl.program_id(0)
     req, count, start, end = _balanced_split(seq_lens_ptr, stride_sl, N, P, p, meta_ptr, p == 0,
                                              MIN_TILES, BLOCK_N)

@@ -14,6 +14,7 @@ from splash.kernels_triton.mla_decode_kernels import (
     _split_bounds,
     _widen_kv,
 )
+from splash.kernels_triton.pdl import pdl_enter
 
 
 @triton.jit
@@ -130,9 +131,11 @@ def _mla_decode_tokens_m_kernel(
     KV_IN_REGS: tl.constexpr,
     FP8_FP16: tl.constexpr,
     FP8_PTX: tl.constexpr,  # _widen_kv
+    PDL: tl.constexpr = False,
 ):
     """``_mla_decode_kernel`` with the tokens on the MMA's M side (``config["transposed"]``):
     same grid, arguments and outputs."""
+    pdl_enter(PDL)
     pid_h = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_n = tl.program_id(2)

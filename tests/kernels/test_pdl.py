@@ -1,14 +1,14 @@
 """Programmatic dependent launch: where it applies, and that a CUDA graph of PDL kernels, each
 reading what the one before wrote (a DSA decode layer: the indexer's scores and group maxima,
-the top-k passes with the floor, sparse MLA and its merge), replays what eager launches
-compute on new inputs."""
+the top-k passes with the floor, sparse MLA and its merge; then dense decode's split plan,
+attention and merge), replays what eager launches compute on new inputs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from splash.kernels_triton import index_scores, mla_sparse, topk_rows
+from splash.kernels_triton import index_scores, mla_decode, mla_sparse, topk_rows
 from splash.kernels_triton.pdl import pdl
 from splash.kernels_triton.topk import floor_group
 
@@ -50,7 +50,8 @@ def test_a_graph_of_pdl_kernels_replays_eager_results(gpu_device):
         scores = index_scores(iq, w, keys, table, lens, starts, 128 ** -0.5, context,
                               index_scale=key_scale, max_rows=1, group_max=gmax, group=group)
         slots = topk_rows(scores, k, block_table=table, page_size=page, floor_max=gmax)[1]
-        return (slots, *mla_sparse(q, kv, slots, 0.1147, 512))
+        return (slots, *mla_sparse(q, kv, slots, 0.1147, 512),
+                *mla_decode(q, kv, table, lens, 0.1147, 512))
 
     fill()
     layer()  # compiled before the capture
