@@ -152,6 +152,18 @@ def choose_num_splits(
     return best
 
 
+def _gather_max(cfg: dict[str, Any], head_groups: int, device: torch.device) -> int:
+    """With balanced splits and gathered page ids, the most programs per head group (the plan's
+    total splits) for which a launch gathers: ``gather_pages_waves`` waves of one program an SM
+    (None: always)."""
+    waves = cfg.get("gather_pages_waves")
+    if waves is None:
+        return 2**31 - 1
+    if isinstance(waves, bool) or not isinstance(waves, (int, float)) or waves < 0:
+        raise ValueError(f"config gather_pages_waves={waves!r} must be a number >= 0 or None")
+    return int(waves * V.num_sms(device)) // max(head_groups, 1)
+
+
 def balanced_programs(head_groups: int, device: torch.device, cfg: dict[str, Any]) -> int:
     """Programs one head group may fill when the splits follow the batch's work:
     ``programs_per_sm`` resident programs on every SM, shared by the head groups."""
@@ -264,8 +276,8 @@ def mla_decode(
 
         items, meta = planned(seq_lens, (N, programs, min_tiles, BLOCK_N, q.device), plan)
         kernel[(head_groups, launched)](
-            q, kv, scale, block_table, seq_lens, o_part, lse_part, out, lse, items,
-            float(sm_scale) * _LOG2E, H, 1, N, *inputs,
+            q, kv, scale, block_table, seq_lens, o_part, lse_part, out, lse, items, meta,
+            _gather_max(cfg, head_groups, q.device), float(sm_scale) * _LOG2E, H, 1, N, *inputs,
             *o_part.stride(), *lse_part.stride(), *out.stride(), *lse.stride(),
             BALANCED=True, **consts,
         )
@@ -295,8 +307,8 @@ def mla_decode(
         )
     else:
         kernel[grid](
-            q, kv, scale, block_table, seq_lens, o_part, lse_part, out, lse, seq_lens,
-            float(sm_scale) * _LOG2E, H, num_splits, N, *inputs, *parts,
+            q, kv, scale, block_table, seq_lens, o_part, lse_part, out, lse, seq_lens, seq_lens,
+            0, float(sm_scale) * _LOG2E, H, num_splits, N, *inputs, *parts,
             *out.stride(), *lse.stride(), BALANCED=False, **consts,
         )
     if num_splits > 1:
