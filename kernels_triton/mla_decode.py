@@ -69,7 +69,14 @@ Design:
   next tile's copies in flight (chunked kernel, 16 heads: bf16 198 registers against 206, fp8
   234 against 238; the head-group kernel only from 3 stages, which at 64 heads fit shared
   memory with 32-token tiles). On an H200, 16 heads: fp8 (64-token tiles) 3-10% faster; bf16
-  23% faster at 128 x 1K but 8% slower at 32K-128K; 128 heads 4-32% slower.
+  23% faster at 128 x 1K but 8% slower at 32K-128K; 128 heads 4-32% slower. Which way bf16
+  goes follows the programs an SM, not the lengths (session 21, 8 layers a graph: 128 x 1K,
+  128 programs, 0.0636 -> 0.0477 ms gathered; 64 x 1K and 64 x 4K, 192 and 256 programs,
+  0.0338 -> 0.0415 and 0.0848 -> 0.0924): one program an SM has only its own copies in
+  flight, two overlap each other's waits. The launcher cannot count the programs (the plan is
+  made on the device), so with balanced splits both loops are compiled and each program
+  reads the plan's total: ``config["gather_pages_waves"]`` w gathers only while it is at
+  most w waves of one program an SM (the CUDA bf16 default 1; None: always, as fp8 KV does).
 - Full tiles load without a token mask; only a split's last partial tile is masked. When the
   page size is a multiple of ``BLOCK_N`` a tile lies in one page and its page id is one load.
 """

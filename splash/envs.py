@@ -33,8 +33,8 @@ _DEFAULTS: dict[str, str] = {
     # that does fewer FLOPs than absorbed), "off" (always absorbed), or "N" (expanded for steps
     # of at least N rows on a rank)
     "SPLASH_MHA_PREFILL": "auto",
-    # "0": the DSA kernels (and lse_merge) launch without programmatic dependent launch on
-    # Hopper and newer (kernels_triton/pdl.py)
+    # "0": the DSA kernels and dense decode's (its split plan, attention and lse_merge) launch
+    # without programmatic dependent launch on Hopper and newer (kernels_triton/pdl.py)
     "SPLASH_PDL": "",
     "SPLASH_TOKEN": "",  # shared secret of `splash serve` and its clients (required off loopback)
 }
