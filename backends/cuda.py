@@ -49,14 +49,14 @@ class CUDABackend(BaseBackend):
         "mla_decode": {
             "default": {
                 "transposed": False, "balanced": True, "dim_chunks": True, "BLOCK_N": 64,
-                "BLOCK_H": 16, "gather_pages": True, "gather_pages_waves": 1,
+                "BLOCK_H": 16,
                 "num_warps": 4, "num_stages": 3, "max_block_h": 64, "programs_per_sm": 2,
                 "split_overhead_tokens": 512, "min_split_tokens": 256,
                 "many_heads": {"transposed": False, "dim_chunks": False, "BLOCK_H": 64,
-                               "BLOCK_N": 64, "gather_pages": False,
+                               "BLOCK_N": 64,
                                "num_warps": 8, "num_stages": 2, "programs_per_sm": 1,
                                "split_overhead_tokens": 64, "min_split_tokens": 64},
-                "fp8": {"transposed": False, "BLOCK_N": 64, "gather_pages_waves": None,
+                "fp8": {"transposed": False, "BLOCK_N": 64, "gather_pages": True,
                         "num_warps": 4, "num_stages": 3,
                         "programs_per_sm": 2, "split_overhead_tokens": 64, "fp8_fp16": True,
                         "many_heads": {"BLOCK_N": 64, "gather_pages": False, "num_warps": 8,
@@ -78,8 +78,8 @@ class CUDABackend(BaseBackend):
         # -> 0.0585) and 3 stages overflow shared memory there
         # "dim_chunks" at every head count (dsa_sparse_chunks.json): 16 heads bf16 0.0204 ->
         # 0.0186 ms, fp8 0.0239 -> 0.0207; 128 heads bf16 0.0568 -> 0.0515, fp8 0.0766 -> 0.0666
-        # 4 warps at few heads with bf16 KV (dsa_sparse_chunks.json, session 21: 16 heads
-        # 0.0176 -> 0.0168 ms; fp8 0.0197 -> 0.0202 and 128 heads 0.052 -> 0.078 keep 8)
+        # 4 warps at few heads with bf16 KV (dsa_sparse_chunks.json: 16 heads 0.0176 ->
+        # 0.0168 ms; fp8 0.0197 -> 0.0202 and 128 heads 0.052 -> 0.078 keep 8)
         "mla_sparse": {"default": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3,
                                    "gather_slots": True, "dim_chunks": True,
                                    "many_heads": {"num_stages": 2, "gather_slots": False,

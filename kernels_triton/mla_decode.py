@@ -70,13 +70,12 @@ Design:
   234 against 238; the head-group kernel only from 3 stages, which at 64 heads fit shared
   memory with 32-token tiles). On an H200, 16 heads: fp8 (64-token tiles) 3-10% faster; bf16
   23% faster at 128 x 1K but 8% slower at 32K-128K; 128 heads 4-32% slower. Which way bf16
-  goes follows the programs an SM, not the lengths (session 21, 8 layers a graph: 128 x 1K,
-  128 programs, 0.0636 -> 0.0477 ms gathered; 64 x 1K and 64 x 4K, 192 and 256 programs,
-  0.0338 -> 0.0415 and 0.0848 -> 0.0924): one program an SM has only its own copies in
-  flight, two overlap each other's waits. The launcher cannot count the programs (the plan is
-  made on the device), so with balanced splits both loops are compiled and each program
-  reads the plan's total: ``config["gather_pages_waves"]`` w gathers only while it is at
-  most w waves of one program an SM (the CUDA bf16 default 1; None: always, as fp8 KV does).
+  goes follows the programs an SM, not the lengths (8 layers a graph: 128 x 1K, 128
+  programs, 0.0636 -> 0.0477 ms gathered; 64 x 1K and 64 x 4K, 192 and 256 programs, 0.0338
+  -> 0.0415 and 0.0848 -> 0.0924). Tried: both loops in one kernel, each program choosing
+  from the plan's total (gathered while the programs fit one an SM): the per-tile loop of that
+  kernel ran 25-33% slower at 64 x 4K-32K whichever way the branch was written, so a kernel
+  holds one loop (``benchmarks/results/h200/decode_gather_choice.json``).
 - Full tiles load without a token mask; only a split's last partial tile is masked. When the
   page size is a multiple of ``BLOCK_N`` a tile lies in one page and its page id is one load.
 """
@@ -157,18 +156,6 @@ def choose_num_splits(
         if cost < best_cost * 0.999:  # ties go to fewer splits (less merge work)
             best, best_cost = splits, cost
     return best
-
-
-def _gather_max(cfg: dict[str, Any], head_groups: int, device: torch.device) -> int:
-    """With balanced splits and gathered page ids, the most programs per head group (the plan's
-    total splits) for which a launch gathers: ``gather_pages_waves`` waves of one program an SM
-    (None: always)."""
-    waves = cfg.get("gather_pages_waves")
-    if waves is None:
-        return 2**31 - 1
-    if isinstance(waves, bool) or not isinstance(waves, (int, float)) or waves < 0:
-        raise ValueError(f"config gather_pages_waves={waves!r} must be a number >= 0 or None")
-    return int(waves * V.num_sms(device)) // max(head_groups, 1)
 
 
 def balanced_programs(head_groups: int, device: torch.device, cfg: dict[str, Any]) -> int:
@@ -283,8 +270,8 @@ def mla_decode(
 
         items, meta = planned(seq_lens, (N, programs, min_tiles, BLOCK_N, q.device), plan)
         kernel[(head_groups, launched)](
-            q, kv, scale, block_table, seq_lens, o_part, lse_part, out, lse, items, meta,
-            _gather_max(cfg, head_groups, q.device), float(sm_scale) * _LOG2E, H, 1, N, *inputs,
+            q, kv, scale, block_table, seq_lens, o_part, lse_part, out, lse, items,
+            float(sm_scale) * _LOG2E, H, 1, N, *inputs,
             *o_part.stride(), *lse_part.stride(), *out.stride(), *lse.stride(),
             BALANCED=True, **consts,
         )
@@ -314,8 +301,8 @@ def mla_decode(
         )
     else:
         kernel[grid](
-            q, kv, scale, block_table, seq_lens, o_part, lse_part, out, lse, seq_lens, seq_lens,
-            0, float(sm_scale) * _LOG2E, H, num_splits, N, *inputs, *parts,
+            q, kv, scale, block_table, seq_lens, o_part, lse_part, out, lse, seq_lens,
+            float(sm_scale) * _LOG2E, H, num_splits, N, *inputs, *parts,
             *out.stride(), *lse.stride(), BALANCED=False, **consts,
         )
     if num_splits > 1:

@@ -126,7 +126,7 @@ def _attend_tile_chunked(
 @triton.jit(do_not_specialize=["num_splits", "stride_btn", "N"])  # vary by step: one binary
 def _mla_decode_chunked_kernel(
     q_ptr, kv_ptr, scale_ptr, bt_ptr, seq_lens_ptr, o_ptr, lse_ptr, out_ptr, lse_out_ptr,
-    plan_ptr, meta_ptr, gather_max, qk_scale, H, num_splits, N,
+    plan_ptr, qk_scale, H, num_splits, N,
     stride_qn, stride_qh, stride_qd,
     stride_kvp, stride_kvs, stride_kvd,
     stride_sp, stride_ss,
@@ -180,31 +180,26 @@ def _mla_decode_chunked_kernel(
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     bt_row_ptr = bt_ptr + pid_n * stride_btn
-    plain_start = start  # full tiles from here take per-tile page ids
     if PAGES > 0:  # blocks of PAGES pages, their ids loaded once; the tiles' copies pipeline
-        gathered = True
-        if BALANCED:  # only when the plan's programs number at most gather_max
-            gathered = tl.load(meta_ptr + N) <= gather_max
-        if gathered:
-            for b0 in range((start // PAGE_SIZE) * PAGE_SIZE, full_end, PAGES * PAGE_SIZE):
-                first_page, pages, lo, hi = _page_block(bt_row_ptr, b0, start, full_end, end,
-                                                        stride_btp, PAGE_SIZE, PAGES)
-                for t0 in range(lo, hi, BLOCK_N):
-                    m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile_chunked(
-                        q_rows, mask_h, m_i, l_i, acc0, acc1, acc2, acc3, kv_ptr, scale_ptr,
-                        bt_row_ptr, pages, first_page, t0, end, qk_scale, stride_qd,
-                        stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss, L,
-                        R, PAGE_SIZE, BLOCK_H, BLOCK_N, BLOCK_L, BLOCK_R, False, IS_FP8,
-                        DOT_PRECISION, FP8_PTX, PAGES,
-                    )
-            plain_start = full_end
-    for t0 in range(plain_start, full_end, BLOCK_N):
-        m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile_chunked(
-            q_rows, mask_h, m_i, l_i, acc0, acc1, acc2, acc3, kv_ptr, scale_ptr,
-            bt_row_ptr, bt_row_ptr, 0, t0, end, qk_scale, stride_qd, stride_btp,
-            stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss, L, R, PAGE_SIZE,
-            BLOCK_H, BLOCK_N, BLOCK_L, BLOCK_R, False, IS_FP8, DOT_PRECISION, FP8_PTX, 0,
-        )
+        for b0 in range((start // PAGE_SIZE) * PAGE_SIZE, full_end, PAGES * PAGE_SIZE):
+            first_page, pages, lo, hi = _page_block(bt_row_ptr, b0, start, full_end, end,
+                                                    stride_btp, PAGE_SIZE, PAGES)
+            for t0 in range(lo, hi, BLOCK_N):
+                m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile_chunked(
+                    q_rows, mask_h, m_i, l_i, acc0, acc1, acc2, acc3, kv_ptr, scale_ptr,
+                    bt_row_ptr, pages, first_page, t0, end, qk_scale, stride_qd, stride_btp,
+                    stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss, L, R, PAGE_SIZE,
+                    BLOCK_H, BLOCK_N, BLOCK_L, BLOCK_R, False, IS_FP8, DOT_PRECISION, FP8_PTX,
+                    PAGES,
+                )
+    else:
+        for t0 in range(start, full_end, BLOCK_N):
+            m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile_chunked(
+                q_rows, mask_h, m_i, l_i, acc0, acc1, acc2, acc3, kv_ptr, scale_ptr,
+                bt_row_ptr, bt_row_ptr, 0, t0, end, qk_scale, stride_qd, stride_btp,
+                stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss, L, R, PAGE_SIZE,
+                BLOCK_H, BLOCK_N, BLOCK_L, BLOCK_R, False, IS_FP8, DOT_PRECISION, FP8_PTX, 0,
+            )
     if full_end < end:
         m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile_chunked(
             q_rows, mask_h, m_i, l_i, acc0, acc1, acc2, acc3, kv_ptr, scale_ptr, bt_row_ptr,

@@ -288,8 +288,6 @@ def _mla_decode_kernel(
     out_ptr,  # BALANCED: (N, H, L) output (requests of one split write it directly)
     lse_out_ptr,  # BALANCED: (N, H) fp32
     plan_ptr,  # BALANCED: (programs, 4) int32, each program's work (``_decode_plan_kernel``)
-    meta_ptr,  # BALANCED: the plan's (N + 1,) int32 meta; meta[N], the programs holding work
-    gather_max,  # BALANCED with PAGES: gathered page ids only when meta[N] <= gather_max
     qk_scale,  # sm_scale * log2(e)
     H,
     num_splits,
@@ -360,30 +358,25 @@ def _mla_decode_kernel(
 
     bt_row_ptr = bt_ptr + pid_n * stride_btn
     # full tiles unmasked, then the split's partial tail tile
-    plain_start = start  # full tiles from here take per-tile page ids
     if PAGES > 0:  # blocks of PAGES pages, their ids loaded once: the tiles' copies pipeline
-        gathered = True
-        if BALANCED:  # only when the plan's programs number at most gather_max
-            gathered = tl.load(meta_ptr + N) <= gather_max
-        if gathered:
-            for b0 in range((start // PAGE_SIZE) * PAGE_SIZE, full_end, PAGES * PAGE_SIZE):
-                first_page, pages, lo, hi = _page_block(bt_row_ptr, b0, start, full_end, end,
-                                                        stride_btp, PAGE_SIZE, PAGES)
-                for t0 in range(lo, hi, BLOCK_N):
-                    m_i, l_i, acc = _attend_tile(
-                        q_nope, q_rope, m_i, l_i, acc, m_i, kv_ptr, scale_ptr, bt_row_ptr, t0,
-                        end, qk_scale, stride_btp, stride_kvp, stride_kvs, stride_kvd,
-                        stride_sp, stride_ss, L, R, PAGE_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, False,
-                        IS_FP8, False, DOT_PRECISION, FP8_PTX, pages, first_page, PAGES,
-                    )
-            plain_start = full_end
-    for t0 in range(plain_start, full_end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(
-            q_nope, q_rope, m_i, l_i, acc, m_i, kv_ptr, scale_ptr, bt_row_ptr, t0, end,
-            qk_scale, stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss,
-            L, R, PAGE_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, False, IS_FP8, False, DOT_PRECISION,
-            FP8_PTX,
-        )
+        for b0 in range((start // PAGE_SIZE) * PAGE_SIZE, full_end, PAGES * PAGE_SIZE):
+            first_page, pages, lo, hi = _page_block(bt_row_ptr, b0, start, full_end, end,
+                                                    stride_btp, PAGE_SIZE, PAGES)
+            for t0 in range(lo, hi, BLOCK_N):
+                m_i, l_i, acc = _attend_tile(
+                    q_nope, q_rope, m_i, l_i, acc, m_i, kv_ptr, scale_ptr, bt_row_ptr, t0, end,
+                    qk_scale, stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp,
+                    stride_ss, L, R, PAGE_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, False, IS_FP8, False,
+                    DOT_PRECISION, FP8_PTX, pages, first_page, PAGES,
+                )
+    else:
+        for t0 in range(start, full_end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q_nope, q_rope, m_i, l_i, acc, m_i, kv_ptr, scale_ptr, bt_row_ptr, t0, end,
+                qk_scale, stride_btp, stride_kvp, stride_kvs, stride_kvd, stride_sp, stride_ss,
+                L, R, PAGE_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, False, IS_FP8, False, DOT_PRECISION,
+                FP8_PTX,
+            )
     if full_end < end:
         m_i, l_i, acc = _attend_tile(
             q_nope, q_rope, m_i, l_i, acc, m_i, kv_ptr, scale_ptr, bt_row_ptr, full_end, end,

@@ -63,33 +63,6 @@ def test_gather_pages_must_hold_a_tile(device):
                    config={"dim_chunks": True, "gather_pages": 3, "BLOCK_N": 16})
 
 
-@pytest.mark.parametrize("waves", [0, 1, None])
-@pytest.mark.parametrize("chunks", [True, False])
-def test_gathered_page_ids_only_up_to_the_waves(setting, chunks, waves):
-    """Balanced splits with ``gather_pages_waves``: a launch whose plan holds more programs
-    than that many waves of one an SM takes per-tile page ids (0: always, here), the others
-    gather them (1: this plan's 3 programs fit the interpreter's 4 SMs; None: always); both
-    loops, in both heads-on-M kernels, match the reference."""
-    L, R, PS, H, lens = CASES["full-chunks"]
-    q, kv, scale, table, seq_lens = decode_inputs(setting, L, R, PS, H, lens, seed=9)
-    cfg = {"dim_chunks": chunks, "balanced": True, "min_split_tokens": 16, "BLOCK_N": 16,
-           "programs_per_sm": 1, "gather_pages": 2, "gather_pages_waves": waves}
-    out, lse = mla_decode(q, kv, table, seq_lens, 0.15, L, kv_scale=scale, config=cfg)
-    ref_out, ref_lse = mla_decode_ref(q, kv, table, seq_lens, 0.15, L, kv_scale=scale)
-    assert_close(out, ref_out, setting.atol, setting.rtol)
-    assert_lse(lse, ref_lse, setting.lse_tol)
-
-
-@pytest.mark.parametrize("waves", [-1, "1", True])
-def test_gather_pages_waves_must_be_a_number(device, waves):
-    q = torch.zeros(1, 16, 80, device=device)
-    kv = torch.zeros(4, 16, 80, device=device)
-    one = torch.ones(1, dtype=torch.int32, device=device)
-    with pytest.raises(ValueError, match="gather_pages_waves"):
-        mla_decode(q, kv, one[:, None] * 0, one, 0.1, 64,
-                   config={"balanced": True, "gather_pages": True, "gather_pages_waves": waves})
-
-
 @pytest.mark.parametrize("other", ["narrow-latents", "transposed"])
 def test_chunks_yield_where_they_do_not_apply(setting, other):
     """Latents under 64 columns (chunks of under 16) take the unchunked kernel, and the tokens-
