@@ -18,11 +18,13 @@ Design:
 - Balanced splits (``config["balanced"]``, the CUDA default): the split counts follow the
   batch's total work instead of one count for every request. A one-launch plan
   (``_decode_plan_kernel``, from ``seq_lens`` on the device: no host sync, graph-safe) gives each
-  program its request and token range: with T tiles in all, a split holds at most W = max(ceil(T
-  / (P - N)), min_split_tokens / BLOCK_N) tiles, P being the programs a head group may fill
-  (``programs_per_sm`` x SMs / head groups), so a long request gets many splits and a short one
-  a single program that writes the output itself; the merge combines each request's run of
-  partial rows. H200, graph-timed, against one count for all (the wave model below,
+  program its request and token range: a split holds at most W tiles (at least
+  min_split_tokens / BLOCK_N), the fewest for which the requests' splits, ceil(tiles / W)
+  each, fill at most P programs, P being those a head group may fill (``programs_per_sm`` x
+  SMs / head groups); so a long request gets many splits and a short one a single program
+  that writes the output itself; the merge combines each request's run of partial rows. (W
+  was first the bound ceil(T / (P - N)) for T tiles over N requests, which left half the
+  programs idle when N neared P / 2: 128 x 1K at 16 heads, 128 programs of 264.) H200, graph-timed, against one count for all (the wave model below,
   ``balanced: False``): 16 heads, one 128K request among 63 of 1K 1.72 -> 0.104 ms, four of 64K
   among 60 of 512 0.87 -> 0.13 ms, 64 requests spread over 1K-32K 0.532 -> 0.447 ms; 128 heads,
   one 128K among 15 of 2K 0.298 -> 0.213 ms, 16 over 1K-32K 0.498 -> 0.354 ms; uniform batches,

@@ -20,9 +20,11 @@ from splash.kernels_triton.pdl import pdl_enter
 def _balanced_split(seq_lens_ptr, stride_sl, N, P, p, meta_ptr, write_meta, MIN_TILES,
                     BLOCK_N: tl.constexpr):
     """Program ``p``'s share of a batch split by its total work: with T tiles over all N
-    requests, a split holds at most W = max(ceil(T / (P - N)), MIN_TILES) tiles (W = T when
-    P <= N + 1), request i gets s_i = max(ceil(t_i / W), 1) splits of equal tiles and the
-    splits are numbered request after request, so at most P programs have work. Every program
+    requests, request i gets s_i = max(ceil(t_i / W), 1) splits of equal tiles, W being the
+    fewest tiles a split (at least MIN_TILES) for which the s_i sum to at most P, found by
+    bisection between ceil(T / P) and ceil(T / (P - N)) (where the sum is at most P; T when
+    P <= N + 1). The splits are numbered request after request, so at most P programs have
+    work. Every program
     derives the same plan from ``seq_lens``; the one with ``write_meta`` stores the first split
     of each request and the total (``meta`` (N + 1,)) for the merge. Returns (request, or N
     past the last split; its splits; [start, end))."""
@@ -32,7 +34,22 @@ def _balanced_split(seq_lens_ptr, stride_sl, N, P, p, meta_ptr, write_meta, MIN_
     for c in range(0, N, CH):
         lens = tl.load(seq_lens_ptr + (c + offs) * stride_sl, mask=c + offs < N, other=0)
         total += tl.sum(tl.cdiv(lens.to(tl.int32), BLOCK_N))
-    W = tl.maximum(tl.cdiv(total, tl.maximum(P - N, 1)), MIN_TILES)
+    hi = tl.maximum(tl.cdiv(total, tl.maximum(P - N, 1)), MIN_TILES)
+    lo = hi  # P <= N + 1: one split a request (the launcher then holds no partial rows)
+    if P > N + 1:
+        lo = tl.maximum(tl.cdiv(total, P), MIN_TILES)
+    while lo < hi:  # the fewest tiles a split that keeps the splits within P
+        mid = (lo + hi) // 2
+        splits = 0
+        for c in range(0, N, CH):
+            lens = tl.load(seq_lens_ptr + (c + offs) * stride_sl, mask=c + offs < N, other=0)
+            each = tl.maximum(tl.cdiv(tl.cdiv(lens.to(tl.int32), BLOCK_N), mid), 1)
+            splits += tl.sum(tl.where(c + offs < N, each, 0))
+        if splits <= P:
+            hi = mid
+        else:
+            lo = mid + 1
+    W = lo
     carry = 0  # splits of the requests before this pass
     req = 0  # requests whose splits all come before p
     first = 0  # and their splits: p's request's first split

@@ -16,7 +16,10 @@ def _balanced_plan(lens, programs, min_tiles, block_n):
     """The split plan the balanced launch is documented to follow, in Python: per request its
     split count and token ranges."""
     tiles = [-(-n // block_n) for n in lens]
-    w = max(-(-sum(tiles) // max(programs - len(lens), 1)), min_tiles)
+    hi = max(-(-sum(tiles) // max(programs - len(lens), 1)), min_tiles)
+    lo = max(-(-sum(tiles) // programs), min_tiles) if programs > len(lens) + 1 else hi
+    w = next((w for w in range(lo, hi) if sum(max(-(-t // w), 1) for t in tiles) <= programs),
+             hi)  # the fewest tiles a split keeping the splits within the programs
     plan = []
     for n, t in zip(lens, tiles):
         splits = max(-(-t // w), 1)
