@@ -32,6 +32,9 @@ Timings (value checks off, so a call never syncs with the host):
   eager call each time, so it includes the Python launcher (argument checks, config, Triton
   launch). Where ``ms_eager`` >> ``ms`` the launcher, not the kernel, bounds the eager figure
   (the 16-head 64x4K shape: ~0.13 ms per call).
+- ``ms_layer`` (defaults only) is a layer's share of one graph of ``LAYERS`` decode calls under
+  one ``plan_scope``, as a forward runs them: the balanced-split plan launches once for all
+  layers instead of once a call (``pct_copy_layer`` from it).
 The warm-up runs the call eagerly first (compiles the kernels), so capture never compiles. If a
 capture fails, ``ms`` falls back to the eager time and ``graph_error`` says why. The copy
 benchmarks are eager only (large, bandwidth-bound).
@@ -54,12 +57,14 @@ import triton
 from _timing import bench_both, ceilings  # noqa: E402  (benchmarks/ is on sys.path)
 from copy_kernels import copy_records  # noqa: E402
 from dsa_kernels import dsa_records, merge_dsa  # noqa: E402
+from triton.testing import do_bench_cudagraph
 
 import splash.kernels_triton as K
 
 L, R, PAGE = 512, 64, 64
 D = L + R
 SM_SCALE = 0.1147
+LAYERS = 8  # decode layers in one graph for ``ms_layer``
 
 DECODE_SHAPES = [(16, 64, 4096), (16, 64, 32768), (16, 16, 131072),
                  (128, 8, 32768), (128, 64, 4096), (128, 2, 131072)]  # (heads, batch, context)
@@ -203,6 +208,13 @@ def _decode_shape(dev, gen, kind, heads, batch, context, sweep, tried) -> tuple[
     auto_ok = verify_config(dev, kind, heads, {})
     nan = {"ms": float("nan"), "ms_eager": float("nan")}
     auto = bench_both(run) if auto_ok else nan
+    if auto_ok:  # as a forward runs it: the layers share one split plan
+        def layers():
+            with K.plan_scope():
+                for _ in range(LAYERS):
+                    run()
+
+        auto["ms_layer"] = float(do_bench_cudagraph(layers, rep=30)) / LAYERS
     best = (auto, "default", None) if auto_ok else ({"ms": float("inf")}, None, None)
     if sweep:
         for cfg in SWEEP[(kind, "many" if heads > 32 else "few")]:
@@ -260,6 +272,10 @@ def decode_records(dev, ceil, sweep: bool, records: list, tried: list, save,
                     "speedup_vs_peer": round(peer["ms"] / ms, 2),
                     "config": cfg, "num_splits": splits, "verified_correct": ok,
                 }
+                if "ms_layer" in times:
+                    rec["ms_layer"] = round(times["ms_layer"], 4)
+                    rec["pct_copy_layer"] = round(
+                        100 * kv_bytes / times["ms_layer"] / 1e6 / ceil["copy_GBps"], 1)
                 if "graph_error" in times:
                     rec["graph_error"] = times["graph_error"]
                 if kind == "bf16":
@@ -362,6 +378,8 @@ def main() -> None:
                  "'auto' = launcher defaults, 'best' = best of the decode sweep; decode/extend "
                  "ms = CUDA-graph replay median (do_bench_cudagraph, what graph decode steps pay), "
                  "ms_eager = eager do_bench median (includes the Python launcher); rates use ms; "
+                 "ms_layer = a layer's share of one graph of 8 decode layers under one split "
+                 "plan (what a forward pays: the plan launches once), pct_copy_layer from it; "
                  "copies are eager",
         "records": [],
         "decode_sweep": [],
