@@ -21,7 +21,7 @@ Measures, on the current GPU:
 
 Decode FLOPs are 2·H·(D + L) per KV token per query; effective bandwidth counts the KV bytes
 (rows + fp8 scales) read once. Peer figures: the Triton MLA decode kernel SGLang/vLLM ship, best
-split, measured on the same kind of machine (anchors/h200_measured.json).
+split, measured on an H200 with the same image (2026-11-29; ``PEER`` below).
 
 Timings (value checks off, so a call never syncs with the host):
 - ``ms`` (the headline) is ``triton.testing.do_bench_cudagraph``'s median: the call's kernels
@@ -69,7 +69,7 @@ LAYERS = 8  # decode layers in one graph for ``ms_layer``
 DECODE_SHAPES = [(16, 64, 4096), (16, 64, 32768), (16, 16, 131072),
                  (128, 8, 32768), (128, 64, 4096), (128, 2, 131072)]  # (heads, batch, context)
 
-# best split of the peer kernel per shape (anchors/h200_measured.json, 2026-11-29, same image)
+# best split of the peer kernel per shape (measured on an H200, 2026-11-29, same image)
 PEER = {
     (16, 64, 4096): {"ms": 0.1281, "GBps": 2357.2},
     (16, 64, 32768): {"ms": 0.8249, "GBps": 2928.6},
@@ -374,7 +374,8 @@ def main() -> None:
         "ceilings": {k: round(v, 1) for k, v in ceil.items()},
         "notes": "decode FLOPs = 2*H*(D+L) per KV token per query; effective_GBps = KV bytes read "
                  "once (rows + fp8 scales) / time; peer = SGLang/vLLM Triton MLA decode, best split "
-                 "(anchors/h200_measured.json); copies: (read + write) bytes / time; "
+                 "(measured on an H200 with the same image, kernel_bench.py's PEER); "
+                 "copies: (read + write) bytes / time; "
                  "'auto' = launcher defaults, 'best' = best of the decode sweep; decode/extend "
                  "ms = CUDA-graph replay median (do_bench_cudagraph, what graph decode steps pay), "
                  "ms_eager = eager do_bench median (includes the Python launcher); rates use ms; "
