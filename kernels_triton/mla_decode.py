@@ -24,8 +24,9 @@ Design:
   SMs / head groups); so a long request gets many splits and a short one a single program
   that writes the output itself; the merge combines each request's run of partial rows. (W
   was first the bound ceil(T / (P - N)) for T tiles over N requests, which left half the
-  programs idle when N neared P / 2: 128 x 1K at 16 heads, 128 programs of 264.) H200, graph-timed, against one count for all (the wave model below,
-  ``balanced: False``): 16 heads, one 128K request among 63 of 1K 1.72 -> 0.104 ms, four of 64K
+  programs idle when N neared P / 2: 16 heads, 128 x 1K, 128 programs of 264; filled, 0.0625
+  -> 0.0505 ms a layer, ``decode_plan_fill.json``.) H200, graph-timed, against one count for
+  all (the wave model below, ``balanced: False``): 16 heads, one 128K request among 63 of 1K 1.72 -> 0.104 ms, four of 64K
   among 60 of 512 0.87 -> 0.13 ms, 64 requests spread over 1K-32K 0.532 -> 0.447 ms; 128 heads,
   one 128K among 15 of 2K 0.298 -> 0.213 ms, 16 over 1K-32K 0.498 -> 0.354 ms; uniform batches,
   which get the same splits, 2-5% slower (the plan launch, the merge's ranges, and an attention

@@ -24,10 +24,9 @@ def _balanced_split(seq_lens_ptr, stride_sl, N, P, p, meta_ptr, write_meta, MIN_
     fewest tiles a split (at least MIN_TILES) for which the s_i sum to at most P, found by
     bisection between ceil(T / P) and ceil(T / (P - N)) (where the sum is at most P; T when
     P <= N + 1). The splits are numbered request after request, so at most P programs have
-    work. Every program
-    derives the same plan from ``seq_lens``; the one with ``write_meta`` stores the first split
-    of each request and the total (``meta`` (N + 1,)) for the merge. Returns (request, or N
-    past the last split; its splits; [start, end))."""
+    work. Every program derives the same plan from ``seq_lens``; the one with ``write_meta``
+    stores the first split of each request and the total (``meta`` (N + 1,)) for the merge.
+    Returns (request, or N past the last split; its splits; [start, end))."""
     CH: tl.constexpr = 256
     offs = tl.arange(0, CH)
     total = 0

@@ -30,8 +30,10 @@ def _balanced_plan(lens, programs, min_tiles, block_n):
 
 # (lengths, programs per SM on the CPU's 4 "SMs", heads): one long request among short ones,
 # empty requests, a lone request split many ways, more requests than one 256-wide pass of the
-# plan (one of them long enough to split)
+# plan (one of them long enough to split), and requests near half the programs (the bound
+# ceil(T / (P - N)) would give each one split, 7 programs of 16; filled, two each)
 BALANCED = {
+    "half-the-programs": ([64] * 7, 4, 4),
     "long-among-short": ([3, 300, 0, 17, 64, 1, 40], 8, 20),
     "lone-long": ([250], 4, 20),
     "many-requests": ([(7 * i) % 23 for i in range(259)] + [90], 100, 4),
