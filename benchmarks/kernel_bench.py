@@ -51,19 +51,17 @@ import subprocess
 import sys
 from typing import Any
 
-import expanded_prefill  # noqa: E402
 import torch
 import triton
-from _timing import bench_both, ceilings  # noqa: E402  (benchmarks/ is on sys.path)
+from _paged import PAGE, SM_SCALE, D, L, paged_pool  # noqa: E402  (benchmarks/ is on sys.path)
+from _timing import bench_both, ceilings  # noqa: E402
 from copy_kernels import copy_records  # noqa: E402
 from dsa_kernels import dsa_records, merge_dsa  # noqa: E402
+from extend_kernels import extend_records  # noqa: E402
 from triton.testing import do_bench_cudagraph
 
 import splash.kernels_triton as K
 
-L, R, PAGE = 512, 64, 64
-D = L + R
-SM_SCALE = 0.1147
 LAYERS = 8  # decode layers in one graph for ``ms_layer``
 
 DECODE_SHAPES = [(16, 64, 4096), (16, 64, 32768), (16, 16, 131072),
@@ -100,21 +98,6 @@ SWEEP: dict[tuple[str, str], list[dict[str, Any]]] = {
 # heuristic is checked against), a few for the other configs (keeps the sweep to minutes)
 SPLITS_DEFAULT = (1, 2, 4, 8, 16, 32)
 SPLITS = (4, 16)
-
-
-def paged_pool(batch: int, context: int, kind: str, dev: torch.device, gen: torch.Generator):
-    pages_per = triton.cdiv(context, PAGE)
-    num_pages = batch * pages_per
-    table = torch.randperm(num_pages, device=dev, generator=gen).to(torch.int32)
-    table = table.reshape(batch, pages_per)  # random page order
-    if kind == "fp8":
-        kv = torch.empty(num_pages, PAGE, D, device=dev, dtype=torch.float8_e4m3fn)
-        kv.view(torch.uint8).random_(0, 0x7E, generator=gen)  # finite e4m3fn bit patterns
-        scale = torch.rand(num_pages, PAGE, device=dev, generator=gen) * 0.01 + 0.005
-    else:
-        kv = torch.randn(num_pages, PAGE, D, device=dev, dtype=torch.bfloat16, generator=gen)
-        scale = None
-    return kv, scale, table
 
 
 _VERIFIED: dict[tuple, bool] = {}
@@ -286,46 +269,6 @@ def decode_records(dev, ceil, sweep: bool, records: list, tried: list, save,
                 records.append(rec)
                 print(json.dumps(rec), flush=True)
             save()  # after every shape, so a cut-off run keeps what it measured
-
-
-def _extend_ms(dev, gen, kind, heads, rows, prefix, cfg=None) -> dict[str, Any]:
-    length = prefix + rows
-    kv, scale, table = paged_pool(1, length, kind, dev, gen)
-    q = torch.randn(rows, heads, D, device=dev, dtype=torch.bfloat16, generator=gen)
-    lens = torch.tensor([length], dtype=torch.int32, device=dev)
-    starts = torch.tensor([0, rows], dtype=torch.int32, device=dev)
-    return bench_both(lambda: K.mla_extend(q, kv, table, lens, starts, SM_SCALE, L, kv_scale=scale,
-                                           config=cfg), rep=40)
-
-
-def extend_records(dev, ceil) -> list[dict]:
-    """Defaults; at prefix 0 also producer/consumer warps for the KV loop (``warp_specialize``)
-    and fp8 KV with fp16 products (``fp8_fp16``; off by default, measured slower here)."""
-    out = []
-    gen = torch.Generator(device=dev).manual_seed(1)
-    heads, rows = 128, 8192
-    runs = {0: [("bf16", None), ("bf16", {"warp_specialize": True}), ("fp8", None),
-                ("fp8", {"fp8_fp16": True})],
-            24576: [("bf16", None), ("fp8", None)]}
-    for prefix in (0, 24576):
-        for kind, cfg in runs[prefix]:
-            times = _extend_ms(dev, gen, kind, heads, rows, prefix, cfg)
-            ms = times["ms"]
-            visible = rows * prefix + rows * (rows + 1) // 2  # causal (query, key) pairs
-            flops = 2 * heads * (D + L) * visible
-            rec = {
-                "kernel": "mla_extend", "heads": heads, "batch": 1, "context": prefix + rows,
-                "chunk": rows, "prefix": prefix, "dtype": kind, "config": cfg or "default",
-                "ms": round(ms, 3), "ms_eager": round(times["ms_eager"], 3),
-                "TFLOPs": round(flops / ms / 1e9, 1),
-                "ceiling_matmul_TFLOPs": round(ceil["matmul_TFLOPs"], 1),
-                "pct_matmul": round(100 * flops / ms / 1e9 / ceil["matmul_TFLOPs"], 1),
-                "ceiling_copy_GBps": round(ceil["copy_GBps"], 1),
-            }
-            out.append(rec)
-            print(json.dumps(rec), flush=True)
-    out += expanded_prefill.records(heads, rows, (0, 24576), ceil)  # as serving runs it
-    return out
 
 
 def main() -> None:

@@ -58,7 +58,7 @@ CASES: dict[str, tuple[str, int, str]] = {
 
 
 def _paged(batch: int, context: int, fp8: bool, dev, gen):
-    from kernel_bench import paged_pool  # benchmarks/kernel_bench.py (this folder is on sys.path)
+    from _paged import paged_pool  # benchmarks/_paged.py (this folder is on sys.path)
 
     return paged_pool(batch, context, "fp8" if fp8 else "bf16", dev, gen)
 
