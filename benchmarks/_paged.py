@@ -1,5 +1,6 @@
 """The decode and extend records' latent KV pool: DeepSeek-V3 dims, GPU pages, random page
-order (``kernel_bench.py``, ``extend_kernels.py``, ``profile_driver.py``)."""
+order (``kernel_bench.py``, ``extend_kernels.py``, ``profile_driver.py``; ``dsa_kernels.py`` shares
+the dims)."""
 
 from __future__ import annotations
 

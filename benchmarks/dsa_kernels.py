@@ -23,15 +23,14 @@ from typing import Any
 
 import torch
 import triton
-from _timing import bench_both, ceilings  # noqa: E402  (benchmarks/ is on sys.path)
+from _paged import PAGE, SM_SCALE, D, L  # noqa: E402  (benchmarks/ is on sys.path)
+from _timing import bench_both, ceilings  # noqa: E402
 
 import splash.kernels_triton as K
 from splash.kernels_triton.topk import floor_group
 
-L, R, PAGE, TOPK = 512, 64, 64, 2048
-D = L + R
+TOPK = 2048
 INDEX_HEADS, INDEX_DIM = 64, 128
-SM_SCALE = 0.1147
 SHAPES = [(16, 16, 32768), (16, 16, 131072), (128, 16, 32768), (128, 16, 131072)]
 
 
