@@ -23,6 +23,17 @@ from splash import kernels_triton as K
 LAYERS = 8
 
 
+def layer_ms(run, scoped: bool = True, rep: int = 30) -> float:
+    """A layer's share (ms) of one CUDA graph of ``LAYERS`` calls of ``run``, under one
+    ``plan_scope`` (as ``Model.forward`` runs them) or, ``scoped=False``, a plan each."""
+    def layers() -> None:
+        with K.plan_scope() if scoped else contextlib.nullcontext():
+            for _ in range(LAYERS):
+                run()
+
+    return float(do_bench_cudagraph(layers, rep=rep)) / LAYERS
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results/h200/decode_layers.json")
@@ -35,16 +46,10 @@ def main() -> int:
     for name, heads, lens, fp8 in BATCHES:
         run, _ = paged_problem(heads, lens, dev, fp8)
 
-        def layers(scoped: bool, run=run) -> None:
-            with K.plan_scope() if scoped else contextlib.nullcontext():
-                for _ in range(LAYERS):
-                    run()
-
         times: dict = {"per_layer_plan": [], "one_plan": []}
         for _ in range(2):
             for tag, scoped in (("per_layer_plan", False), ("one_plan", True)):
-                times[tag].append(float(do_bench_cudagraph(lambda s=scoped: layers(s), rep=30))
-                                  / LAYERS)
+                times[tag].append(layer_ms(run, scoped))
         row = {"batch": name, "layers": LAYERS,
                **{tag: round(min(t), 4) for tag, t in times.items()},
                "runs_ms": {tag: [round(x, 4) for x in t] for tag, t in times.items()}}

@@ -56,13 +56,11 @@ import triton
 from _paged import PAGE, SM_SCALE, D, L, paged_pool  # noqa: E402  (benchmarks/ is on sys.path)
 from _timing import bench_both, ceilings  # noqa: E402
 from copy_kernels import copy_records  # noqa: E402
+from decode_layers import LAYERS, layer_ms  # noqa: E402
 from dsa_kernels import dsa_records, merge_dsa  # noqa: E402
 from extend_kernels import extend_records  # noqa: E402
-from triton.testing import do_bench_cudagraph
 
 import splash.kernels_triton as K
-
-LAYERS = 8  # decode layers in one graph for ``ms_layer``
 
 DECODE_SHAPES = [(16, 64, 4096), (16, 64, 32768), (16, 16, 131072),
                  (128, 8, 32768), (128, 64, 4096), (128, 2, 131072)]  # (heads, batch, context)
@@ -192,12 +190,7 @@ def _decode_shape(dev, gen, kind, heads, batch, context, sweep, tried) -> tuple[
     nan = {"ms": float("nan"), "ms_eager": float("nan")}
     auto = bench_both(run) if auto_ok else nan
     if auto_ok:  # as a forward runs it: the layers share one split plan
-        def layers():
-            with K.plan_scope():
-                for _ in range(LAYERS):
-                    run()
-
-        auto["ms_layer"] = float(do_bench_cudagraph(layers, rep=30)) / LAYERS
+        auto["ms_layer"] = layer_ms(run)
     best = (auto, "default", None) if auto_ok else ({"ms": float("inf")}, None, None)
     if sweep:
         for cfg in SWEEP[(kind, "many" if heads > 32 else "few")]:
@@ -322,8 +315,9 @@ def main() -> None:
                  "'auto' = launcher defaults, 'best' = best of the decode sweep; decode/extend "
                  "ms = CUDA-graph replay median (do_bench_cudagraph, what graph decode steps pay), "
                  "ms_eager = eager do_bench median (includes the Python launcher); rates use ms; "
-                 "ms_layer = a layer's share of one graph of 8 decode layers under one split "
-                 "plan (what a forward pays: the plan launches once), pct_copy_layer from it; "
+                 f"ms_layer = a layer's share of one graph of {LAYERS} decode layers under one "
+                 "split plan (what a forward pays: the plan launches once), pct_copy_layer from "
+                 "it; "
                  "copies are eager",
         "records": [],
         "decode_sweep": [],
