@@ -14,7 +14,9 @@ times carry the launches' host cost, which decides nothing about a graph-replaye
 - ``topk_rows`` at 32K and 128K, split passes: without the floor, then with the indexer's
   group maxima folded to FLOOR_N × false-position rounds for the floor × parts, 8K and 16K
   chunks; on scores with a trend along the history (``--only topk_ramp``, a study: the floor
-  loose, the last pass's exact fallback), without the floor and with the default;
+  loose, the last pass's exact fallback), without the floor and with the default; the
+  floor's survivors searched first in 4K registers or not (``--only topk_survivors``, a study,
+  both score kinds);
 - ``mla_sparse`` at 128 heads (``--only sparse_splits``) and at 16 (``--only
   sparse_splits_few``), studies whose winners feed no record: num_splits × tiles × stages;
 - ``mla_sparse`` over 2,048 selected slots, 16 and 128 heads, bf16 and fp8 KV: BLOCK_N ×
@@ -70,7 +72,7 @@ INDEX_TILES_SPACE = [{"BLOCK_T": t, "TILES": n, "num_warps": w, "num_stages": st
 # deeper pipelines and tiles per program: ``--only index_gather``, against the default (its
 # first row)
 INDEX_GATHER_SPACE = [{}] + [{"gather_pages": True, "TILES": n, "num_stages": st}
-                             for n, st in itertools.product((None, 16, 32), (3, 4))] + [
+                             for n, st in itertools.product((None, 4, 8, 16, 32), (3, 4))] + [
     {"gather_pages": True, "BLOCK_T": 64, "TILES": n, "num_stages": st}
     for n, st in itertools.product((16, 32), (3, 4))]  # 64-token tiles: 78 registers, 33 / 41 KB
 # of shared memory at 3 / 4 stages (offline sm_90): 6 / 5 programs an SM, against 4
@@ -85,6 +87,9 @@ TOPK_SPACE = [{"CHUNK": 8192, "PARTS": 8, "place_warps": 4, "num_warps": 8, "FLO
     for (c, w), p, n, r in itertools.product(((8192, 8), (16384, 16)), (4, 8), (4096, 8192),
                                              (3, 6))
     if (c == 8192 and (n == 4096 or p == 8)) or (p == 8 and n == 4096 and r == 3)]
+# the floor's survivors searched in a chunk's registers or first in 4K (``SURVIVOR_CHUNK``,
+# the default), on the indexer's scores and on a trend: ``--only topk_survivors``
+TOPK_SURVIVORS_SPACE = [{"SURVIVOR_CHUNK": None}, {}]
 # the split of each row's slot list at 128 heads (None: the launcher's choice) with the table's
 # tiles and deeper ones: ``--only sparse_splits``
 SPARSE_SPLITS_SPACE = [{"num_splits": s, **cfg} for s in (None, 2, 4, 8, 16)
@@ -237,6 +242,7 @@ def main() -> None:
             ("index_prefill", None, INDEX_PREFILL_SPACE, prefill_shapes),
             ("topk", "topk", TOPK_SPACE, topk_shapes),
             ("topk_ramp", None, TOPK_SPACE[:1] + [{}], topk_ramp_shapes),
+            ("topk_survivors", None, TOPK_SURVIVORS_SPACE, {**topk_shapes, **topk_ramp_shapes}),
             ("mla_sparse", "mla_sparse", SPARSE_SPACE, sparse_shapes),
             ("sparse_splits", None, SPARSE_SPLITS_SPACE, many_heads),
             ("sparse_splits_few", None, SPARSE_SPLITS_FEW, few_heads),

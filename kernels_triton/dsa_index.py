@@ -180,8 +180,9 @@ def _index_scores_kernel(
 
 # GPU (H200, benchmarks/dsa_sweep.py, 16 decode rows, 64 index heads, fp8 keys): e4m3
 # products with the keys on M, 0.0375 / 0.1036 ms at 32K / 128K against 0.0656 / 0.2275 for
-# fp16 products with the queries on M; gathered page ids, 3 stages, 16 tiles a program (32
-# lose). TILES None: tiles per program for about ``_PROGRAMS`` programs, at most ``_MAX_TILES``.
+# fp16 products with the queries on M; gathered page ids, 3 stages, 16 tiles a program (4, 8
+# and 32 lose: 0.028 / 0.028 / 0.029 ms at 32K against 0.023, dsa_index_gather_tiles.json).
+# TILES None: tiles per program for about ``_PROGRAMS`` programs, at most ``_MAX_TILES``.
 # Prefill row blocks run on ``num_warps_extend``: a (128 tokens, 4 rows x 64 heads) fp32
 # product held 256 registers a thread on 4 warps; on 8, 2,048 rows over 32K / 64K took 4.76 /
 # 9.52 -> 1.67 / 3.30 ms (224 -> 640-656 TFLOP/s); 2 rows a block on 4 warps 1.83 / 3.62.

@@ -39,7 +39,13 @@ the winners placed from the keys still in registers, 0.0275 / 0.0495 split, eigh
 before it, so the next pass reads each row only as far as they go. With ``floor_max``, the
 indexer's group maxima, the first pass drops every entry under a bound of the row's k-th
 largest and the next pass, a program a row, is the last (``topk_split``'s docstring): 0.0293 /
-0.0533 -> 0.0230 / 0.0344 ms (``dsa_topk_floor.json``).
+0.0533 -> 0.0230 / 0.0344 ms (``dsa_topk_floor.json``). That pass searches a row whose
+survivors fit ``config["SURVIVOR_CHUNK"]`` (4K on a GPU) in that many registers, else in a
+chunk's, else exactly over its chunks re-read each round: a round then compares half the
+keys (16 x 32K / 128K, the DSA pipeline's scores: 0.0215-0.0224 -> 0.0197-0.0202 / 0.0333-
+0.0339 -> 0.0314-0.0315 ms, ``dsa_topk_survivors.json``). A narrower chunk alone for that
+pass was no choice: survivors past it, as on other scores or a trend along the history, took
+the exact fallback (128K: 0.033 -> 0.204 ms).
 
 Tried on an H200 (16 rows, k = 2048, graph-timed), against 0.032 / 0.061 ms at 32K / 128K then:
 - a radix select in each program instead of the bisection (rounds of 16- or 256-bin
@@ -102,14 +108,14 @@ from splash.kernels_triton.topk_split import (
 # won at 128K alone (0.0472 against 0.0495 ms) and lost at 32K (0.0366 against 0.0275).
 _GPU_DEFAULTS: dict[str, Any] = {"CHUNK": 8192, "ROWS": 1, "num_warps": 8, "PARTS": 8,
                                  "SECANT": True, "place_warps": 4, "FLOOR_N": 4096,
-                                 "FLOOR_ROUNDS": 6}
+                                 "FLOOR_ROUNDS": 6, "SURVIVOR_CHUNK": 4096}
 # (the floor from 4,096 folded maxima in 6 false-position rounds: 0.0230 / 0.0344 ms at 16 x
 # 32K / 128K against 0.0293 / 0.0533 without; 3 rounds 0.0230 / 0.0329, but a looser floor
 # (8,192 maxima, 3 rounds) left rows longer than a chunk: 0.261 ms at 128K, the exact
 # fallback; dsa_topk_floor.json)
 _CPU_DEFAULTS: dict[str, Any] = {"CHUNK": 256, "ROWS": 32, "num_warps": 4, "PARTS": 2,
                                  "SECANT": True, "place_warps": 4, "FLOOR_N": 64,
-                                 "FLOOR_ROUNDS": 6}
+                                 "FLOOR_ROUNDS": 6, "SURVIVOR_CHUNK": None}
 FLOOR_GROUP = 8  # tokens a group maximum of the indexer's covers (``index_scores(group=)``)
 _NCB = 64  # chunk counts a split pass sums in registers (one binary up to 64 chunks)
 
@@ -130,8 +136,11 @@ def topk_config(device: torch.device, k: int, config: dict | None) -> dict[str, 
     if unknown:
         raise ValueError(f"topk_rows config: unknown keys {unknown}; known: {sorted(cfg)}")
     cfg.update(config or {})
-    for key, low in (("CHUNK", 16), ("ROWS", 1), ("PARTS", 1), ("FLOOR_N", 1)):
+    for key, low in (("CHUNK", 16), ("ROWS", 1), ("PARTS", 1), ("FLOOR_N", 1),
+                     ("SURVIVOR_CHUNK", 1)):
         value = cfg[key]
+        if key == "SURVIVOR_CHUNK" and value is None:
+            continue
         if not isinstance(value, int) or value < low or value & (value - 1):
             raise ValueError(f"config {key}={value!r} must be a power of two >= {low}")
     chunk = cfg["CHUNK"]
@@ -139,6 +148,13 @@ def topk_config(device: torch.device, k: int, config: dict | None) -> dict[str, 
     # parts of at most 16K columns (the packed scan's 16-bit counts), at most one a column
     cfg["PARTS"] = min(max(cfg["PARTS"], cfg["CHUNK"] // 16384), cfg["CHUNK"])
     return cfg
+
+
+def _survivor_width(cfg: dict[str, Any], k: int, chunk: int, parts: int) -> int:
+    """The register width the pass after the floor searches first: ``SURVIVOR_CHUNK`` within
+    [k, chunk] and whole parts, or ``chunk`` (no narrower search)."""
+    width = cfg["SURVIVOR_CHUNK"] or chunk
+    return min(max(width, V.next_pow2(k), chunk // parts), chunk)
 
 
 def topk_rows(
@@ -204,7 +220,9 @@ def _split_passes(v: torch.Tensor, k: int, idx: torch.Tensor | None,
         chunk = max(cfg["CHUNK"], V.next_pow2(triton.cdiv(M, _NCB)))
         parts = min(max(cfg["PARTS"], chunk // 16384), chunk)
         num_chunks = max(triton.cdiv(M, chunk), 1)
-        after_floor = prev is not None and floor is not None and num_chunks > 1
+        floored = prev is not None and floor is not None  # the floor's survivors: the last
+        first = _survivor_width(cfg, k, chunk, parts)
+        after_floor = floored and (num_chunks > 1 or first < chunk)
         last = num_chunks == 1 or after_floor  # after the floor, one threshold for all chunks
         out_v = torch.empty((N, (1 if last else num_chunks) * k), dtype=torch.float32,
                             device=dev)
@@ -220,7 +238,8 @@ def _split_passes(v: torch.Tensor, k: int, idx: torch.Tensor | None,
         if after_floor:
             _topk_last_search_kernel[(1, grid_rows)](
                 v, meta, taken, prev_arg, N, M, num_prev, *v.stride(), meta.stride(0),
-                taken.stride(0), prev_arg.stride(0), CHUNK=chunk, PARTS=parts, **common)
+                taken.stride(0), prev_arg.stride(0), CHUNK=chunk, FIRST=first, PARTS=parts,
+                **common)
         else:
             use = floor if prev is None and not last else None
             floor_arg = use if use is not None else v  # never read without FLOOR_N

@@ -181,6 +181,35 @@ def _topk_place_kernel(
                     PAGE_SIZE, HAS_INDEX, TO_SLOTS, PAD)
 
 
+@triton.jit
+def _search_fitting(vals_ptr, meta_ptr, taken_ptr, rows, mask_r, lim, num_chunks, stride_vn,
+                    stride_vm, stride_mn, stride_tn, K: tl.constexpr, W: tl.constexpr,
+                    CHUNK: tl.constexpr, ROWS: tl.constexpr, PARTS: tl.constexpr,
+                    SECANT: tl.constexpr):
+    """A row held whole in ``W`` registers (W <= CHUNK, whole parts): its threshold, the
+    first chunk's meta (parts past W hold only the padding, key 0) and its count, K; the
+    other chunks place nothing."""
+    PART: tl.constexpr = CHUNK // PARTS
+    WP: tl.constexpr = W // PART  # the parts the registers span
+    ukey = _chunk_keys(vals_ptr, rows, mask_r, tl.arange(0, W), lim[:, None], stride_vn,
+                       stride_vm)
+    thr, room = _threshold(ukey, K, ROWS, SECANT)
+    parts = tl.reshape(ukey, (ROWS, WP, PART))
+    above = tl.sum((parts > thr[:, None, None]).to(tl.int32), 2)  # (ROWS, WP)
+    ties = tl.sum((parts == thr[:, None, None]).to(tl.int32), 2)
+    offs_p = tl.arange(0, PARTS)
+    held = offs_p[:, None] == tl.arange(0, WP)[None, :]  # (PARTS, WP): part p is held part j
+    above = tl.sum(tl.where(held[None, :, :], above[:, None, :], 0), 2)  # (ROWS, PARTS)
+    pad = tl.where(thr == 0, PART, 0)  # a part past W: all key 0, ties of a zero threshold
+    ties = tl.where(offs_p[None, :] < WP, tl.sum(tl.where(held[None, :, :], ties[:, None, :],
+                                                          0), 2), pad[:, None])
+    _store_meta(meta_ptr, rows, mask_r, stride_mn, 0, thr, room, above, ties, ROWS, PARTS)
+    zero = tl.zeros((ROWS,), tl.int32)
+    tl.store(taken_ptr + rows * stride_tn, zero + K, mask=mask_r)
+    for c in range(1, num_chunks):
+        tl.store(taken_ptr + rows * stride_tn + c, zero, mask=mask_r)
+
+
 @triton.jit(do_not_specialize=LAST_INTS)
 def _topk_last_search_kernel(
     vals_ptr, meta_ptr, taken_ptr, prev_ptr,
@@ -188,6 +217,7 @@ def _topk_last_search_kernel(
     stride_vn, stride_vm, stride_mn, stride_tn, stride_pn,
     K: tl.constexpr,
     CHUNK: tl.constexpr,
+    FIRST: tl.constexpr,  # <= CHUNK: the register width tried first
     ROWS: tl.constexpr,
     PARTS: tl.constexpr,
     SECANT: tl.constexpr,
@@ -195,12 +225,13 @@ def _topk_last_search_kernel(
     PDL: tl.constexpr,
 ):
     """The last pass after a floor: one program a row over the whole compacted row, which
-    the floor leaves short (about 1.4 k on iid scores), its first ``CHUNK`` columns in
-    registers as a chunk's search holds them. A row longer than that (scores the floor barely
-    cut: many ties, clustered values) is searched exactly by bisection over its chunks, read
-    again each round. Meta and counts as the search's for ``cdiv(M, CHUNK)`` chunks that share
-    one threshold (each chunk's room: the ties left after the chunks before), so the place
-    kernel places them as any last pass."""
+    the floor leaves short (about 1.4 k on iid scores), in ``FIRST`` registers when it fits
+    them (each search round then compares half as many keys as in a chunk's 8K), else its
+    first ``CHUNK`` columns as a chunk's search holds them. A row longer than that (scores the
+    floor barely cut: many ties, clustered values) is searched exactly by bisection over its
+    chunks, read again each round. Meta and counts as the search's for ``cdiv(M, CHUNK)``
+    chunks that share one threshold (each chunk's room: the ties left after the chunks
+    before), so the place kernel places them as any last pass."""
     pdl_enter(PDL)
     rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     mask_r = rows < N
@@ -209,18 +240,12 @@ def _topk_last_search_kernel(
     PART: tl.constexpr = CHUNK // PARTS
     zero = tl.zeros((ROWS,), tl.int32)
     num_chunks = tl.cdiv(M, CHUNK)
-    if tl.max(lim) <= CHUNK:  # all in the first chunk; the others place nothing
-        ukey = _chunk_keys(vals_ptr, rows, mask_r, tl.arange(0, CHUNK), lim[:, None],
-                           stride_vn, stride_vm)
-        thr, room = _threshold(ukey, K, ROWS, SECANT)
-        parts = tl.reshape(ukey, (ROWS, PARTS, PART))
-        above = tl.sum((parts > thr[:, None, None]).to(tl.int32), 2)
-        ties = tl.sum((parts == thr[:, None, None]).to(tl.int32), 2)
-        _store_meta(meta_ptr, rows, mask_r, stride_mn, 0, thr, room, above, ties, ROWS,
-                    PARTS)
-        tl.store(taken_ptr + rows * stride_tn, zero + K, mask=mask_r)
-        for c in range(1, num_chunks):
-            tl.store(taken_ptr + rows * stride_tn + c, zero, mask=mask_r)
+    if tl.max(lim) <= FIRST:
+        _search_fitting(vals_ptr, meta_ptr, taken_ptr, rows, mask_r, lim, num_chunks, stride_vn,
+                        stride_vm, stride_mn, stride_tn, K, FIRST, CHUNK, ROWS, PARTS, SECANT)
+    elif tl.max(lim) <= CHUNK:  # (never, when FIRST is CHUNK)
+        _search_fitting(vals_ptr, meta_ptr, taken_ptr, rows, mask_r, lim, num_chunks, stride_vn,
+                        stride_vm, stride_mn, stride_tn, K, CHUNK, CHUNK, ROWS, PARTS, SECANT)
     else:
         thr = tl.zeros((ROWS,), tl.uint32)  # the K-th largest key, a bit a round
         for r in range(32):

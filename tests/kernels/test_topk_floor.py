@@ -40,12 +40,18 @@ def _check(v, i, values, k):
     return ref_v
 
 
-@pytest.mark.parametrize("k,chunk,floor_n,group,rows", [
-    (8, 32, 16, 8, 1), (8, 32, 16, 8, 8), (8, 64, 64, 4, 8), (24, 64, 32, 2, 8), (4, 16, 16, 16, 8)])
-def test_floor_keeps_the_winners(device, k, chunk, floor_n, group, rows):
+@pytest.mark.parametrize("k,chunk,floor_n,group,rows,survivors", [
+    (8, 32, 16, 8, 1, None), (8, 32, 16, 8, 8, None), (8, 64, 64, 4, 8, None),
+    (24, 64, 32, 2, 8, None), (4, 16, 16, 16, 8, None),
+    # the survivors searched in narrower registers first, a row a program: smooth rows fit
+    # them, the tied, constant and trend rows take the chunk or the exact fallback; the last
+    # case's survivors fit one chunk (the narrower search, then no second chunk)
+    (8, 32, 16, 8, 1, 16), (24, 64, 32, 2, 1, 32), (4, 64, 16, 4, 1, 16)])
+def test_floor_keeps_the_winners(device, k, chunk, floor_n, group, rows, survivors):
     gen = torch.Generator().manual_seed(k + chunk)
     values = _rows(gen, 600)
-    cfg = {"CHUNK": chunk, "ROWS": rows, "PARTS": 2, "FLOOR_N": floor_n}
+    cfg = {"CHUNK": chunk, "ROWS": rows, "PARTS": 2, "FLOOR_N": floor_n,
+           "SURVIVOR_CHUNK": survivors}
     floor = _group_max(values, group).to(device)  # G = 600 / group > FLOOR_N: folded
     v, i = topk_rows(values.to(device), k, config=cfg, floor_max=floor)
     _check(v, i, values, k)
