@@ -58,6 +58,8 @@ def paged_problem(heads: int, lens: list[int], dev: torch.device, fp8: bool = Fa
     def run(cfg=None, splits=None):
         return K.mla_decode(q, kv, table, seq_lens, D ** -0.5, L, kv_scale=scale,
                             num_splits=splits, config=cfg or None)
+    run.reference = lambda: K.mla_decode_ref(q, kv, table, seq_lens, D ** -0.5, L,
+                                             kv_scale=scale)[0]
     return run, sum(lens) * (kv.element_size() * D + (4 if fp8 else 0))
 
 

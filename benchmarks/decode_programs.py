@@ -1,7 +1,8 @@
-"""Few-head MLA decode at one or more programs an SM in the balanced plan: a layer's ms (8
-layers a CUDA graph under one plan, interleaved, the best of two) for uniform and mixed
-batches and each config, with what the compiler gave each kernel (registers, spills, shared
-memory, programs an SM that fit).
+"""MLA decode launch configs in the balanced plan (programs an SM, the partials' dtype): a
+layer's ms (8 layers a CUDA graph under one plan, interleaved, the best of two) for uniform
+and mixed batches and each config (``--configs``; ``--error``: with its largest error against
+the fp64 reference and that reference's own bf16 rounding), with what the compiler gave each
+kernel (registers, spills, shared memory, programs an SM that fit).
 
     python3 benchmarks/decode_programs.py --out benchmarks/results/h200/decode_programs.json \
         [--fp8] [--configs '[{}, {"programs_per_sm": 1}]']
@@ -33,6 +34,8 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--fp8", action="store_true")
+    ap.add_argument("--error", action="store_true",
+                    help="also each config's largest error against the fp64 reference")
     ap.add_argument("--configs", default='[{}, {"programs_per_sm": 1}, {"programs_per_sm": 3}]')
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -44,15 +47,22 @@ def main() -> int:
     for name, lens in SHAPES:
         run, nbytes = paged_problem(args.heads, lens, dev, args.fp8)
         ref = run()[0].float()
+        exact = run.reference().float() if args.error else None
         times: dict[int, list[float]] = {i: [] for i in range(len(configs))}
         for _ in range(2):
             for i, cfg in enumerate(configs):
                 times[i].append(layer_ms(lambda cfg=cfg, run=run: run(cfg)))
         for i, cfg in enumerate(configs):
-            same = bool(torch.allclose(run(cfg)[0].float(), ref, rtol=2e-2, atol=2e-2))
+            got = run(cfg)[0].float()
+            same = bool(torch.allclose(got, ref, rtol=2e-2, atol=2e-2))
             ms = min(times[i])
             rows.append({"shape": name, "config": cfg, "ms_layer": round(ms, 4),
                          "GBps": round(nbytes / ms / 1e6, 1), "matches_default": same})
+            if exact is not None:  # against the fp64 reference, and its own bf16 rounding
+                rows[-1]["max_abs_err"] = float((got - exact).abs().max())
+                rows[-1]["rounding_of_reference"] = float(
+                    (exact.to(got.dtype if got.dtype != torch.float32 else torch.bfloat16)
+                     .float() - exact).abs().max())
             print(rows[-1], flush=True)
         run = ref = None
         torch.cuda.empty_cache()

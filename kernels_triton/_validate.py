@@ -73,6 +73,14 @@ def as_bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_BITS_DTYPE[t.element_size()])
 
 
+def partial_dtype(cfg: dict, out_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of split-KV partial outputs: fp32, or with ``config["low_partials"]`` the
+    output's own 16-bit dtype (half the partials' traffic; one more rounding, of a normalised
+    partial, at the output's own precision). fp32 outputs always keep fp32 partials."""
+    low = cfg.get("low_partials") and out_dtype in (torch.bfloat16, torch.float16)
+    return out_dtype if low else torch.float32
+
+
 def next_pow2(x: int, minimum: int = 16) -> int:
     return max(minimum, 1 << max(int(x) - 1, 0).bit_length())
 

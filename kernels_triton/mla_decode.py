@@ -252,13 +252,14 @@ def mla_decode(
         kernel = _mla_decode_chunked_kernel
         if fp16_products:  # re-read every tile: cast once, as _q_operand would
             q = q.float().clamp_(-65504.0, 65504.0).to(torch.float16)
+    part_dtype = V.partial_dtype(cfg, out.dtype)
     inputs = (*q.stride(), *kv.stride(), *(scale.stride() if kv_scale is not None else (0, 0)),
               *block_table.stride(), seq_lens.stride(0))
     if balanced:
         programs = balanced_programs(head_groups, q.device, cfg)
         split = programs > N + 1  # else every request is one program's
         rows = programs if split else 1
-        o_part = torch.empty((rows, 1, H, L), dtype=torch.float32, device=q.device)
+        o_part = torch.empty((rows, 1, H, L), dtype=part_dtype, device=q.device)
         lse_part = torch.empty((rows, 1, H), dtype=torch.float32, device=q.device)
         launched = max(programs, N)
         min_tiles = max(1, int(cfg["min_split_tokens"]) // BLOCK_N)
@@ -287,7 +288,7 @@ def mla_decode(
         o_part, lse_part = out, lse  # the program writes the final output itself
         stride_os, stride_ls = 0, 0
     else:
-        o_part = torch.empty((num_splits, N, H, L), dtype=torch.float32, device=q.device)
+        o_part = torch.empty((num_splits, N, H, L), dtype=part_dtype, device=q.device)
         lse_part = torch.empty((num_splits, N, H), dtype=torch.float32, device=q.device)
         stride_os, stride_ls = o_part.stride(0), lse_part.stride(0)
     grid = (head_groups, num_splits, N)

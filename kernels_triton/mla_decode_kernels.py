@@ -264,7 +264,7 @@ def _store_out(
         else:
             part_ptrs = o_ptr + pid_s * stride_os + offs_h[:, None] * stride_oh \
                 + cols[None, :] * stride_ol
-            tl.store(part_ptrs, out, mask=o_mask)
+            tl.store(part_ptrs, out.to(o_ptr.dtype.element_ty), mask=o_mask)
             if WRITE_LSE:
                 tl.store(lse_ptr + pid_s * stride_ls + offs_h * stride_lh, lse, mask=mask_h)
     else:

@@ -201,7 +201,8 @@ def mla_sparse(
     if num_splits == 1:
         o_part, lse_part, stride_os, stride_ls = out, lse, 0, 0
     else:
-        o_part = torch.empty((num_splits, N, H, L), dtype=torch.float32, device=dev)
+        o_part = torch.empty((num_splits, N, H, L), dtype=V.partial_dtype(cfg, out.dtype),
+                             device=dev)
         lse_part = torch.empty((num_splits, N, H), dtype=torch.float32, device=dev)
         stride_os, stride_ls = o_part.stride(0), lse_part.stride(0)
     fp16 = fp8 and bool(cfg.get("fp8_fp16", False))

@@ -135,3 +135,23 @@ def test_plan_scope_plans_once_per_lengths(monkeypatch):
         check(frozen)
         check(frozen)
     assert len(launches) == 6
+
+
+@pytest.mark.parametrize("case", ["long-among-short", "lone-long"])
+def test_balanced_partials_in_the_output_dtype(setting, case, monkeypatch):
+    """``low_partials``: the split requests' partial rows in a 16-bit output's own dtype
+    (fp32 outputs keep fp32), merged to the reference's result."""
+    seen = []
+    merge = decode_module._merge_into
+    monkeypatch.setattr(decode_module, "_merge_into",
+                        lambda outs, *a, **kw: (seen.append(outs.dtype), merge(outs, *a, **kw)))
+    lens, per_sm, H = BALANCED[case]
+    L, R, PS = 32, 16, 16
+    q, kv, scale, table, seq_lens = decode_inputs(setting, L, R, PS, H, lens, seed=5)
+    cfg = {"balanced": True, "programs_per_sm": per_sm, "min_split_tokens": 16,
+           "low_partials": True}
+    out, lse = mla_decode(q, kv, table, seq_lens, 0.2, L, kv_scale=scale, config=cfg)
+    assert seen == [q.dtype]
+    ref_out, ref_lse = mla_decode_ref(q, kv, table, seq_lens, 0.2, L, kv_scale=scale)
+    assert_close(out, ref_out, setting.atol, setting.rtol)
+    assert_lse(lse, ref_lse, setting.lse_tol)

@@ -5,11 +5,15 @@ history."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from kernel_data import assert_close, assert_lse, block_table, make_setting, paged_cache
 
 from splash.kernels_triton import mla_decode, mla_sparse, mla_sparse_ref
+
+sparse_module = importlib.import_module("splash.kernels_triton.mla_sparse")
 
 SPARSE_CASES = {"h20-p16": (32, 16, 16, 20, 12), "npow2-p4": (24, 8, 4, 5, 7)}
 
@@ -74,3 +78,21 @@ def test_sparse_over_the_whole_history_is_dense_decode(device):
                                                                 device=device), 0.2, L)
     assert_close(out, dense, setting.atol, setting.rtol)
     assert_lse(lse, dense_lse, setting.lse_tol)
+
+
+@pytest.mark.parametrize("case", list(SPARSE_CASES))
+def test_sparse_partials_in_the_output_dtype(setting, case, monkeypatch):
+    """``low_partials``: split partials in a 16-bit output's own dtype (fp32 outputs keep
+    fp32), merged to the reference's result."""
+    seen = []
+    merge = sparse_module._merge_into
+    monkeypatch.setattr(sparse_module, "_merge_into",
+                        lambda outs, *a, **kw: (seen.append(outs.dtype), merge(outs, *a, **kw)))
+    L, R, PS, H, K = SPARSE_CASES[case]
+    q, kv, scale, slots = _sparse_inputs(setting, L, R, PS, H, K, seed=3)
+    out, lse = mla_sparse(q, kv, slots, 0.15, L, kv_scale=scale, num_splits=3,
+                          config={"low_partials": True})
+    assert seen == [q.dtype]  # fp32, fp16 or bf16: the output's
+    ref_out, ref_lse = mla_sparse_ref(q, kv, slots, 0.15, L, kv_scale=scale)
+    assert_close(out, ref_out, setting.atol, setting.rtol)
+    assert_lse(lse, ref_lse, setting.lse_tol)
