@@ -19,6 +19,8 @@ times carry the launches' host cost, which decides nothing about a graph-replaye
   both score kinds);
 - ``mla_sparse`` at 128 heads (``--only sparse_splits``) and at 16 (``--only
   sparse_splits_few``), studies whose winners feed no record: num_splits × tiles × stages;
+  at 16 heads with tiles and stages that leave room for two programs an SM (``--only
+  sparse_occupancy``, a study);
 - ``mla_sparse`` over 2,048 selected slots, 16 and 128 heads, bf16 and fp8 KV: BLOCK_N ×
   num_warps × num_stages; with the slot ids gathered (``--only sparse_gather``, a study);
   in four column chunks of the latent dims or not (``--only sparse_chunks``, a study);
@@ -37,6 +39,7 @@ import sys
 
 import torch
 import triton
+from _resources import compiled_resources
 from _results import save_json  # noqa: E402  (benchmarks/ is on sys.path)
 from _timing import ceilings  # noqa: E402
 from dsa_kernels import (
@@ -97,6 +100,11 @@ SPARSE_SPLITS_SPACE = [{"num_splits": s, **cfg} for s in (None, 2, 4, 8, 16)
 # the same at 16 heads, to 32 splits: ``--only sparse_splits_few``
 SPARSE_SPLITS_FEW = [{"num_splits": s, **cfg} for s in (None, 2, 4, 8, 16, 32)
                      for cfg in ({}, {"num_stages": 3}, {"BLOCK_N": 32, "num_stages": 3})]
+# few heads with shared memory for two programs an SM (32-token tiles or 2 stages) and more
+# splits to fill them: ``--only sparse_occupancy``, against the default (its first row)
+SPARSE_OCCUPANCY_SPACE = [{}] + [{"num_splits": sp, "BLOCK_N": n, "num_stages": st}
+                                 for sp in (None, 16) for n, st in ((64, 3), (32, 3), (32, 4),
+                                                                    (64, 2))][1:]
 # the split's slot ids gathered from registers (``gather_slots``: the copies then pipeline),
 # with deeper pipelines: ``--only sparse_gather``, against the default (its first row)
 SPARSE_GATHER_SPACE = [{}] + [{"gather_slots": True, "num_stages": st, "num_splits": n}
@@ -246,6 +254,7 @@ def main() -> None:
             ("mla_sparse", "mla_sparse", SPARSE_SPACE, sparse_shapes),
             ("sparse_splits", None, SPARSE_SPLITS_SPACE, many_heads),
             ("sparse_splits_few", None, SPARSE_SPLITS_FEW, few_heads),
+            ("sparse_occupancy", None, SPARSE_OCCUPANCY_SPACE, few_heads),
             ("sparse_gather", None, SPARSE_GATHER_SPACE, sparse_shapes),
             ("sparse_chunks", None, SPARSE_CHUNKS_SPACE, sparse_shapes),
             ("sparse_prefill", None, SPARSE_PREFILL_SPACE, sparse_prefill)):
@@ -254,6 +263,8 @@ def main() -> None:
             save_json(args.out, result)
             if kernel and result["sweeps"][name]["best"]:
                 winners[kernel] = result["sweeps"][name]["best"]
+    result["kernels"] = compiled_resources(dev)  # what the compiler gave every variant run
+    save_json(args.out, result)
     del index_shapes, topk_shapes, topk_ramp_shapes, sparse_shapes, many_heads, few_heads
     torch.cuda.empty_cache()
     if args.no_records:
