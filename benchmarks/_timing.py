@@ -30,6 +30,26 @@ def bench_both(fn, rep: int = 30) -> dict[str, Any]:
     return out
 
 
+def captured(fn, replays: int = 200) -> tuple[torch.cuda.CUDAGraph, float]:
+    """``fn`` warmed up, captured in a CUDA graph on a side stream, and the graph's mean replay
+    time (ms, timed with events over ``replays`` replays after 20 untimed ones)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        fn()
+    for _ in range(20):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return graph, start.elapsed_time(end) / replays
+
+
 def matmul_peak(dev: torch.device, rep: int = 60) -> float:
     """bf16 8192^3 torch matmul TFLOP/s."""
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)

@@ -14,27 +14,10 @@ import sys
 
 import torch
 from _results import save_json  # noqa: E402  (benchmarks/ is on sys.path)
+from _timing import captured
 from dsa_kernels import decode_layer
 
 import splash.kernels_triton as K
-
-
-def graph_ms(fn, reps: int = 200) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        fn()
-    for _ in range(10):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def _layer(ly):
@@ -60,7 +43,7 @@ def shape_row(dev: torch.device, side: torch.cuda.Stream, heads: int, context: i
     times: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(2):  # interleaved, the best of each kept
         for key, fn in runs.items():
-            times[key].append(graph_ms(fn))
+            times[key].append(captured(fn)[1])
     return {"heads": heads, "batch": 16, "context": context,
             **{k: round(min(v), 4) for k, v in times.items()}}
 

@@ -15,6 +15,7 @@ import sys
 
 import torch
 from _results import save_json  # noqa: E402  (benchmarks/ is on sys.path)
+from _timing import captured
 from dsa_kernels import TOPK, decode_layer
 from torch.profiler import ProfilerActivity, profile
 
@@ -22,20 +23,7 @@ import splash.kernels_triton as K
 
 
 def timeline(layer, replays: int = 5) -> dict:
-    for _ in range(3):
-        layer()
-    torch.cuda.synchronize()
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        layer()
-    for _ in range(20):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(200):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
+    graph, ms = captured(layer)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             graph.replay()
@@ -44,7 +32,7 @@ def timeline(layer, replays: int = 5) -> dict:
                     key=lambda e: e.time_range.start)
     last = events[-(len(events) // replays):]  # the last replay's kernels
     t0 = last[0].time_range.start
-    return {"ms_per_step": round(start.elapsed_time(end) / 200, 4),
+    return {"ms_per_step": round(ms, 4),
             "kernels": [{"name": e.name, "start_us": round(e.time_range.start - t0, 2),
                          "us": round(e.time_range.end - e.time_range.start, 2)} for e in last]}
 
