@@ -49,10 +49,21 @@ def main() -> int:
         ref = run()[0].float()
         exact = run.reference().float() if args.error else None
         times: dict[int, list[float]] = {i: [] for i in range(len(configs))}
+        failed: dict[int, str] = {}  # a config that does not build (shared memory) is reported
         for _ in range(2):
             for i, cfg in enumerate(configs):
-                times[i].append(layer_ms(lambda cfg=cfg, run=run: run(cfg)))
+                if i in failed:
+                    continue
+                try:
+                    times[i].append(layer_ms(lambda cfg=cfg, run=run: run(cfg)))
+                except Exception as exc:  # noqa: BLE001
+                    torch.cuda.synchronize()
+                    failed[i] = repr(exc)[:160]
         for i, cfg in enumerate(configs):
+            if i in failed:
+                rows.append({"shape": name, "config": cfg, "error": failed[i]})
+                print(rows[-1], flush=True)
+                continue
             got = run(cfg)[0].float()
             same = bool(torch.allclose(got, ref, rtol=2e-2, atol=2e-2))
             ms = min(times[i])
