@@ -65,7 +65,10 @@ Design:
   heads: bf16 7-12% faster, fp8 4-7%. It applies to the heads-on-M kernel only (``transposed``
   wins) and to latents of at least 64 columns (narrower ones take the unchunked kernel).
   ``config["maxnreg"]`` passes ptxas a register cap (CUDA only): 168 would allow three
-  programs an SM but spills and lost 8-13%.
+  programs an SM but spills and lost 8-13%. With fp8 KV the widened chunks stay live from the
+  score product to the value product; widening the stored fp8 chunk again there, or
+  reloading it, kept 255 registers and ran slower (16 heads, 64 x 32K 0.801 -> 1.05 / 1.17
+  ms; ``decode_fp8_pv.json``).
 - Gathered page ids (``config["gather_pages"]``, both heads-on-M kernels; the CUDA default
   for fp8 KV at few heads): the loop's page-table load, which each tile's addresses wait on,
   keeps Triton's software pipeliner (3.6) from running copies ahead: offline sm_90 every

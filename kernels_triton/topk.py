@@ -69,6 +69,15 @@ Tried on an H200 (16 rows, k = 2048, graph-timed), against 0.032 / 0.061 ms at 3
   at 32K the per-chunk kernel ended 17 us after the indexer and the per-row pick 19 us after
   it, against 12 and 12 for the search and placement launches each replaced (placing in the
   searching programs, one a row, is what costs).
+- around the floor, on its four launches (16 x 32K / 128K, 0.0194 / 0.0326 ms): the floored
+  pass in 1-4 parts a chunk instead of 8 (each fewer slower, to 0.0396 at 128K), the fold
+  unrolled, the floor found once a row in a launch of its own (0.0200-0.0208 / 0.0324), and
+  1-4 warps for the last search or 4 / 16 for the floored pass (1 warp 0.0632 at 128K): none
+  faster (``dsa_topk_floor_parts.json``, ``dsa_topk_floor_kernel.json``,
+  ``dsa_topk_warps.json``). Under ncu at 128K (``profile_topk_floor/``) the floored search
+  takes 15.6 us (46% of the SMs busy), its placement 10.9 us over 2,048 programs, busy on
+  every entry of a part though about 1% survive, the last search 8.3 us (one program a row,
+  a latency chain) and the last placement 6.7 us.
 
 ``block_table`` (B, W) with ``row_req`` (N,) (request of each row; None: row n is request n)
 turns the final winners' columns, token positions in the row's paged history, into KV slots
