@@ -9,6 +9,9 @@ that subset and the natural log of its softmax denominator. S partials over disj
 A partial with ``lse_s = -inf`` covered no keys and contributes nothing (its ``o_s`` is never
 read into the sum); when every partial is ``-inf`` the merged output is 0 and its lse ``-inf``.
 The same kernel finishes split-KV decode (``mla_decode``), reading its fp32 partial buffer.
+A program folds one partial at a time; loading eight a round (their lse and rows in one 2-D
+load) was tried on an H200 and not kept: mixed, +-3% by batch, 64 x 4K and the DSA layer
+unchanged (``benchmarks/results/h200/lse_merge_rounds.json``).
 """
 
 from __future__ import annotations
