@@ -9,7 +9,7 @@ from kernel_data import assert_close, assert_lse, block_table, paged_cache
 from splash.kernels_triton import lse_merge, lse_merge_ref, mla_decode, mla_decode_ref
 
 
-@pytest.mark.parametrize("num_parts", [1, 3, 19])  # 19: rounds of the kernel's 8, one partial
+@pytest.mark.parametrize("num_parts", [1, 3, 19])
 def test_merge_matches_reference(setting, num_parts):
     gen = torch.Generator().manual_seed(0)
     S, N, H, L = num_parts, 3, 5, 24
@@ -18,7 +18,7 @@ def test_merge_matches_reference(setting, num_parts):
     lses[0, 0, 0] = float("-inf")  # one empty partial
     lses[:, 1, 2] = float("-inf")  # every partial empty: out 0, lse -inf
     outs[0, 0, 0] = float("nan")  # an empty partial's output is never read into the sum
-    if S > 9:  # and one in a later round, beside the largest lse of the row
+    if S > 9:  # and one deep in a long run of partials, beside the row's largest lse
         lses[9, 2, 1], outs[9, 2, 1] = float("-inf"), float("nan")
         lses[10, 2, 1] = 20.0
     outs, lses = outs.to(setting.device), lses.to(setting.device)
