@@ -25,6 +25,7 @@ def compiled_resources(dev: torch.device) -> list[dict]:
     props = torch.cuda.get_device_properties(dev)
     regs_sm = getattr(props, "regs_per_multiprocessor", 65536)
     smem_sm = getattr(props, "shared_memory_per_multiprocessor", 233472)
+    reserve = 1024 if torch.version.hip is None else 0
     rows = []
     for name, mod in sorted(sys.modules.items()):
         if not name.startswith("splash.kernels_triton.") or mod is None:
@@ -41,7 +42,8 @@ def compiled_resources(dev: torch.device) -> list[dict]:
                 warps, shared = int(meta.num_warps), int(meta.shared)
                 regs = int(kernel.n_regs)
                 by_regs = regs_sm // max(-(-regs // 8) * 8 * 32 * warps, 1)  # 8-register steps
-                by_smem = smem_sm // shared if shared else 32
+                # the driver reserves 1 KB of an NVIDIA SM's shared memory per resident program
+                by_smem = smem_sm // (shared + reserve) if shared else 32
                 rows.append({"kernel": attr, "num_warps": warps,
                              "num_stages": int(getattr(meta, "num_stages", 0)),
                              "registers": regs, "spills": int(kernel.n_spills),

@@ -8,7 +8,8 @@ times carry the launches' host cost, which decides nothing about a graph-replaye
 - ``index_scores`` e4m3 products with the keys on M only (``--only index_tiles``): BLOCK_T ×
   TILES × num_warps × num_stages, finer and deeper than the above;
 - ``index_scores`` with page ids gathered from registers (``--only index_gather``, a study):
-  tiles per program × stages;
+  tiles per program × stages; two stages with fewer tiles a program, more programs an SM in
+  one wave (``--only index_occupancy``, a study);
 - ``index_scores`` over a 2,048-row prefill chunk (``--only index_prefill``, a study): rows a
   block × warps × BLOCK_T × stages, at 32K and 64K history;
 - ``topk_rows`` at 32K and 128K, split passes: without the floor, then with the indexer's
@@ -79,6 +80,11 @@ INDEX_GATHER_SPACE = [{}] + [{"gather_pages": True, "TILES": n, "num_stages": st
     {"gather_pages": True, "BLOCK_T": 64, "TILES": n, "num_stages": st}
     for n, st in itertools.product((16, 32), (3, 4))]  # 64-token tiles: 78 registers, 33 / 41 KB
 # of shared memory at 3 / 4 stages (offline sm_90): 6 / 5 programs an SM, against 4
+# two stages (about 40 KB of shared memory: five programs an SM, where three stages' 58 KB
+# hold three once the driver's 1 KB a program is counted) with fewer tiles a program, so
+# more programs fill the SMs in one wave: ``--only index_occupancy``, against the default
+INDEX_OCCUPANCY_SPACE = [{}] + [{"num_stages": 2, "TILES": n} for n in (4, 8, 16)] + [
+    {"num_stages": 3, "TILES": 8}]
 # prefill row blocks (``--only index_prefill``): rows a block x warps x tile x stages
 INDEX_PREFILL_SPACE = [{"BLOCK_M_EXTEND": m, "num_warps_extend": w, "BLOCK_T": t,
                         "num_stages": st}
@@ -247,6 +253,7 @@ def main() -> None:
             ("index_scores", "index_scores", INDEX_SPACE, index_shapes),
             ("index_tiles", "index_scores", INDEX_TILES_SPACE, index_shapes),
             ("index_gather", None, INDEX_GATHER_SPACE, index_shapes),
+            ("index_occupancy", None, INDEX_OCCUPANCY_SPACE, index_shapes),
             ("index_prefill", None, INDEX_PREFILL_SPACE, prefill_shapes),
             ("topk", "topk", TOPK_SPACE, topk_shapes),
             ("topk_ramp", None, TOPK_SPACE[:1] + [{}], topk_ramp_shapes),
