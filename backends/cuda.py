@@ -46,10 +46,15 @@ class CUDABackend(BaseBackend):
         # 64 x 32K 0.839 -> 0.802 ms, 16 x 128K 0.840 -> 0.804, 128 x 1K 0.080 -> 0.072,
         # 64 x 4K 0.127 -> 0.124). It loses with bf16 at long contexts (64 x 32K 0.557 ->
         # 0.603) and at 128 heads (bf16 0.269 -> 0.355 on the 32-token tiles that fit).
+        # "low_partials": 8: requests of at most 8 splits write 16-bit partials, longer ones
+        # fp32 (benchmarks/results/h200/decode_low_partials.json, a layer's ms against fp32
+        # partials: 16 heads bf16 64 x 4K -1.1%, 128 x 1K -2.8%, 64 x 1K -4.2%; 128 heads
+        # 8 x 4K -10%; fp8 64 x 1K -2.7%; others within +-1%. Every request in 16-bit: one 128K
+        # request among 63 of 1K +12%, 16 heads 8 x 4K (16 splits each) +5%).
         "mla_decode": {
             "default": {
                 "transposed": False, "balanced": True, "dim_chunks": True, "BLOCK_N": 64,
-                "BLOCK_H": 16,
+                "BLOCK_H": 16, "low_partials": 8,
                 "num_warps": 4, "num_stages": 3, "max_block_h": 64, "programs_per_sm": 2,
                 "split_overhead_tokens": 512, "min_split_tokens": 256,
                 "many_heads": {"transposed": False, "dim_chunks": False, "BLOCK_H": 64,
@@ -80,8 +85,10 @@ class CUDABackend(BaseBackend):
         # 0.0186 ms, fp8 0.0239 -> 0.0207; 128 heads bf16 0.0568 -> 0.0515, fp8 0.0766 -> 0.0666
         # 4 warps at few heads with bf16 KV (dsa_sparse_chunks.json: 16 heads 0.0176 ->
         # 0.0168 ms; fp8 0.0197 -> 0.0202 and 128 heads 0.052 -> 0.078 keep 8)
+        # fp32 partials (16-bit ones, decode_partials.json: 16 heads bf16 0.0163 -> 0.0172 ms)
         "mla_sparse": {"default": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3,
                                    "gather_slots": True, "dim_chunks": True,
+                                   "low_partials": False,
                                    "many_heads": {"num_stages": 2, "gather_slots": False,
                                                   "num_warps": 8},
                                    "fp8": {"num_warps": 8,

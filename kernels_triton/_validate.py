@@ -73,12 +73,25 @@ def as_bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_BITS_DTYPE[t.element_size()])
 
 
-def partial_dtype(cfg: dict, out_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of split-KV partial outputs: fp32, or with ``config["low_partials"]`` the
-    output's own 16-bit dtype (half the partials' traffic; one more rounding, of a normalised
-    partial, at the output's own precision). fp32 outputs always keep fp32 partials."""
-    low = cfg.get("low_partials") and out_dtype in (torch.bfloat16, torch.float16)
-    return out_dtype if low else torch.float32
+def low_partial_splits(cfg: dict, out_dtype: torch.dtype) -> int:
+    """The most splits a request may have for its split-KV partials to be written in a 16-bit
+    output's own dtype (half the partials' traffic; one more rounding, of a normalised
+    partial, at the output's own precision): ``config["low_partials"]`` True (every request),
+    an int n (requests of at most n splits; more keep fp32, where many partials' roundings
+    would add up), or off (0). fp32 outputs always keep fp32 partials."""
+    low = cfg.get("low_partials")
+    if not low or out_dtype not in (torch.bfloat16, torch.float16):
+        return 0
+    if low is True:
+        return 65535
+    if not isinstance(low, int) or low < 2:
+        raise ValueError(f"config low_partials={low!r} must be a bool or an int >= 2 (splits)")
+    return low
+
+
+def partial_dtype(cfg: dict, out_dtype: torch.dtype, splits: int) -> torch.dtype:
+    """The dtype of the partials of ``splits`` splits a request (``low_partial_splits``)."""
+    return out_dtype if splits <= low_partial_splits(cfg, out_dtype) else torch.float32
 
 
 def next_pow2(x: int, minimum: int = 16) -> int:

@@ -24,39 +24,9 @@ from splash.kernels_triton import _validate as V
 from splash.kernels_triton.pdl import pdl, pdl_enter
 
 
-@triton.jit(do_not_specialize=["S"])  # ints that vary by step: one binary for all
-def _lse_merge_kernel(
-    o_ptr,  # (S, N, H, L) partial outputs; RANGES: (rows, 1, H, L)
-    lse_ptr,  # (S, N, H) fp32 partial lse (natural log); RANGES: (rows, 1, H)
-    out_ptr,  # (N, H, L) merged output
-    lse_out_ptr,  # (N, H) fp32 merged lse
-    ranges_ptr,  # RANGES: (N + 1,) int32, request n's partials are rows [r[n], r[n + 1])
-    S,
-    stride_os, stride_on, stride_oh, stride_ol,
-    stride_ls, stride_ln, stride_lh,
-    stride_outn, stride_outh, stride_outl,
-    stride_lon, stride_loh,
-    L: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-    RANGES: tl.constexpr,  # each request's own run of partial rows (a request of one wrote out)
-    PDL: tl.constexpr,
-):
-    pdl_enter(PDL)
-    pid_h = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_l = tl.arange(0, BLOCK_L)
-    mask_l = offs_l < L
-    if RANGES:
-        first = tl.load(ranges_ptr + pid_n)
-        S = tl.load(ranges_ptr + pid_n + 1) - first
-        if S <= 1:
-            return
-        o_base = o_ptr + first * stride_os + pid_h * stride_oh + offs_l * stride_ol
-        lse_base = lse_ptr + first * stride_ls + pid_h * stride_lh
-    else:
-        o_base = o_ptr + pid_n * stride_on + pid_h * stride_oh + offs_l * stride_ol  # (BLOCK_L,)
-        lse_base = lse_ptr + pid_n * stride_ln + pid_h * stride_lh
-
+@triton.jit
+def _fold(o_base, lse_base, S, stride_os, stride_ls, mask_l, BLOCK_L: tl.constexpr):
+    """Partials 0..S-1 from ``o_base`` / ``lse_base`` folded one at a time: (acc, denom, max)."""
     m = tl.full((), float("-inf"), tl.float32)  # running max of lse
     denom = tl.zeros((), tl.float32)
     acc = tl.zeros((BLOCK_L,), tl.float32)
@@ -72,6 +42,48 @@ def _lse_merge_kernel(
         acc = acc * alpha + w * o_s
         denom = denom * alpha + w
         m = m_new
+    return acc, denom, m
+
+
+@triton.jit(do_not_specialize=["S"])  # ints that vary by step: one binary for all
+def _lse_merge_kernel(
+    o_ptr,  # (S, N, H, L) partial outputs; RANGES: (rows, 1, H, L)
+    o_low_ptr,  # RANGES: (rows, 1, H, L) 16-bit rows of requests of at most LOW_SPLITS
+    lse_ptr,  # (S, N, H) fp32 partial lse (natural log); RANGES: (rows, 1, H)
+    out_ptr,  # (N, H, L) merged output
+    lse_out_ptr,  # (N, H) fp32 merged lse
+    ranges_ptr,  # RANGES: (N + 1,) int32, request n's partials are rows [r[n], r[n + 1])
+    S,
+    stride_os, stride_on, stride_oh, stride_ol,
+    stride_ls, stride_ln, stride_lh,
+    stride_outn, stride_outh, stride_outl,
+    stride_lon, stride_loh,
+    L: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    RANGES: tl.constexpr,  # each request's own run of partial rows (a request of one wrote out)
+    LOW_SPLITS: tl.constexpr,  # RANGES: a request of at most this many rows reads o_low_ptr
+    PDL: tl.constexpr,
+):
+    pdl_enter(PDL)
+    pid_h = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_l = tl.arange(0, BLOCK_L)
+    mask_l = offs_l < L
+    if RANGES:
+        first = tl.load(ranges_ptr + pid_n)
+        S = tl.load(ranges_ptr + pid_n + 1) - first
+        if S <= 1:
+            return
+        o_off = first * stride_os + pid_h * stride_oh + offs_l * stride_ol
+        lse_base = lse_ptr + first * stride_ls + pid_h * stride_lh
+    else:
+        o_off = pid_n * stride_on + pid_h * stride_oh + offs_l * stride_ol  # (BLOCK_L,)
+        lse_base = lse_ptr + pid_n * stride_ln + pid_h * stride_lh
+    if S <= LOW_SPLITS:  # (o_low_ptr shares o_ptr's strides)
+        acc, denom, m = _fold(o_low_ptr + o_off, lse_base, S, stride_os, stride_ls, mask_l,
+                              BLOCK_L)
+    else:
+        acc, denom, m = _fold(o_ptr + o_off, lse_base, S, stride_os, stride_ls, mask_l, BLOCK_L)
 
     has_any = denom > 0.0
     out = acc / tl.where(has_any, denom, 1.0)
@@ -87,20 +99,23 @@ def _lse_merge_kernel(
 def _merge_into(
     outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     ranges: torch.Tensor | None = None, num_warps: int = 4,
+    low: tuple[torch.Tensor, int] | None = None,
 ) -> None:
     """Launch the merge of ``outs`` (S, N, H, L) / ``lses`` (S, N, H) into preallocated tensors.
     With ``ranges`` (N + 1,) int32, request n's partials are instead the rows
     ``outs[ranges[n]:ranges[n + 1], 0]`` of (rows, 1, H, L) partials, and a request with a
-    single row (which already wrote its output) is skipped."""
+    single row (which already wrote its output) is skipped; with ``low`` = (rows, n) as well,
+    a request of at most n rows has them in ``rows`` (16-bit, ``outs``' shape and strides)."""
     N, H, L = out.shape
     if N == 0 or H == 0:
         return
+    o_low, low_splits = low if ranges is not None and low is not None and low[1] else (outs, 0)
     _lse_merge_kernel[(H, N)](
-        outs, lses, out, lse, lse if ranges is None else ranges,
+        outs, o_low, lses, out, lse, lse if ranges is None else ranges,
         outs.shape[0] if ranges is None else 0,
         *outs.stride(), *lses.stride(), *out.stride(), *lse.stride(),
-        L=L, BLOCK_L=V.next_pow2(L, 16), RANGES=ranges is not None, num_warps=num_warps,
-        PDL=(on := pdl(out.device)), launch_pdl=on,
+        L=L, BLOCK_L=V.next_pow2(L, 16), RANGES=ranges is not None, LOW_SPLITS=low_splits,
+        num_warps=num_warps, PDL=(on := pdl(out.device)), launch_pdl=on,
     )
 
 

@@ -13,9 +13,13 @@ Design:
   The peer kernel re-reads every tile for each 16 heads; with 128 heads that is 8 reads.
 - Split-KV: ``num_splits`` programs share a request's tokens (tile-aligned ranges); each writes a
   normalised fp32 partial and its lse, and ``lse_merge``'s kernel combines them. With one split the
-  program writes the final output directly. (``config["low_partials"]``, off: partials in a
-  16-bit output's own dtype; on an H200, 16 heads, 64 x 4K 2.2% faster a layer but one 128K
-  request among 63 of 1K 12% slower, its many partials' merge: ``decode_partials.json``.)
+  program writes the final output directly. ``config["low_partials"]`` (CUDA: 8): a request
+  of at most that many splits writes its partials in a 16-bit output's own dtype instead
+  (True: every request), into rows of their own beside the fp32 ones; the merge reads each
+  request's from where its split count says. Half the partials' traffic: on an H200, 16
+  heads, a layer at 64 x 4K 1.1% faster, 64 x 1K 4.2%, 128 heads 8 x 4K 10%; every request
+  in 16-bit made one 128K request among 63 of 1K 12% slower (its merge of many partials)
+  and 16 heads 8 x 4K, 16 splits each, 5% (``decode_low_partials.json``).
   Head groups of a (request, split) sit next to each other in the grid, so they run together
   and share tiles through L2.
 - Balanced splits (``config["balanced"]``, the CUDA default): the split counts follow the
@@ -258,14 +262,16 @@ def mla_decode(
         kernel = _mla_decode_chunked_kernel
         if fp16_products:  # re-read every tile: cast once, as _q_operand would
             q = q.float().clamp_(-65504.0, 65504.0).to(torch.float16)
-    part_dtype = V.partial_dtype(cfg, out.dtype)
     inputs = (*q.stride(), *kv.stride(), *(scale.stride() if kv_scale is not None else (0, 0)),
               *block_table.stride(), seq_lens.stride(0))
     if balanced:
         programs = balanced_programs(head_groups, q.device, cfg)
         split = programs > N + 1  # else every request is one program's
         rows = programs if split else 1
-        o_part = torch.empty((rows, 1, H, L), dtype=part_dtype, device=q.device)
+        o_part = torch.empty((rows, 1, H, L), dtype=torch.float32, device=q.device)
+        # requests of at most `low` splits write 16-bit partial rows (here), the rest fp32
+        low = V.low_partial_splits(cfg, out.dtype) if split else 0
+        o_low = torch.empty(o_part.shape, dtype=out.dtype, device=q.device) if low else o_part
         lse_part = torch.empty((rows, 1, H), dtype=torch.float32, device=q.device)
         launched = max(programs, N)
         min_tiles = max(1, int(cfg["min_split_tokens"]) // BLOCK_N)
@@ -280,13 +286,13 @@ def mla_decode(
 
         items, meta = planned(seq_lens, (N, programs, min_tiles, BLOCK_N, q.device), plan)
         kernel[(head_groups, launched)](
-            q, kv, scale, block_table, seq_lens, o_part, lse_part, out, lse, items,
+            q, kv, scale, block_table, seq_lens, o_part, o_low, lse_part, out, lse, items,
             float(sm_scale) * _LOG2E, H, 1, N, *inputs,
             *o_part.stride(), *lse_part.stride(), *out.stride(), *lse.stride(),
-            BALANCED=True, **consts,
+            BALANCED=True, LOW_SPLITS=low, **consts,
         )
         if split:
-            _merge_into(o_part, lse_part, out, lse, ranges=meta)
+            _merge_into(o_part, lse_part, out, lse, ranges=meta, low=(o_low, low))
         return out, lse
 
     assert isinstance(num_splits, int)  # checked above
@@ -294,7 +300,8 @@ def mla_decode(
         o_part, lse_part = out, lse  # the program writes the final output itself
         stride_os, stride_ls = 0, 0
     else:
-        o_part = torch.empty((num_splits, N, H, L), dtype=part_dtype, device=q.device)
+        o_part = torch.empty((num_splits, N, H, L),
+                             dtype=V.partial_dtype(cfg, out.dtype, num_splits), device=q.device)
         lse_part = torch.empty((num_splits, N, H), dtype=torch.float32, device=q.device)
         stride_os, stride_ls = o_part.stride(0), lse_part.stride(0)
     grid = (head_groups, num_splits, N)
@@ -311,7 +318,7 @@ def mla_decode(
         )
     else:
         kernel[grid](
-            q, kv, scale, block_table, seq_lens, o_part, lse_part, out, lse, seq_lens,
+            q, kv, scale, block_table, seq_lens, o_part, o_part, lse_part, out, lse, seq_lens,
             float(sm_scale) * _LOG2E, H, num_splits, N, *inputs, *parts,
             *out.stride(), *lse.stride(), BALANCED=False, **consts,
         )

@@ -125,8 +125,8 @@ def _attend_tile_chunked(
 
 @triton.jit(do_not_specialize=["num_splits", "stride_btn", "N"])  # vary by step: one binary
 def _mla_decode_chunked_kernel(
-    q_ptr, kv_ptr, scale_ptr, bt_ptr, seq_lens_ptr, o_ptr, lse_ptr, out_ptr, lse_out_ptr,
-    plan_ptr, qk_scale, H, num_splits, N,
+    q_ptr, kv_ptr, scale_ptr, bt_ptr, seq_lens_ptr, o_ptr, o_low_ptr, lse_ptr, out_ptr,
+    lse_out_ptr, plan_ptr, qk_scale, H, num_splits, N,
     stride_qn, stride_qh, stride_qd,
     stride_kvp, stride_kvs, stride_kvd,
     stride_sp, stride_ss,
@@ -148,6 +148,7 @@ def _mla_decode_chunked_kernel(
     FP8_FP16: tl.constexpr,  # unused: q arrives in the products' dtype
     FP8_PTX: tl.constexpr,
     BALANCED: tl.constexpr,
+    LOW_SPLITS: tl.constexpr = 0,
     PAGES: tl.constexpr = 0,  # > 0: page ids in blocks of PAGES, gathered (config gather_pages)
     PDL: tl.constexpr = False,
 ):
@@ -210,18 +211,22 @@ def _mla_decode_chunked_kernel(
     l_safe, lse = _softmax_totals(m_i, l_i)
     offs_c = tl.arange(0, CH)
     _store_out(acc0 / l_safe[:, None], lse, offs_h, mask_h, offs_c, L, True,
-               pid_n, pid_s, count, o_ptr, lse_ptr, out_ptr, lse_out_ptr,
+               pid_n, pid_s, count, o_ptr, o_low_ptr, lse_ptr, out_ptr, lse_out_ptr,
                stride_os, stride_on, stride_oh, stride_ol, stride_ls, stride_ln, stride_lh,
-               stride_outn, stride_outh, stride_outl, stride_lon, stride_loh, BALANCED)
+               stride_outn, stride_outh, stride_outl, stride_lon, stride_loh, BALANCED,
+               LOW_SPLITS)
     _store_out(acc1 / l_safe[:, None], lse, offs_h, mask_h, offs_c + CH, L, False,
-               pid_n, pid_s, count, o_ptr, lse_ptr, out_ptr, lse_out_ptr,
+               pid_n, pid_s, count, o_ptr, o_low_ptr, lse_ptr, out_ptr, lse_out_ptr,
                stride_os, stride_on, stride_oh, stride_ol, stride_ls, stride_ln, stride_lh,
-               stride_outn, stride_outh, stride_outl, stride_lon, stride_loh, BALANCED)
+               stride_outn, stride_outh, stride_outl, stride_lon, stride_loh, BALANCED,
+               LOW_SPLITS)
     _store_out(acc2 / l_safe[:, None], lse, offs_h, mask_h, offs_c + 2 * CH, L, False,
-               pid_n, pid_s, count, o_ptr, lse_ptr, out_ptr, lse_out_ptr,
+               pid_n, pid_s, count, o_ptr, o_low_ptr, lse_ptr, out_ptr, lse_out_ptr,
                stride_os, stride_on, stride_oh, stride_ol, stride_ls, stride_ln, stride_lh,
-               stride_outn, stride_outh, stride_outl, stride_lon, stride_loh, BALANCED)
+               stride_outn, stride_outh, stride_outl, stride_lon, stride_loh, BALANCED,
+               LOW_SPLITS)
     _store_out(acc3 / l_safe[:, None], lse, offs_h, mask_h, offs_c + 3 * CH, L, False,
-               pid_n, pid_s, count, o_ptr, lse_ptr, out_ptr, lse_out_ptr,
+               pid_n, pid_s, count, o_ptr, o_low_ptr, lse_ptr, out_ptr, lse_out_ptr,
                stride_os, stride_on, stride_oh, stride_ol, stride_ls, stride_ln, stride_lh,
-               stride_outn, stride_outh, stride_outl, stride_lon, stride_loh, BALANCED)
+               stride_outn, stride_outh, stride_outl, stride_lon, stride_loh, BALANCED,
+               LOW_SPLITS)

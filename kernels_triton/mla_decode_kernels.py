@@ -244,15 +244,16 @@ def _attend_tile(
 @triton.jit
 def _store_out(
     out, lse, offs_h, mask_h, cols, L: tl.constexpr, WRITE_LSE: tl.constexpr,
-    pid_n, pid_s, count, o_ptr, lse_ptr, out_ptr, lse_out_ptr,
+    pid_n, pid_s, count, o_ptr, o_low_ptr, lse_ptr, out_ptr, lse_out_ptr,
     stride_os, stride_on, stride_oh, stride_ol, stride_ls, stride_ln, stride_lh,
     stride_outn, stride_outh, stride_outl, stride_lon, stride_loh,
-    BALANCED: tl.constexpr,
+    BALANCED: tl.constexpr, LOW_SPLITS: tl.constexpr,
 ):
     """A program's normalised output columns ``cols`` (those below L; with WRITE_LSE also its
-    lse): balanced,
-    a request's only split writes the final output, else partial row ``pid_s``; the wave model
-    writes split ``pid_s`` of request ``pid_n`` (the final output when it is the only split)."""
+    lse): balanced, a request's only split writes the final output, else partial row
+    ``pid_s`` (of the 16-bit rows ``o_low_ptr`` when the request has at most LOW_SPLITS
+    splits); the wave model writes split ``pid_s`` of request ``pid_n`` (the final output when
+    it is the only split)."""
     o_mask = mask_h[:, None] & (cols < L)[None, :]
     if BALANCED:
         if count == 1:
@@ -262,9 +263,11 @@ def _store_out(
             if WRITE_LSE:
                 tl.store(lse_out_ptr + pid_n * stride_lon + offs_h * stride_loh, lse, mask=mask_h)
         else:
-            part_ptrs = o_ptr + pid_s * stride_os + offs_h[:, None] * stride_oh \
-                + cols[None, :] * stride_ol
-            tl.store(part_ptrs, out.to(o_ptr.dtype.element_ty), mask=o_mask)
+            part = pid_s * stride_os + offs_h[:, None] * stride_oh + cols[None, :] * stride_ol
+            if count <= LOW_SPLITS:  # (o_low_ptr shares o_ptr's strides)
+                tl.store(o_low_ptr + part, out.to(o_low_ptr.dtype.element_ty), mask=o_mask)
+            else:
+                tl.store(o_ptr + part, out.to(o_ptr.dtype.element_ty), mask=o_mask)
             if WRITE_LSE:
                 tl.store(lse_ptr + pid_s * stride_ls + offs_h * stride_lh, lse, mask=mask_h)
     else:
@@ -284,6 +287,7 @@ def _mla_decode_kernel(
     bt_ptr,  # (N, max_pages) int
     seq_lens_ptr,  # (N,) int
     o_ptr,  # (S, N, H, L) fp32 partials, or (N, H, L) output when S == 1; BALANCED: (P, 1, H, L)
+    o_low_ptr,  # BALANCED: (P, 1, H, L) 16-bit partial rows (requests of <= LOW_SPLITS splits)
     lse_ptr,  # (S, N, H) fp32, or (N, H); BALANCED: (P, 1, H)
     out_ptr,  # BALANCED: (N, H, L) output (requests of one split write it directly)
     lse_out_ptr,  # BALANCED: (N, H) fp32
@@ -313,6 +317,7 @@ def _mla_decode_kernel(
     FP8_FP16: tl.constexpr,
     FP8_PTX: tl.constexpr,  # _widen_kv
     BALANCED: tl.constexpr,  # splits from the batch's total work (``_decode_plan_kernel``)
+    LOW_SPLITS: tl.constexpr = 0,  # BALANCED: config low_partials (``low_partial_splits``)
     PAGES: tl.constexpr = 0,  # > 0: page ids in blocks of PAGES, gathered (config gather_pages)
     PDL: tl.constexpr = False,
 ):
@@ -387,6 +392,7 @@ def _mla_decode_kernel(
 
     l_safe, lse = _softmax_totals(m_i, l_i)
     _store_out(acc / l_safe[:, None], lse, offs_h, mask_h, offs_l, L, True,
-               pid_n, pid_s, count, o_ptr, lse_ptr, out_ptr, lse_out_ptr,
+               pid_n, pid_s, count, o_ptr, o_low_ptr, lse_ptr, out_ptr, lse_out_ptr,
                stride_os, stride_on, stride_oh, stride_ol, stride_ls, stride_ln, stride_lh,
-               stride_outn, stride_outh, stride_outl, stride_lon, stride_loh, BALANCED)
+               stride_outn, stride_outh, stride_outl, stride_lon, stride_loh, BALANCED,
+               LOW_SPLITS)

@@ -201,7 +201,7 @@ def mla_sparse(
     if num_splits == 1:
         o_part, lse_part, stride_os, stride_ls = out, lse, 0, 0
     else:
-        o_part = torch.empty((num_splits, N, H, L), dtype=V.partial_dtype(cfg, out.dtype),
+        o_part = torch.empty((num_splits, N, H, L), dtype=V.partial_dtype(cfg, out.dtype, num_splits),
                              device=dev)
         lse_part = torch.empty((num_splits, N, H), dtype=torch.float32, device=dev)
         stride_os, stride_ls = o_part.stride(0), lse_part.stride(0)

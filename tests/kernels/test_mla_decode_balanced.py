@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 
 import pytest
+import torch
 from kernel_data import assert_close, assert_lse, decode_inputs, make_setting
 
 from splash.kernels_triton import mla_decode, mla_decode_ref
@@ -137,21 +138,46 @@ def test_plan_scope_plans_once_per_lengths(monkeypatch):
     assert len(launches) == 6
 
 
-@pytest.mark.parametrize("case", ["long-among-short", "lone-long"])
-def test_balanced_partials_in_the_output_dtype(setting, case, monkeypatch):
-    """``low_partials``: the split requests' partial rows in a 16-bit output's own dtype
-    (fp32 outputs keep fp32), merged to the reference's result."""
+@pytest.mark.parametrize("case,low", [("long-among-short", True), ("long-among-short", "mixed"),
+                                      ("lone-long", True)])
+def test_balanced_partials_in_the_output_dtype(setting, case, low, monkeypatch):
+    """``low_partials``: the partial rows of requests of at most ``low`` splits (True: all) in
+    a 16-bit output's own dtype, the rest in fp32 (fp32 outputs keep fp32 throughout), merged
+    to the reference's result ("mixed": the fewest splits a split request has, so longer ones
+    keep fp32). The rows of the buffer a request must not use are set to NaN before the merge,
+    so a write to or a read from the wrong one shows in the output."""
     seen = []
     merge = decode_module._merge_into
-    monkeypatch.setattr(decode_module, "_merge_into",
-                        lambda outs, *a, **kw: (seen.append(outs.dtype), merge(outs, *a, **kw)))
+
+    def poisoned(outs, lses, out, lse, ranges=None, low=None, **kw):
+        rows = low[0] if low is not None else outs
+        most = low[1] if low is not None else 0
+        for a, b in zip(ranges[:-1].tolist(), ranges[1:].tolist()):
+            if b - a > 1:
+                seen.append(b - a <= most)
+                if rows is not outs:  # (fp32 outputs: one buffer)
+                    (outs if b - a <= most else rows)[a:b] = float("nan")
+        assert outs.dtype == torch.float32 and rows.dtype == (q.dtype if most else torch.float32)
+        merge(outs, lses, out, lse, ranges=ranges, low=low, **kw)
+
+    monkeypatch.setattr(decode_module, "_merge_into", poisoned)
     lens, per_sm, H = BALANCED[case]
     L, R, PS = 32, 16, 16
     q, kv, scale, table, seq_lens = decode_inputs(setting, L, R, PS, H, lens, seed=5)
-    cfg = {"balanced": True, "programs_per_sm": per_sm, "min_split_tokens": 16,
-           "low_partials": True}
+    cfg = {"balanced": True, "programs_per_sm": per_sm, "min_split_tokens": 16}
+    if low == "mixed":  # this device's plan: the fewest splits of a split request
+        full = decode_module.decode_config(H, setting.device, cfg)
+        programs = decode_module.balanced_programs(-(-H // full["BLOCK_H"]), setting.device,
+                                                   full)
+        min_tiles = max(1, full["min_split_tokens"] // full["BLOCK_N"])
+        counts = [len(p) for p in _balanced_plan(lens, programs, min_tiles, full["BLOCK_N"])]
+        low = min(c for c in counts if c > 1)
+        assert max(counts) > low
+    cfg["low_partials"] = low
     out, lse = mla_decode(q, kv, table, seq_lens, 0.2, L, kv_scale=scale, config=cfg)
-    assert seen == [q.dtype]
+    low16 = q.dtype != torch.float32
+    # the 16-bit rows take every split request (True), or some but not all ("mixed")
+    assert seen and set(seen) == ({low16} if low is True or not low16 else {True, False})
     ref_out, ref_lse = mla_decode_ref(q, kv, table, seq_lens, 0.2, L, kv_scale=scale)
     assert_close(out, ref_out, setting.atol, setting.rtol)
     assert_lse(lse, ref_lse, setting.lse_tol)
