@@ -9,7 +9,8 @@ times carry the launches' host cost, which decides nothing about a graph-replaye
   TILES × num_warps × num_stages, finer and deeper than the above;
 - ``index_scores`` with page ids gathered from registers (``--only index_gather``, a study):
   tiles per program × stages; two stages with fewer tiles a program, more programs an SM in
-  one wave (``--only index_occupancy``, a study);
+  one wave (``--only index_occupancy``, a study); tiles a program of any count, for one
+  wave of three programs an SM (``--only index_wave``, a study);
 - ``index_scores`` over a 2,048-row prefill chunk (``--only index_prefill``, a study): rows a
   block × warps × BLOCK_T × stages, at 32K and 64K history;
 - ``topk_rows`` at 32K and 128K, split passes: without the floor, then with the indexer's
@@ -85,6 +86,10 @@ INDEX_GATHER_SPACE = [{}] + [{"gather_pages": True, "TILES": n, "num_stages": st
 # more programs fill the SMs in one wave: ``--only index_occupancy``, against the default
 INDEX_OCCUPANCY_SPACE = [{}] + [{"num_stages": 2, "TILES": n} for n in (4, 8, 16)] + [
     {"num_stages": 3, "TILES": 8}]
+# tiles a program for one wave of three programs an SM (the 3-stage kernel's shared memory),
+# any count, against the default's power of two (its first row): ``--only index_wave``, a study.
+# 32K: 11 / 12 tiles give 384 / 352 programs (10: 416, past one wave); 128K: 43 / 44 give 384
+INDEX_WAVE_SPACE = [{}] + [{"TILES": n} for n in (10, 11, 12, 14, 21, 22, 42, 43, 44, 86)]
 # prefill row blocks (``--only index_prefill``): rows a block x warps x tile x stages
 INDEX_PREFILL_SPACE = [{"BLOCK_M_EXTEND": m, "num_warps_extend": w, "BLOCK_T": t,
                         "num_stages": st}
@@ -254,6 +259,7 @@ def main() -> None:
             ("index_tiles", "index_scores", INDEX_TILES_SPACE, index_shapes),
             ("index_gather", None, INDEX_GATHER_SPACE, index_shapes),
             ("index_occupancy", None, INDEX_OCCUPANCY_SPACE, index_shapes),
+            ("index_wave", None, INDEX_WAVE_SPACE, index_shapes),
             ("index_prefill", None, INDEX_PREFILL_SPACE, prefill_shapes),
             ("topk", "topk", TOPK_SPACE, topk_shapes),
             ("topk_ramp", None, TOPK_SPACE[:1] + [{}], topk_ramp_shapes),

@@ -40,7 +40,9 @@ the row blocks requests have (the grid's row axis, bounded by the rows, held 15 
 for each busy one at batch 16): 0.0320 / 0.0932 -> 0.0233 / 0.0865 ms. Not faster: 64-token
 tiles (0.0316 / 0.0978 at best); the next key tile in registers ahead of the product (200
 registers); keys and scales through tensor descriptors (TMA, a page a tile, 3-6 stages:
-0.0341-0.0403 / 0.0947-0.0991 ms against 0.0319 / 0.0951).
+0.0341-0.0403 / 0.0947-0.0991 ms against 0.0319 / 0.0951); tiles a program of any count for
+one wave of three programs an SM (11 / 43 tiles: 0.0234 / 0.0830 against 0.0227 / 0.0851,
+``dsa_index_wave.json``: 2.5% at 128K, not worth a binary per count).
 """
 
 from __future__ import annotations
@@ -204,10 +206,11 @@ def index_config(device: torch.device, config: dict | None) -> dict[str, Any]:
     if cfg["fp8_dot"] and device.type == "cuda" and (
             torch.version.hip is not None or torch.cuda.get_device_capability(device) < (8, 9)):
         cfg["fp8_dot"] = False  # e4m3 tensor-core products: NVIDIA sm_89 and later
-    for key, low in (("BLOCK_T", 16), ("TILES", 1), ("BLOCK_M_EXTEND", 1)):
+    tiles = cfg["TILES"]
+    if tiles is not None and (not isinstance(tiles, int) or tiles < 1):
+        raise ValueError(f"config TILES={tiles!r} must be None or an int >= 1")
+    for key, low in (("BLOCK_T", 16), ("BLOCK_M_EXTEND", 1)):
         value = cfg[key]
-        if key == "TILES" and value is None:
-            continue
         if not isinstance(value, int) or value < low or value & (value - 1):
             raise ValueError(f"config {key}={value!r} must be a power of two >= {low}")
     return cfg

@@ -38,6 +38,7 @@ BALANCED = {
     "long-among-short": ([3, 300, 0, 17, 64, 1, 40], 8, 20),
     "lone-long": ([250], 4, 20),
     "many-requests": ([(7 * i) % 23 for i in range(259)] + [90], 100, 4),
+    "two-long-among-short": ([3, 300, 0, 170, 64, 1, 40], 8, 20),  # two split counts
 }
 
 
@@ -138,8 +139,8 @@ def test_plan_scope_plans_once_per_lengths(monkeypatch):
     assert len(launches) == 6
 
 
-@pytest.mark.parametrize("case,low", [("long-among-short", True), ("long-among-short", "mixed"),
-                                      ("lone-long", True)])
+@pytest.mark.parametrize("case,low", [("long-among-short", True),
+                                      ("two-long-among-short", "mixed"), ("lone-long", True)])
 def test_balanced_partials_in_the_output_dtype(setting, case, low, monkeypatch):
     """``low_partials``: the partial rows of requests of at most ``low`` splits (True: all) in
     a 16-bit output's own dtype, the rest in fp32 (fp32 outputs keep fp32 throughout), merged
