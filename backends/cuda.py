@@ -46,6 +46,9 @@ class CUDABackend(BaseBackend):
         # 64 x 32K 0.839 -> 0.802 ms, 16 x 128K 0.840 -> 0.804, 128 x 1K 0.080 -> 0.072,
         # 64 x 4K 0.127 -> 0.124). It loses with bf16 at long contexts (64 x 32K 0.557 ->
         # 0.603) and at 128 heads (bf16 0.269 -> 0.355 on the 32-token tiles that fit).
+        # "gluon" (fp8 KV, at most 16 heads, sm_90): the Gluon kernel with the tokens on M
+        # (benchmarks/results/h200/fp8_decode_gluon.json: 64 x 32K 0.802 -> 0.731 ms, 64 x 1K
+        # 0.050 -> 0.032 against the Triton fp8 kernel).
         # "low_partials": 8: requests of at most 8 splits write 16-bit partials, longer ones
         # fp32 (benchmarks/results/h200/decode_low_partials.json, a layer's ms against fp32
         # partials: 16 heads bf16 64 x 4K -1.1%, 128 x 1K -2.8%, 64 x 1K -4.2%; 128 heads
@@ -58,10 +61,10 @@ class CUDABackend(BaseBackend):
                 "num_warps": 4, "num_stages": 3, "max_block_h": 64, "programs_per_sm": 2,
                 "split_overhead_tokens": 512, "min_split_tokens": 256,
                 "many_heads": {"transposed": False, "dim_chunks": False, "BLOCK_H": 64,
-                               "BLOCK_N": 64,
+                               "BLOCK_N": 64, "gluon": False,
                                "num_warps": 8, "num_stages": 2, "programs_per_sm": 1,
                                "split_overhead_tokens": 64, "min_split_tokens": 64},
-                "fp8": {"transposed": False, "BLOCK_N": 64, "gather_pages": True,
+                "fp8": {"transposed": False, "BLOCK_N": 64, "gather_pages": True, "gluon": False,
                         "num_warps": 4, "num_stages": 3,
                         "programs_per_sm": 2, "split_overhead_tokens": 64, "fp8_fp16": True,
                         "many_heads": {"BLOCK_N": 64, "gather_pages": False, "num_warps": 8,

@@ -103,6 +103,8 @@ import triton
 
 from splash.backends import device_tuning
 from splash.kernels_triton import _validate as V
+from splash.kernels_triton import mla_decode_fp8_gluon as fp8_gluon
+from splash.kernels_triton import mla_decode_heads_gluon as heads_gluon
 from splash.kernels_triton.lse_merge import _merge_into
 from splash.kernels_triton.mla_decode_chunked import CHUNKS, _mla_decode_chunked_kernel
 from splash.kernels_triton.mla_decode_kernels import _LOG2E, _MAX_SPLITS, _mla_decode_kernel
@@ -285,12 +287,20 @@ def mla_decode(
             return items, meta
 
         items, meta = planned(seq_lens, (N, programs, min_tiles, BLOCK_N, q.device), plan)
-        kernel[(head_groups, launched)](
-            q, kv, scale, block_table, seq_lens, o_part, o_low, lse_part, out, lse, items,
-            float(sm_scale) * _LOG2E, H, 1, N, *inputs,
-            *o_part.stride(), *lse_part.stride(), *out.stride(), *lse.stride(),
-            BALANCED=True, LOW_SPLITS=low, **consts,
-        )
+        if fp8_gluon.usable(q, kv, L, R, PS, cfg):
+            q16 = q if q.dtype == torch.float16 else q.float().clamp(-65504.0, 65504.0).half()
+            fp8_gluon.launch(q16, kv, scale, block_table, o_part, o_low, lse_part, out, lse,
+                             items, float(sm_scale) * _LOG2E, low)
+        elif BLOCK_H == heads_gluon.BH and heads_gluon.usable(q, kv, L, R, PS, cfg):
+            heads_gluon.launch(q, kv, block_table, o_part, o_low, lse_part, out, lse, items,
+                               float(sm_scale) * _LOG2E, low)
+        else:
+            kernel[(head_groups, launched)](
+                q, kv, scale, block_table, seq_lens, o_part, o_low, lse_part, out, lse, items,
+                float(sm_scale) * _LOG2E, H, 1, N, *inputs,
+                *o_part.stride(), *lse_part.stride(), *out.stride(), *lse.stride(),
+                BALANCED=True, LOW_SPLITS=low, **consts,
+            )
         if split:
             _merge_into(o_part, lse_part, out, lse, ranges=meta, low=(o_low, low))
         return out, lse

@@ -6,7 +6,7 @@ import importlib
 
 import pytest
 import torch
-from kernel_data import assert_close, assert_lse, decode_inputs, make_setting
+from kernel_data import assert_close, assert_lse, compiled_gpu, decode_inputs, make_setting
 
 from splash.kernels_triton import mla_decode, mla_decode_ref
 
@@ -180,5 +180,58 @@ def test_balanced_partials_in_the_output_dtype(setting, case, low, monkeypatch):
     # the 16-bit rows take every split request (True), or some but not all ("mixed")
     assert seen and set(seen) == ({low16} if low is True or not low16 else {True, False})
     ref_out, ref_lse = mla_decode_ref(q, kv, table, seq_lens, 0.2, L, kv_scale=scale)
+    assert_close(out, ref_out, setting.atol, setting.rtol)
+    assert_lse(lse, ref_lse, setting.lse_tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["fp16-fp8kv", "bf16-fp8kv"])
+@pytest.mark.parametrize("H,PS,cfg", [(16, 64, {}), (5, 128, {}), (16, 64, {"low_partials": 2}),
+                                      (16, 128, {"programs_per_sm": 8})])
+def test_fp8_gluon_kernel_matches_reference(name, H, PS, cfg, monkeypatch):
+    """fp8 KV at few heads on an sm_90 GPU runs the Gluon kernel (``config["gluon"]``):
+    requests empty, shorter than a tile, one page, past one, many pages, split or not, their
+    results the reference's."""
+    gluon = importlib.import_module("splash.kernels_triton.mla_decode_fp8_gluon")
+    if not compiled_gpu() or gluon.gluon is None or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon fp8 kernel runs on a compiled sm_90 GPU with Gluon")
+    launches = []
+    launch = gluon.launch
+    monkeypatch.setattr(gluon, "launch", lambda *a: (launches.append(1), launch(*a)))
+    setting = make_setting(name)
+    lens = [0, 1, 63, 64, 65, 300, 4096, 1000, 20000]
+    q, kv, scale, table, seq_lens = decode_inputs(setting, 512, 64, PS, H, lens, seed=11)
+    out, lse = mla_decode(q, kv, table, seq_lens, 576 ** -0.5, 512, kv_scale=scale, config=cfg)
+    assert launches
+    ref_out, ref_lse = mla_decode_ref(q, kv, table, seq_lens, 576 ** -0.5, 512, kv_scale=scale)
+    assert_close(out, ref_out, setting.atol, setting.rtol)
+    assert_lse(lse, ref_lse, setting.lse_tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+@pytest.mark.parametrize("H,PS,cfg", [(128, 64, {}), (64, 128, {}), (128, 64, {"low_partials": 2}),
+                                      (40, 64, {"programs_per_sm": 4})])
+def test_heads_gluon_kernel_matches_reference(name, H, PS, cfg, monkeypatch):
+    """Many heads with 16-bit KV on an sm_90 GPU run the Gluon kernel (``config["gluon"]``):
+    requests empty, shorter than a tile, one page, past one, many pages, split or not, their
+    results the reference's, though the pages' unused rows hold NaN."""
+    gluon = importlib.import_module("splash.kernels_triton.mla_decode_heads_gluon")
+    if not compiled_gpu() or gluon.gluon is None or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon many-head kernel runs on a compiled sm_90 GPU with Gluon")
+    launches = []
+    launch = gluon.launch
+    monkeypatch.setattr(gluon, "launch", lambda *a: (launches.append(1), launch(*a)))
+    setting = make_setting(name)
+    lens = [0, 1, 63, 64, 65, 300, 4096, 1000, 20000]
+    q, kv, scale, table, seq_lens = decode_inputs(setting, 512, 64, PS, H, lens, seed=12)
+    used = torch.zeros(kv.shape[:2], dtype=torch.bool, device=kv.device)
+    for row, n in zip(table.tolist(), lens):
+        for t in range(n):
+            used[row[t // PS], t % PS] = True
+    kv[~used] = float("nan")  # a page's rows past a request's length are never read as values
+    out, lse = mla_decode(q, kv, table, seq_lens, 576 ** -0.5, 512, config=cfg)
+    assert launches
+    ref_out, ref_lse = mla_decode_ref(q, kv, table, seq_lens, 576 ** -0.5, 512)
     assert_close(out, ref_out, setting.atol, setting.rtol)
     assert_lse(lse, ref_lse, setting.lse_tol)

@@ -1,0 +1,213 @@
+"""fp8-KV MLA decode for few heads on Hopper, written in Gluon (Triton's layout-explicit
+dialect): the balanced plan's programs, the tokens on the MMA's M side
+(``config["gluon"]``, the CUDA default for fp8 KV at 16 heads or fewer on sm_90).
+
+Per 64-token tile (one page of 64 or more tokens) a program of one warpgroup loads the fp8
+rows into registers, widens them to fp16 (rows past its range as 0) into one swizzled shared
+tile, and runs both products as warpgroup MMAs over it:
+
+    scoresᵀ (64 tokens, 16 heads) = K16 · qᵀ            (q in shared memory, fp16)
+    outᵀ (512, 16 heads)         += K16[:, :512]ᵀ · pᵀ  (the tile's transposed view; p in
+                                                        shared memory, times the rows' scales)
+
+so no operand pads 16 heads to the MMA's 64 rows, and the widened tile is written once and read
+by both products from shared memory (the Triton kernels widen in registers and keep both
+chunks live: 255 registers, one program an SM). Here 94 KB of shared memory and at most 255
+registers a thread let two programs share an SM, whose load, widen and MMA phases interleave.
+The online softmax runs per head column (a reduction over the tile's tokens); scale columns
+multiply the scores (fp8 scale x softmax scale) and p (the value rows' scale), as in
+``mla_decode``. Outputs follow the plan as the Triton kernels' do: a request's only split
+writes the output, others write partial rows (16-bit ones for requests of at most
+``LOW_SPLITS`` splits) for ``lse_merge``.
+
+H200 (CUDA graphs, 16 heads, against the Triton fp8 kernel in the same run, uniform splits):
+64 x 32K 0.802 -> 0.731 ms, 16 x 128K 0.799 -> 0.734, 64 x 4K 0.121 -> 0.103, 64 x 1K 0.050
+-> 0.032 (``benchmarks/results/h200/fp8_decode_gluon.json``). Tried there: the rows copied
+into an fp8 shared ring by cp.async first (205 KB, one program an SM: 0.846 ms at 64 x 32K),
+and the next tile's rows loaded into registers one tile ahead (2.3 KB of spills: 4.2 ms).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from splash.kernels_triton import _validate as V
+
+try:  # Gluon ships with Triton 3.5 and later
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+except ImportError:  # pragma: no cover - an older Triton: the Triton kernels serve
+    gluon = None
+
+TILE = 64  # tokens a tile (the scores product's M)
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def usable(q: torch.Tensor, kv: torch.Tensor, L: int, R: int, page_size: int,
+           cfg: dict) -> bool:
+    """Whether ``config["gluon"]`` applies: fp8 e4m3 KV of DeepSeek's dims (L 512, R 64) in
+    pages of a multiple of 64 tokens, at most 16 heads, compiled on an NVIDIA sm_90 GPU."""
+    return bool(cfg.get("gluon")) and gluon is not None and q.is_cuda \
+        and torch.version.hip is None and not V.interpreting() and _hopper(q.device.index or 0) \
+        and kv.dtype == torch.float8_e4m3fn and q.shape[1] <= 16 and (L, R) == (512, 64) \
+        and page_size % TILE == 0 and cfg.get("BLOCK_N") == TILE and kv.stride(2) == 1
+
+
+if gluon is not None:
+    BN = gl.constexpr(TILE)
+    CW = gl.constexpr(64)  # latent columns loaded and widened at a time
+    _LOG2E = gl.constexpr(1.4426950408889634)
+
+    @gluon.jit
+    def _load_rows(kv_ptr, page, t0, ok_r, stride_kvp, stride_kvs, c: gl.constexpr,
+                   PS: gl.constexpr, ld: gl.constexpr):
+        """Column chunk ``c`` (CW wide) of the tile's fp8 rows, 0 past ``ok_r``."""
+        rows = gl.arange(0, BN, layout=gl.SliceLayout(1, ld))
+        cols = gl.arange(0, CW, layout=gl.SliceLayout(0, ld))
+        base = kv_ptr + page * stride_kvp + (t0 % PS) * stride_kvs + c * CW
+        return gl.load(base + (rows[:, None] * stride_kvs + cols[None, :]), mask=ok_r,
+                       other=0.0)
+
+    @gluon.jit
+    def _widen(k16, kv_ptr, page, t0, ok_r, stride_kvp, stride_kvs, c: gl.constexpr,
+               at: gl.constexpr, PS: gl.constexpr, ld: gl.constexpr):
+        rows = _load_rows(kv_ptr, page, t0, ok_r, stride_kvp, stride_kvs, c, PS, ld)
+        k16.slice(at * CW, CW, dim=1).store(rows.to(gl.float16))
+
+    @gluon.jit
+    def _mla_decode_fp8_gluon_kernel(
+        q_ptr,  # (N, H, L + R) fp16
+        kv_ptr,  # (pages, PS, L + R) e4m3
+        scale_ptr,  # (pages, PS) fp32
+        bt_ptr,  # (N, max_pages) int
+        o_ptr,  # (P, 1, H, L) fp32 partial rows
+        o_low_ptr,  # (P, 1, H, L) 16-bit partial rows (o_ptr's strides)
+        lse_ptr,  # (P, 1, H) fp32
+        out_ptr,  # (N, H, L)
+        lse_out_ptr,  # (N, H) fp32
+        plan_ptr,  # (programs, 4) int32: request, splits, start, end
+        qk_scale, H, N,
+        stride_qn, stride_qh,
+        stride_kvp, stride_kvs,
+        stride_sp, stride_ss,
+        stride_btn, stride_btp,
+        stride_os, stride_oh,
+        stride_ls,
+        stride_outn, stride_outh,
+        stride_lon,
+        L: gl.constexpr, R: gl.constexpr, PS: gl.constexpr, BH: gl.constexpr,
+        LOW_SPLITS: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        pid = gl.program_id(0)
+        item = plan_ptr + pid * 4
+        n = gl.load(item)
+        if n < N:
+            count = gl.load(item + 1)
+            start = gl.load(item + 2)
+            end = gl.load(item + 3)
+            ld: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
+            mma: gl.constexpr = gl.NVMMADistributedLayout(
+                version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BH, 16])
+            k16 = gl.allocate_shared_memory(
+                gl.float16, [BN, L], gl.NVMMASharedLayout.get_default_for([BN, L], gl.float16))
+            k16r = gl.allocate_shared_memory(
+                gl.float16, [BN, R], gl.NVMMASharedLayout.get_default_for([BN, R], gl.float16))
+            p_s = gl.allocate_shared_memory(
+                gl.float16, [BN, BH], gl.NVMMASharedLayout.get_default_for([BN, BH], gl.float16))
+            ldq: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [num_warps, 1], [1, 0])
+            qh = gl.arange(0, BH, layout=gl.SliceLayout(1, ldq))
+            qc = gl.arange(0, L, layout=gl.SliceLayout(0, ldq))
+            q_row = q_ptr + n.to(gl.int64) * stride_qn
+            qn = gl.load(q_row + qh[:, None] * stride_qh + qc[None, :], mask=(qh < H)[:, None],
+                         other=0.0)
+            qn_s = gl.allocate_shared_memory(
+                gl.float16, [BH, L], gl.NVMMASharedLayout.get_default_for([BH, L], gl.float16),
+                qn)
+            qhr = gl.arange(0, BH, layout=gl.SliceLayout(1, ld))
+            qcr = gl.arange(0, R, layout=gl.SliceLayout(0, ld))
+            qr = gl.load(q_row + qhr[:, None] * stride_qh + (L + qcr)[None, :],
+                         mask=(qhr < H)[:, None], other=0.0)
+            qr_s = gl.allocate_shared_memory(
+                gl.float16, [BH, R], gl.NVMMASharedLayout.get_default_for([BH, R], gl.float16),
+                qr)
+            fence_async_shared()
+
+            acc = gl.zeros((L, BH), gl.float32, layout=mma)  # outᵀ
+            m_i = gl.full((BH,), float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma))
+            l_i = gl.zeros((BH,), gl.float32, layout=gl.SliceLayout(0, mma))
+            rows_m = gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+            rows_l = gl.arange(0, BN, layout=gl.SliceLayout(1, ld))
+            bt_row = bt_ptr + n.to(gl.int64) * stride_btn
+            for t0 in range(start, end, BN):  # plan ranges start on tiles, tiles on pages
+                page = gl.load(bt_row + (t0 // PS) * stride_btp).to(gl.int64)
+                ok_m = t0 + rows_m < end
+                ks = gl.load(scale_ptr + page * stride_sp + (t0 % PS + rows_m) * stride_ss,
+                             mask=ok_m, other=0.0)
+                ok_r = (t0 + rows_l < end)[:, None]
+                gl.thread_barrier()  # the last tile's value product has read the tile
+                for c in gl.static_range(L // CW):
+                    _widen(k16, kv_ptr, page, t0, ok_r, stride_kvp, stride_kvs, c, c, PS, ld)
+                _widen(k16r, kv_ptr, page, t0, ok_r, stride_kvp, stride_kvs, L // CW, 0, PS,
+                       ld)
+                fence_async_shared()
+                s = gl.zeros((BN, BH), gl.float32, layout=mma)
+                s = warpgroup_mma(k16, qn_s.permute((1, 0)), s, use_acc=False, is_async=True)
+                s = warpgroup_mma(k16r, qr_s.permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma_wait(0, deps=(s,))
+                s = gl.where(ok_m[:, None], s * (ks * qk_scale)[:, None], float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(s, axis=0))
+                m_safe = gl.where(m_new > float("-inf"), m_new, 0.0)  # a tile of no tokens
+                alpha = gl.exp2(m_i - m_safe)
+                p = gl.exp2(s - m_safe[None, :])
+                l_i = l_i * alpha + gl.sum(p, axis=0)
+                p_s.store((p * ks[:, None]).to(gl.float16))
+                fence_async_shared()
+                acc = warpgroup_mma(k16.permute((1, 0)), p_s, acc * alpha[None, :],
+                                    is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                m_i = m_new
+            has = l_i > 0.0
+            l_safe = gl.where(has, l_i, 1.0)
+            lse = gl.where(has, (m_i + gl.log2(l_safe)) / _LOG2E, float("-inf"))
+            res = acc / l_safe[None, :]
+            oc = gl.arange(0, L, layout=gl.SliceLayout(1, mma))
+            oh = gl.arange(0, BH, layout=gl.SliceLayout(0, mma))
+            mask = (oh < H)[None, :]
+            if count == 1:
+                o = out_ptr + n.to(gl.int64) * stride_outn + oh[None, :] * stride_outh
+                gl.store(o + oc[:, None], res.to(out_ptr.dtype.element_ty), mask=mask)
+                gl.store(lse_out_ptr + n * stride_lon + oh, lse, mask=oh < H)
+            else:
+                part = pid * stride_os + oh[None, :] * stride_oh + oc[:, None]
+                if count <= LOW_SPLITS:
+                    gl.store(o_low_ptr + part, res.to(o_low_ptr.dtype.element_ty), mask=mask)
+                else:
+                    gl.store(o_ptr + part, res, mask=mask)
+                gl.store(lse_ptr + pid * stride_ls + oh, lse, mask=oh < H)
+
+
+def launch(q16: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
+           o_part: torch.Tensor, o_low: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
+           lse: torch.Tensor, items: torch.Tensor, qk_scale: float, low: int) -> None:
+    """One program per plan item (``_decode_plan_kernel``'s); ``q16`` fp16, the rest as the
+    balanced Triton launch takes them."""
+    N, H, D = q16.shape
+    L = out.shape[2]
+    _mla_decode_fp8_gluon_kernel[(items.shape[0],)](
+        q16, kv, scale, block_table, o_part, o_low, lse_part, out, lse, items, qk_scale, H, N,
+        q16.stride(0), q16.stride(1), kv.stride(0), kv.stride(1), scale.stride(0),
+        scale.stride(1), block_table.stride(0), block_table.stride(1), o_part.stride(0),
+        o_part.stride(2), lse_part.stride(0), out.stride(0), out.stride(1), lse.stride(0),
+        L=L, R=D - L, PS=kv.shape[1], BH=16, LOW_SPLITS=low, num_warps=4,
+    )

@@ -1,0 +1,224 @@
+"""MLA decode for many heads on Hopper, written in Gluon (Triton's layout-explicit dialect):
+a program of two warpgroups holds 64 heads of one request over one split of the balanced
+plan (``config["gluon"]`` under ``many_heads``, 16-bit KV).
+
+The 64 heads' query (64 x 576, 72 KB) and the KV tiles (64 tokens x 576, 72 KB each, two
+stages) come into shared memory by the bulk tensor copy engine (TMA), one page's 64 rows a
+copy, so no register holds a tile on its way in and the next tile's copy runs under this
+tile's products. Per tile:
+
+    scores (64 heads, 64 tokens) = q · tileᵀ          (each warpgroup 32 of the tokens)
+    acc    (64 heads, 512)      += p · tile[:, :512]  (each warpgroup 256 of the columns;
+                                                      p from registers)
+
+with the online softmax between them; the accumulator is 128 fp32 registers a thread. The
+last tile of a split zeroes its rows past the range in shared memory before the value
+product (a page's unused rows may hold anything, NaN included, and 0 x NaN is NaN).
+Outputs follow the plan as the Triton kernels' do: a request's only split writes the
+output, the others partial rows (16-bit ones for requests of at most ``LOW_SPLITS``
+splits) for ``lse_merge``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from splash.kernels_triton import _validate as V
+
+try:  # Gluon ships with Triton 3.5 and later
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # pragma: no cover - an older Triton: the Triton kernels serve
+    gluon = None
+
+BH = 64  # heads a program (the MMA's M)
+BN = 64  # tokens a tile
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def usable(q: torch.Tensor, kv: torch.Tensor, L: int, R: int, page_size: int,
+           cfg: dict) -> bool:
+    """Whether ``config["gluon"]`` applies here: 16-bit KV of q's dtype and DeepSeek's dims
+    (L 512, R 64) in pages of a multiple of 64 tokens laid end to end, more than 32 heads,
+    compiled on an NVIDIA sm_90 GPU."""
+    return bool(cfg.get("gluon")) and gluon is not None and q.is_cuda \
+        and torch.version.hip is None and not V.interpreting() and _hopper(q.device.index or 0) \
+        and kv.dtype in (torch.bfloat16, torch.float16) and q.dtype == kv.dtype \
+        and q.shape[1] > 32 and (L, R) == (512, 64) and page_size % BN == 0 \
+        and kv.stride(2) == 1 and kv.stride(0) == page_size * kv.stride(1) \
+        and kv.stride(1) % 8 == 0 and kv.data_ptr() % 16 == 0
+
+
+if gluon is not None:
+    GH = gl.constexpr(BH)
+    GN = gl.constexpr(BN)
+
+    @gluon.jit
+    def _load_tile(kn_desc, kr_desc, bt_row, stride_btp, t0, kn, kr, bar,
+                   L: gl.constexpr, PS: gl.constexpr):
+        """The tile at token ``t0`` (its page's rows) into ``kn`` / ``kr``, signalling ``bar``."""
+        page = gl.load(bt_row + (t0 // PS) * stride_btp)
+        row = page * PS + t0 % PS
+        mbarrier.expect(bar, kn_desc.block_type.nbytes + kr_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(kn_desc, [row, 0], bar, kn)
+        tma.async_copy_global_to_shared(kr_desc, [row, L], bar, kr)
+
+    @gluon.jit
+    def _zero_rows_past(kn, valid, L: gl.constexpr, num_warps: gl.constexpr):
+        """Rows ``valid`` and on of the tile's value columns set to 0 in shared memory."""
+        CW: gl.constexpr = 64
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [num_warps, 1], [1, 0])
+        rows = gl.arange(0, GN, layout=gl.SliceLayout(1, ld))
+        for c in gl.static_range(L // CW):
+            part = kn.slice(c * CW, CW, dim=1)
+            x = part.load(ld)
+            part.store(gl.where((rows < valid)[:, None], x, gl.zeros_like(x)))
+
+    @gluon.jit
+    def _mla_decode_heads_gluon_kernel(
+        qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q (N * H, L + R), kv (pages * PS, L + R)
+        bt_ptr,  # (N, max_pages) int
+        o_ptr,  # (P, 1, H, L) fp32 partial rows
+        o_low_ptr,  # (P, 1, H, L) 16-bit partial rows (o_ptr's strides)
+        lse_ptr,  # (P, 1, H) fp32
+        out_ptr,  # (N, H, L)
+        lse_out_ptr,  # (N, H) fp32
+        plan_ptr,  # (programs, 4) int32: request, splits, start, end
+        qk_scale, H, N,
+        stride_btn, stride_btp,
+        stride_os, stride_oh,
+        stride_ls,
+        stride_outn, stride_outh,
+        stride_lon,
+        L: gl.constexpr, R: gl.constexpr, PS: gl.constexpr,
+        LOW_SPLITS: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        g = gl.program_id(0)
+        pid = gl.program_id(1)
+        item = plan_ptr + pid * 4
+        n = gl.load(item)
+        if n < N:
+            count = gl.load(item + 1)
+            start = gl.load(item + 2)
+            end = gl.load(item + 3)
+            dtype: gl.constexpr = kn_desc.dtype
+            mma_s: gl.constexpr = gl.NVMMADistributedLayout(
+                version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, GN // 2, 16])
+            mma_o: gl.constexpr = gl.NVMMADistributedLayout(
+                version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, L // 2, 16])
+            p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o,
+                                                         k_width=2)
+            qn_s = gl.allocate_shared_memory(dtype, [GH, L], qn_desc.layout)
+            qr_s = gl.allocate_shared_memory(dtype, [GH, R], qr_desc.layout)
+            kn_s = gl.allocate_shared_memory(dtype, [2, GN, L], kn_desc.layout)
+            kr_s = gl.allocate_shared_memory(dtype, [2, GN, R], kr_desc.layout)
+            bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(3):
+                mbarrier.init(bars.index(i), count=1)
+            row_q = n * H + g * GH
+            mbarrier.expect(bars.index(2), qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(qn_desc, [row_q, 0], bars.index(2), qn_s)
+            tma.async_copy_global_to_shared(qr_desc, [row_q, L], bars.index(2), qr_s)
+            bt_row = bt_ptr + n.to(gl.int64) * stride_btn
+            tiles = (end - start + GN - 1) // GN
+            for j in gl.static_range(2):
+                if j < tiles:
+                    _load_tile(kn_desc, kr_desc, bt_row, stride_btp, start + j * GN,
+                               kn_s.index(j), kr_s.index(j), bars.index(j), L, PS)
+            mbarrier.wait(bars.index(2), 0)
+
+            acc = gl.zeros((GH, L), gl.float32, layout=mma_o)
+            m_i = gl.full((GH,), float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma_s))
+            l_i = gl.zeros((GH,), gl.float32, layout=gl.SliceLayout(1, mma_s))
+            cols = gl.arange(0, GN, layout=gl.SliceLayout(0, mma_s))
+            for i in range(tiles):
+                st = i % 2
+                t0 = start + i * GN
+                kn = kn_s.index(st)
+                kr = kr_s.index(st)
+                mbarrier.wait(bars.index(st), (i // 2) & 1)
+                if t0 + GN > end:  # the split's last, partial tile
+                    _zero_rows_past(kn, end - t0, L, num_warps)
+                    fence_async_shared()
+                    gl.thread_barrier()
+                s = gl.zeros((GH, GN), gl.float32, layout=mma_s)
+                s = warpgroup_mma(qn_s, kn.permute((1, 0)), s, use_acc=False, is_async=True)
+                s = warpgroup_mma(qr_s, kr.permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma_wait(0, deps=(s,))
+                s = gl.where((t0 + cols < end)[None, :], s * qk_scale, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(s, axis=1))  # finite: the tile has a token
+                alpha = gl.exp2(m_i - m_new)
+                p = gl.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + gl.sum(p, axis=1)
+                m_i = m_new
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))
+                acc = warpgroup_mma(p_op, kn, acc * alpha_o[:, None], is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                if i + 2 < tiles:  # both warpgroups are done with this stage: refill it
+                    gl.thread_barrier()
+                    _load_tile(kn_desc, kr_desc, bt_row, stride_btp, t0 + 2 * GN, kn, kr,
+                               bars.index(st), L, PS)
+            for i in gl.static_range(3):
+                mbarrier.invalidate(bars.index(i))
+
+            has = l_i > 0.0
+            l_safe = gl.where(has, l_i, 1.0)
+            lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+            res = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, mma_o))[:, None]
+            heads = g * GH + gl.arange(0, GH, layout=gl.SliceLayout(1, mma_o))
+            oc = gl.arange(0, L, layout=gl.SliceLayout(0, mma_o))
+            mask = (heads < H)[:, None]
+            lh = g * GH + gl.arange(0, GH, layout=gl.SliceLayout(1, mma_s))
+            if count == 1:
+                o = out_ptr + n.to(gl.int64) * stride_outn + heads[:, None] * stride_outh
+                gl.store(o + oc[None, :], res.to(out_ptr.dtype.element_ty), mask=mask)
+                gl.store(lse_out_ptr + n * stride_lon + lh, lse, mask=lh < H)
+            else:
+                part = pid * stride_os + heads[:, None] * stride_oh + oc[None, :]
+                if count <= LOW_SPLITS:
+                    gl.store(o_low_ptr + part, res.to(o_low_ptr.dtype.element_ty), mask=mask)
+                else:
+                    gl.store(o_ptr + part, res, mask=mask)
+                gl.store(lse_ptr + pid * stride_ls + lh, lse, mask=lh < H)
+
+
+def _descriptor(t: torch.Tensor, cols: int) -> TensorDescriptor:
+    layout = gl.NVMMASharedLayout.get_default_for([BN, cols], gl.bfloat16
+                                                  if t.dtype == torch.bfloat16 else gl.float16)
+    return TensorDescriptor.from_tensor(t, [BN, cols], layout)
+
+
+def launch(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, o_part: torch.Tensor,
+           o_low: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+           items: torch.Tensor, qk_scale: float, low: int) -> None:
+    """Head groups of 64 x one program per plan item (``_decode_plan_kernel``'s); the rest
+    as the balanced Triton launch takes them."""
+    N, H, D = q.shape
+    L = out.shape[2]
+    rows_q = q.reshape(N * H, D)
+    if rows_q.stride(1) != 1 or rows_q.stride(0) % 8 or rows_q.data_ptr() % 16:
+        rows_q = rows_q.contiguous()
+    rows_kv = kv.view(kv.shape[0] * kv.shape[1], D) if kv.is_contiguous() else \
+        kv.as_strided((kv.shape[0] * kv.shape[1], D), (kv.stride(1), 1))
+    _mla_decode_heads_gluon_kernel[((H + BH - 1) // BH, items.shape[0])](
+        _descriptor(rows_q, L), _descriptor(rows_q, D - L), _descriptor(rows_kv, L),
+        _descriptor(rows_kv, D - L), block_table, o_part, o_low, lse_part, out, lse, items,
+        qk_scale, H, N, block_table.stride(0), block_table.stride(1), o_part.stride(0),
+        o_part.stride(2), lse_part.stride(0), out.stride(0), out.stride(1), lse.stride(0),
+        L=L, R=D - L, PS=kv.shape[1], LOW_SPLITS=low, num_warps=8,
+    )
