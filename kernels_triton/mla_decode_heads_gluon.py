@@ -35,6 +35,7 @@ try:  # Gluon ships with Triton 3.5 and later
         mbarrier,
         tma,
         warpgroup_mma,
+        warpgroup_mma_init,
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -89,6 +90,23 @@ if gluon is not None:
             part.store(gl.where((rows < valid)[:, None], x, gl.zeros_like(x)))
 
     @gluon.jit
+    def _scores(qn_s, qr_s, kn, kr, s):
+        """q · tileᵀ (both parts), issued; ``s`` gives the accumulator's layout."""
+        tok = warpgroup_mma(qn_s, kn.permute((1, 0)), s, use_acc=False, is_async=True)
+        return warpgroup_mma(qr_s, kr.permute((1, 0)), tok, is_async=True)
+
+    @gluon.jit
+    def _next_scores(qn_s, qr_s, kn_s, kr_s, bars, s, i, nxt):
+        """Tile i + 1's scores, issued once its copy has landed; ``s`` as is past the last."""
+        if nxt:
+            st = (i + 1) % 2
+            mbarrier.wait(bars.index(st), ((i + 1) // 2) & 1)
+            tok = _scores(qn_s, qr_s, kn_s.index(st), kr_s.index(st), s)
+        else:
+            tok = warpgroup_mma_init(s)
+        return tok
+
+    @gluon.jit
     def _mla_decode_heads_gluon_kernel(
         qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q (N * H, L + R), kv (pages * PS, L + R)
         bt_ptr,  # (N, max_pages) int
@@ -105,7 +123,7 @@ if gluon is not None:
         stride_outn, stride_outh,
         stride_lon,
         L: gl.constexpr, R: gl.constexpr, PS: gl.constexpr,
-        LOW_SPLITS: gl.constexpr, num_warps: gl.constexpr,
+        LOW_SPLITS: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr,
     ):
         g = gl.program_id(0)
         pid = gl.program_id(1)
@@ -141,24 +159,23 @@ if gluon is not None:
                                kn_s.index(j), kr_s.index(j), bars.index(j), L, PS)
             mbarrier.wait(bars.index(2), 0)
 
+
             acc = gl.zeros((GH, L), gl.float32, layout=mma_o)
             m_i = gl.full((GH,), float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma_s))
             l_i = gl.zeros((GH,), gl.float32, layout=gl.SliceLayout(1, mma_s))
             cols = gl.arange(0, GN, layout=gl.SliceLayout(0, mma_s))
-            for i in range(tiles):
+            s = gl.zeros((GH, GN), gl.float32, layout=mma_s)
+            if tiles > 0:  # tile 0's scores
+                mbarrier.wait(bars.index(0), 0)
+                s = warpgroup_mma_wait(0, deps=(_scores(qn_s, qr_s, kn_s.index(0),
+                                                        kr_s.index(0), s),))
+            for i in range(tiles):  # s: tile i's scores
                 st = i % 2
                 t0 = start + i * GN
                 kn = kn_s.index(st)
-                kr = kr_s.index(st)
-                mbarrier.wait(bars.index(st), (i // 2) & 1)
-                if t0 + GN > end:  # the split's last, partial tile
-                    _zero_rows_past(kn, end - t0, L, num_warps)
-                    fence_async_shared()
-                    gl.thread_barrier()
-                s = gl.zeros((GH, GN), gl.float32, layout=mma_s)
-                s = warpgroup_mma(qn_s, kn.permute((1, 0)), s, use_acc=False, is_async=True)
-                s = warpgroup_mma(qr_s, kr.permute((1, 0)), s, is_async=True)
-                s = warpgroup_mma_wait(0, deps=(s,))
+                nxt = i + 1 < tiles
+                if OVERLAP:  # tile i + 1's scores run under this tile's softmax
+                    s_tok = _next_scores(qn_s, qr_s, kn_s, kr_s, bars, s, i, nxt)
                 s = gl.where((t0 + cols < end)[None, :], s * qk_scale, float("-inf"))
                 m_new = gl.maximum(m_i, gl.max(s, axis=1))  # finite: the tile has a token
                 alpha = gl.exp2(m_i - m_new)
@@ -167,12 +184,18 @@ if gluon is not None:
                 m_i = m_new
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
                 alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))
-                acc = warpgroup_mma(p_op, kn, acc * alpha_o[:, None], is_async=True)
-                acc = warpgroup_mma_wait(0, deps=(acc,))
+                if t0 + GN > end:  # the split's last, partial tile (its scores are read)
+                    _zero_rows_past(kn, end - t0, L, num_warps)
+                    fence_async_shared()
+                    gl.thread_barrier()
+                acc_tok = warpgroup_mma(p_op, kn, acc * alpha_o[:, None], is_async=True)
+                if not OVERLAP:
+                    s_tok = _next_scores(qn_s, qr_s, kn_s, kr_s, bars, s, i, nxt)
+                acc, s = warpgroup_mma_wait(0, deps=(acc_tok, s_tok))
                 if i + 2 < tiles:  # both warpgroups are done with this stage: refill it
                     gl.thread_barrier()
-                    _load_tile(kn_desc, kr_desc, bt_row, stride_btp, t0 + 2 * GN, kn, kr,
-                               bars.index(st), L, PS)
+                    _load_tile(kn_desc, kr_desc, bt_row, stride_btp, t0 + 2 * GN, kn,
+                               kr_s.index(st), bars.index(st), L, PS)
             for i in gl.static_range(3):
                 mbarrier.invalidate(bars.index(i))
 
@@ -205,9 +228,10 @@ def _descriptor(t: torch.Tensor, cols: int) -> TensorDescriptor:
 
 def launch(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, o_part: torch.Tensor,
            o_low: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-           items: torch.Tensor, qk_scale: float, low: int) -> None:
+           items: torch.Tensor, qk_scale: float, low: int, overlap: bool = True) -> None:
     """Head groups of 64 x one program per plan item (``_decode_plan_kernel``'s); the rest
-    as the balanced Triton launch takes them."""
+    as the balanced Triton launch takes them. ``overlap``: the next tile's scores are issued
+    before this tile's softmax (else after its value product)."""
     N, H, D = q.shape
     L = out.shape[2]
     rows_q = q.reshape(N * H, D)
@@ -220,5 +244,5 @@ def launch(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, o_part:
         _descriptor(rows_kv, D - L), block_table, o_part, o_low, lse_part, out, lse, items,
         qk_scale, H, N, block_table.stride(0), block_table.stride(1), o_part.stride(0),
         o_part.stride(2), lse_part.stride(0), out.stride(0), out.stride(1), lse.stride(0),
-        L=L, R=D - L, PS=kv.shape[1], LOW_SPLITS=low, num_warps=8,
+        L=L, R=D - L, PS=kv.shape[1], LOW_SPLITS=low, OVERLAP=overlap, num_warps=8,
     )
