@@ -123,7 +123,7 @@ if gluon is not None:
         stride_outn, stride_outh,
         stride_lon,
         L: gl.constexpr, R: gl.constexpr, PS: gl.constexpr,
-        LOW_SPLITS: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr,
+        LOW_SPLITS: gl.constexpr, num_warps: gl.constexpr,
     ):
         g = gl.program_id(0)
         pid = gl.program_id(1)
@@ -173,9 +173,6 @@ if gluon is not None:
                 st = i % 2
                 t0 = start + i * GN
                 kn = kn_s.index(st)
-                nxt = i + 1 < tiles
-                if OVERLAP:  # tile i + 1's scores run under this tile's softmax
-                    s_tok = _next_scores(qn_s, qr_s, kn_s, kr_s, bars, s, i, nxt)
                 s = gl.where((t0 + cols < end)[None, :], s * qk_scale, float("-inf"))
                 m_new = gl.maximum(m_i, gl.max(s, axis=1))  # finite: the tile has a token
                 alpha = gl.exp2(m_i - m_new)
@@ -189,8 +186,10 @@ if gluon is not None:
                     fence_async_shared()
                     gl.thread_barrier()
                 acc_tok = warpgroup_mma(p_op, kn, acc * alpha_o[:, None], is_async=True)
-                if not OVERLAP:
-                    s_tok = _next_scores(qn_s, qr_s, kn_s, kr_s, bars, s, i, nxt)
+                # tile i + 1's scores after this tile's value product, so its copy has had
+                # the softmax's time to land (issued before the softmax, they waited on a copy
+                # just started: 26% slower, decode_heads_gluon.json)
+                s_tok = _next_scores(qn_s, qr_s, kn_s, kr_s, bars, s, i, i + 1 < tiles)
                 acc, s = warpgroup_mma_wait(0, deps=(acc_tok, s_tok))
                 if i + 2 < tiles:  # both warpgroups are done with this stage: refill it
                     gl.thread_barrier()
@@ -228,10 +227,9 @@ def _descriptor(t: torch.Tensor, cols: int) -> TensorDescriptor:
 
 def launch(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, o_part: torch.Tensor,
            o_low: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-           items: torch.Tensor, qk_scale: float, low: int, overlap: bool = True) -> None:
+           items: torch.Tensor, qk_scale: float, low: int) -> None:
     """Head groups of 64 x one program per plan item (``_decode_plan_kernel``'s); the rest
-    as the balanced Triton launch takes them. ``overlap``: the next tile's scores are issued
-    before this tile's softmax (else after its value product)."""
+    as the balanced Triton launch takes them."""
     N, H, D = q.shape
     L = out.shape[2]
     rows_q = q.reshape(N * H, D)
@@ -244,5 +242,5 @@ def launch(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, o_part:
         _descriptor(rows_kv, D - L), block_table, o_part, o_low, lse_part, out, lse, items,
         qk_scale, H, N, block_table.stride(0), block_table.stride(1), o_part.stride(0),
         o_part.stride(2), lse_part.stride(0), out.stride(0), out.stride(1), lse.stride(0),
-        L=L, R=D - L, PS=kv.shape[1], LOW_SPLITS=low, OVERLAP=overlap, num_warps=8,
+        L=L, R=D - L, PS=kv.shape[1], LOW_SPLITS=low, num_warps=8,
     )
