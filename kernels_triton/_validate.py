@@ -64,6 +64,13 @@ def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index or 0)
 
 
+def compiled_hopper(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives on an NVIDIA sm_90 GPU and kernels compile (not interpreted): where
+    the Gluon kernels, written for Hopper's warpgroup MMAs, run."""
+    return t.is_cuda and torch.version.hip is None and not interpreting() \
+        and _capability(t.device.index)[0] == 9
+
+
 def fp8_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
 

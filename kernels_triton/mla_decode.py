@@ -292,8 +292,8 @@ def mla_decode(
             fp8_gluon.launch(q16, kv, scale, block_table, o_part, o_low, lse_part, out, lse,
                              items, float(sm_scale) * _LOG2E, low)
         elif BLOCK_H == heads_gluon.BH and heads_gluon.usable(q, kv, L, R, PS, cfg):
-            heads_gluon.launch(q, kv, block_table, o_part, o_low, lse_part, out, lse, items,
-                               float(sm_scale) * _LOG2E, low)
+            heads_gluon.launch(q, kv, scale, block_table, o_part, o_low, lse_part, out, lse,
+                               items, float(sm_scale) * _LOG2E, low)
         else:
             kernel[(head_groups, launched)](
                 q, kv, scale, block_table, seq_lens, o_part, o_low, lse_part, out, lse, items,

@@ -29,8 +29,6 @@ and the next tile's rows loaded into registers one tile ahead (2.3 KB of spills:
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from splash.kernels_triton import _validate as V
@@ -49,17 +47,11 @@ except ImportError:  # pragma: no cover - an older Triton: the Triton kernels se
 TILE = 64  # tokens a tile (the scores product's M)
 
 
-@functools.lru_cache(maxsize=None)
-def _hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] == 9
-
-
 def usable(q: torch.Tensor, kv: torch.Tensor, L: int, R: int, page_size: int,
            cfg: dict) -> bool:
     """Whether ``config["gluon"]`` applies: fp8 e4m3 KV of DeepSeek's dims (L 512, R 64) in
     pages of a multiple of 64 tokens, at most 16 heads, compiled on an NVIDIA sm_90 GPU."""
-    return bool(cfg.get("gluon")) and gluon is not None and q.is_cuda \
-        and torch.version.hip is None and not V.interpreting() and _hopper(q.device.index or 0) \
+    return bool(cfg.get("gluon")) and gluon is not None and V.compiled_hopper(q) \
         and kv.dtype == torch.float8_e4m3fn and q.shape[1] <= 16 and (L, R) == (512, 64) \
         and page_size % TILE == 0 and cfg.get("BLOCK_N") == TILE and kv.stride(2) == 1
 

@@ -21,8 +21,6 @@ splits) for ``lse_merge``.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from splash.kernels_triton import _validate as V
@@ -46,19 +44,16 @@ BH = 64  # heads a program (the MMA's M)
 BN = 64  # tokens a tile
 
 
-@functools.lru_cache(maxsize=None)
-def _hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] == 9
-
-
 def usable(q: torch.Tensor, kv: torch.Tensor, L: int, R: int, page_size: int,
            cfg: dict) -> bool:
-    """Whether ``config["gluon"]`` applies here: 16-bit KV of q's dtype and DeepSeek's dims
-    (L 512, R 64) in pages of a multiple of 64 tokens laid end to end, more than 32 heads,
-    compiled on an NVIDIA sm_90 GPU."""
-    return bool(cfg.get("gluon")) and gluon is not None and q.is_cuda \
-        and torch.version.hip is None and not V.interpreting() and _hopper(q.device.index or 0) \
-        and kv.dtype in (torch.bfloat16, torch.float16) and q.dtype == kv.dtype \
+    """Whether ``config["gluon"]`` applies here: 16-bit KV of q's dtype, or e4m3 KV with fp16
+    products (``fp8_fp16``) and a 16-bit q, with DeepSeek's dims (L 512, R 64) in pages of a
+    multiple of 64 tokens laid end to end, more than 32 heads, compiled on an NVIDIA sm_90
+    GPU."""
+    kv_ok = q.dtype == kv.dtype if kv.dtype in (torch.bfloat16, torch.float16) else \
+        kv.dtype == torch.float8_e4m3fn and bool(cfg.get("fp8_fp16")) \
+        and q.dtype in (torch.bfloat16, torch.float16)
+    return bool(cfg.get("gluon")) and gluon is not None and kv_ok and V.compiled_hopper(q) \
         and q.shape[1] > 32 and (L, R) == (512, 64) and page_size % BN == 0 \
         and kv.stride(2) == 1 and kv.stride(0) == page_size * kv.stride(1) \
         and kv.stride(1) % 8 == 0 and kv.data_ptr() % 16 == 0
@@ -107,8 +102,36 @@ if gluon is not None:
         return tok
 
     @gluon.jit
+    def _widen(k8n, k8r, wn, wr, valid, L: gl.constexpr, R: gl.constexpr,
+               num_warps: gl.constexpr):
+        """The staged fp8 tile widened to fp16 into ``wn`` / ``wr``, rows ``valid`` and on 0."""
+        CW: gl.constexpr = 64
+        ld: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
+        ok = (gl.arange(0, GN, layout=gl.SliceLayout(1, ld)) < valid)[:, None]
+        for c in gl.static_range(L // CW):
+            x = k8n.slice(c * CW, CW, dim=1).load(ld).to(gl.float16)
+            wn.slice(c * CW, CW, dim=1).store(gl.where(ok, x, gl.zeros_like(x)))
+        x = k8r.load(ld).to(gl.float16)
+        wr.store(gl.where(ok, x, gl.zeros_like(x)))
+
+    @gluon.jit
+    def _softmax(s, ok, ks, m_i, l_i, dtype: gl.constexpr, p_layout: gl.constexpr,
+                 mma_o: gl.constexpr):
+        """One tile's online-softmax step: scores ``s`` (already scaled, columns ``ok``), the
+        rows' value scales ``ks``. Returns p as the value product's operand, the
+        accumulator's rescale, and the running max and sum."""
+        s = gl.where(ok[None, :], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))  # finite: the tile has a token
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        p_op = gl.convert_layout((p * ks[None, :]).to(dtype), p_layout)
+        return p_op, gl.convert_layout(alpha, gl.SliceLayout(1, mma_o)), m_new, l_i
+
+    @gluon.jit
     def _mla_decode_heads_gluon_kernel(
         qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q (N * H, L + R), kv (pages * PS, L + R)
+        scale_ptr,  # (pages, PS) fp32 (fp8 KV)
         bt_ptr,  # (N, max_pages) int
         o_ptr,  # (P, 1, H, L) fp32 partial rows
         o_low_ptr,  # (P, 1, H, L) 16-bit partial rows (o_ptr's strides)
@@ -117,12 +140,13 @@ if gluon is not None:
         lse_out_ptr,  # (N, H) fp32
         plan_ptr,  # (programs, 4) int32: request, splits, start, end
         qk_scale, H, N,
+        stride_sp, stride_ss,
         stride_btn, stride_btp,
         stride_os, stride_oh,
         stride_ls,
         stride_outn, stride_outh,
         stride_lon,
-        L: gl.constexpr, R: gl.constexpr, PS: gl.constexpr,
+        L: gl.constexpr, R: gl.constexpr, PS: gl.constexpr, FP8: gl.constexpr,
         LOW_SPLITS: gl.constexpr, num_warps: gl.constexpr,
     ):
         g = gl.program_id(0)
@@ -133,7 +157,7 @@ if gluon is not None:
             count = gl.load(item + 1)
             start = gl.load(item + 2)
             end = gl.load(item + 3)
-            dtype: gl.constexpr = kn_desc.dtype
+            dtype: gl.constexpr = qn_desc.dtype  # the products' operands
             mma_s: gl.constexpr = gl.NVMMADistributedLayout(
                 version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, GN // 2, 16])
             mma_o: gl.constexpr = gl.NVMMADistributedLayout(
@@ -142,8 +166,8 @@ if gluon is not None:
                                                          k_width=2)
             qn_s = gl.allocate_shared_memory(dtype, [GH, L], qn_desc.layout)
             qr_s = gl.allocate_shared_memory(dtype, [GH, R], qr_desc.layout)
-            kn_s = gl.allocate_shared_memory(dtype, [2, GN, L], kn_desc.layout)
-            kr_s = gl.allocate_shared_memory(dtype, [2, GN, R], kr_desc.layout)
+            kn_s = gl.allocate_shared_memory(kn_desc.dtype, [2, GN, L], kn_desc.layout)
+            kr_s = gl.allocate_shared_memory(kr_desc.dtype, [2, GN, R], kr_desc.layout)
             bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
             for i in gl.static_range(3):
                 mbarrier.init(bars.index(i), count=1)
@@ -159,42 +183,62 @@ if gluon is not None:
                                kn_s.index(j), kr_s.index(j), bars.index(j), L, PS)
             mbarrier.wait(bars.index(2), 0)
 
-
             acc = gl.zeros((GH, L), gl.float32, layout=mma_o)
             m_i = gl.full((GH,), float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma_s))
             l_i = gl.zeros((GH,), gl.float32, layout=gl.SliceLayout(1, mma_s))
             cols = gl.arange(0, GN, layout=gl.SliceLayout(0, mma_s))
             s = gl.zeros((GH, GN), gl.float32, layout=mma_s)
-            if tiles > 0:  # tile 0's scores
-                mbarrier.wait(bars.index(0), 0)
-                s = warpgroup_mma_wait(0, deps=(_scores(qn_s, qr_s, kn_s.index(0),
-                                                        kr_s.index(0), s),))
-            for i in range(tiles):  # s: tile i's scores
-                st = i % 2
-                t0 = start + i * GN
-                kn = kn_s.index(st)
-                s = gl.where((t0 + cols < end)[None, :], s * qk_scale, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(s, axis=1))  # finite: the tile has a token
-                alpha = gl.exp2(m_i - m_new)
-                p = gl.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + gl.sum(p, axis=1)
-                m_i = m_new
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-                alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))
-                if t0 + GN > end:  # the split's last, partial tile (its scores are read)
-                    _zero_rows_past(kn, end - t0, L, num_warps)
+            if FP8:
+                # fp8 tiles land in the two stages and are widened to fp16 into one tile that
+                # both products read; a stage is refilled as soon as it is widened
+                wn = gl.allocate_shared_memory(dtype, [GN, L], qn_desc.layout)
+                wr = gl.allocate_shared_memory(dtype, [GN, R], qr_desc.layout)
+                for i in range(tiles):
+                    st = i % 2
+                    t0 = start + i * GN
+                    mbarrier.wait(bars.index(st), (i // 2) & 1)
+                    _widen(kn_s.index(st), kr_s.index(st), wn, wr, end - t0, L, R, num_warps)
                     fence_async_shared()
-                    gl.thread_barrier()
-                acc_tok = warpgroup_mma(p_op, kn, acc * alpha_o[:, None], is_async=True)
-                # tile i + 1's scores after this tile's value product, so its copy has had
-                # the softmax's time to land (issued before the softmax, they waited on a copy
-                # just started: 26% slower, decode_heads_gluon.json)
-                s_tok = _next_scores(qn_s, qr_s, kn_s, kr_s, bars, s, i, i + 1 < tiles)
-                acc, s = warpgroup_mma_wait(0, deps=(acc_tok, s_tok))
-                if i + 2 < tiles:  # both warpgroups are done with this stage: refill it
-                    gl.thread_barrier()
-                    _load_tile(kn_desc, kr_desc, bt_row, stride_btp, t0 + 2 * GN, kn,
-                               kr_s.index(st), bars.index(st), L, PS)
+                    gl.thread_barrier()  # widened, and the stage read by every warp
+                    if i + 2 < tiles:
+                        _load_tile(kn_desc, kr_desc, bt_row, stride_btp, t0 + 2 * GN,
+                                   kn_s.index(st), kr_s.index(st), bars.index(st), L, PS)
+                    ok = t0 + cols < end
+                    page = gl.load(bt_row + (t0 // PS) * stride_btp).to(gl.int64)
+                    ks = gl.load(scale_ptr + page * stride_sp + (t0 % PS + cols) * stride_ss,
+                                 mask=ok, other=0.0)
+                    s = warpgroup_mma_wait(0, deps=(_scores(qn_s, qr_s, wn, wr, s),))
+                    p_op, alpha_o, m_i, l_i = _softmax(s * (ks * qk_scale)[None, :], ok, ks,
+                                                       m_i, l_i, dtype, p_layout, mma_o)
+                    acc = warpgroup_mma(p_op, wn, acc * alpha_o[:, None], is_async=True)
+                    acc = warpgroup_mma_wait(0, deps=(acc,))
+                    gl.thread_barrier()  # the widened tile is free again
+            else:
+                ones = gl.full((GN,), 1.0, gl.float32, layout=gl.SliceLayout(0, mma_s))
+                if tiles > 0:  # tile 0's scores
+                    mbarrier.wait(bars.index(0), 0)
+                    s = warpgroup_mma_wait(0, deps=(_scores(qn_s, qr_s, kn_s.index(0),
+                                                            kr_s.index(0), s),))
+                for i in range(tiles):  # s: tile i's scores
+                    st = i % 2
+                    t0 = start + i * GN
+                    kn = kn_s.index(st)
+                    p_op, alpha_o, m_i, l_i = _softmax(s * qk_scale, t0 + cols < end, ones,
+                                                       m_i, l_i, dtype, p_layout, mma_o)
+                    if t0 + GN > end:  # the split's last, partial tile (its scores are read)
+                        _zero_rows_past(kn, end - t0, L, num_warps)
+                        fence_async_shared()
+                        gl.thread_barrier()
+                    acc_tok = warpgroup_mma(p_op, kn, acc * alpha_o[:, None], is_async=True)
+                    # tile i + 1's scores after this tile's value product, so its copy has
+                    # had the softmax's time to land (issued before the softmax, they waited
+                    # on a copy just started: 26% slower, decode_heads_gluon.json)
+                    s_tok = _next_scores(qn_s, qr_s, kn_s, kr_s, bars, s, i, i + 1 < tiles)
+                    acc, s = warpgroup_mma_wait(0, deps=(acc_tok, s_tok))
+                    if i + 2 < tiles:  # both warpgroups are done with this stage: refill it
+                        gl.thread_barrier()
+                        _load_tile(kn_desc, kr_desc, bt_row, stride_btp, t0 + 2 * GN, kn,
+                                   kr_s.index(st), bars.index(st), L, PS)
             for i in gl.static_range(3):
                 mbarrier.invalidate(bars.index(i))
 
@@ -220,18 +264,23 @@ if gluon is not None:
 
 
 def _descriptor(t: torch.Tensor, cols: int) -> TensorDescriptor:
-    layout = gl.NVMMASharedLayout.get_default_for([BN, cols], gl.bfloat16
-                                                  if t.dtype == torch.bfloat16 else gl.float16)
+    dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
+             torch.float8_e4m3fn: gl.float8e4nv}[t.dtype]
+    layout = gl.NVMMASharedLayout.get_default_for([BN, cols], dtype)
     return TensorDescriptor.from_tensor(t, [BN, cols], layout)
 
 
-def launch(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, o_part: torch.Tensor,
-           o_low: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-           items: torch.Tensor, qk_scale: float, low: int) -> None:
+def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
+           o_part: torch.Tensor, o_low: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
+           lse: torch.Tensor, items: torch.Tensor, qk_scale: float, low: int) -> None:
     """Head groups of 64 x one program per plan item (``_decode_plan_kernel``'s); the rest
-    as the balanced Triton launch takes them."""
+    as the balanced Triton launch takes them. fp8 KV: fp16 products, q clamped to fp16's
+    range (as ``config["fp8_fp16"]`` in the Triton kernels)."""
     N, H, D = q.shape
     L = out.shape[2]
+    fp8 = kv.dtype == torch.float8_e4m3fn
+    if fp8 and q.dtype != torch.float16:
+        q = q.float().clamp(-65504.0, 65504.0).half()
     rows_q = q.reshape(N * H, D)
     if rows_q.stride(1) != 1 or rows_q.stride(0) % 8 or rows_q.data_ptr() % 16:
         rows_q = rows_q.contiguous()
@@ -239,8 +288,9 @@ def launch(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, o_part:
         kv.as_strided((kv.shape[0] * kv.shape[1], D), (kv.stride(1), 1))
     _mla_decode_heads_gluon_kernel[((H + BH - 1) // BH, items.shape[0])](
         _descriptor(rows_q, L), _descriptor(rows_q, D - L), _descriptor(rows_kv, L),
-        _descriptor(rows_kv, D - L), block_table, o_part, o_low, lse_part, out, lse, items,
-        qk_scale, H, N, block_table.stride(0), block_table.stride(1), o_part.stride(0),
-        o_part.stride(2), lse_part.stride(0), out.stride(0), out.stride(1), lse.stride(0),
-        L=L, R=D - L, PS=kv.shape[1], LOW_SPLITS=low, num_warps=8,
+        _descriptor(rows_kv, D - L), scale, block_table, o_part, o_low, lse_part, out, lse,
+        items, qk_scale, H, N, scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0,
+        block_table.stride(0), block_table.stride(1), o_part.stride(0), o_part.stride(2),
+        lse_part.stride(0), out.stride(0), out.stride(1), lse.stride(0),
+        L=L, R=D - L, PS=kv.shape[1], FP8=fp8, LOW_SPLITS=low, num_warps=8,
     )

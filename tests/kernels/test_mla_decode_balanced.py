@@ -209,11 +209,12 @@ def test_fp8_gluon_kernel_matches_reference(name, H, PS, cfg, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["fp16", "bf16"])
+@pytest.mark.parametrize("name", ["fp16", "bf16", "fp16-fp8kv", "bf16-fp8kv"])
 @pytest.mark.parametrize("H,PS,cfg", [(128, 64, {}), (64, 128, {}), (128, 64, {"low_partials": 2}),
                                       (40, 64, {"programs_per_sm": 4})])
 def test_heads_gluon_kernel_matches_reference(name, H, PS, cfg, monkeypatch):
-    """Many heads with 16-bit KV on an sm_90 GPU run the Gluon kernel (``config["gluon"]``):
+    """Many heads with 16-bit or e4m3 KV on an sm_90 GPU run the Gluon kernel
+    (``config["gluon"]``):
     requests empty, shorter than a tile, one page, past one, many pages, split or not, their
     results the reference's, though the pages' unused rows hold NaN."""
     gluon = importlib.import_module("splash.kernels_triton.mla_decode_heads_gluon")
@@ -230,8 +231,8 @@ def test_heads_gluon_kernel_matches_reference(name, H, PS, cfg, monkeypatch):
         for t in range(n):
             used[row[t // PS], t % PS] = True
     kv[~used] = float("nan")  # a page's rows past a request's length are never read as values
-    out, lse = mla_decode(q, kv, table, seq_lens, 576 ** -0.5, 512, config=cfg)
+    out, lse = mla_decode(q, kv, table, seq_lens, 576 ** -0.5, 512, kv_scale=scale, config=cfg)
     assert launches
-    ref_out, ref_lse = mla_decode_ref(q, kv, table, seq_lens, 576 ** -0.5, 512)
+    ref_out, ref_lse = mla_decode_ref(q, kv, table, seq_lens, 576 ** -0.5, 512, kv_scale=scale)
     assert_close(out, ref_out, setting.atol, setting.rtol)
     assert_lse(lse, ref_lse, setting.lse_tol)
