@@ -69,7 +69,7 @@ class CUDABackend(BaseBackend):
                         "programs_per_sm": 2, "split_overhead_tokens": 64, "fp8_fp16": True,
                         "many_heads": {"BLOCK_N": 64, "gather_pages": False, "num_warps": 8,
                                        "num_stages": 2, "programs_per_sm": 1,
-                                       "fp8_fp16": True}},
+                                       "fp8_fp16": True, "gluon": False}},
             },
         },
         # mla_sparse (benchmarks/results/h200/dsa_sweep.json, batch 16 x 2,048 selected rows):
