@@ -184,53 +184,44 @@ def test_balanced_partials_in_the_output_dtype(setting, case, low, monkeypatch):
     assert_lse(lse, ref_lse, setting.lse_tol)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["fp16-fp8kv", "bf16-fp8kv"])
-@pytest.mark.parametrize("H,PS,cfg", [(16, 64, {}), (5, 128, {}), (16, 64, {"low_partials": 2}),
-                                      (16, 128, {"programs_per_sm": 8})])
-def test_fp8_gluon_kernel_matches_reference(name, H, PS, cfg, monkeypatch):
-    """fp8 KV at few heads on an sm_90 GPU runs the Gluon kernel (``config["gluon"]``):
-    requests empty, shorter than a tile, one page, past one, many pages, split or not, their
-    results the reference's."""
-    gluon = importlib.import_module("splash.kernels_triton.mla_decode_fp8_gluon")
-    if not compiled_gpu() or gluon.gluon is None or torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon fp8 kernel runs on a compiled sm_90 GPU with Gluon")
-    launches = []
-    launch = gluon.launch
-    monkeypatch.setattr(gluon, "launch", lambda *a: (launches.append(1), launch(*a)))
-    setting = make_setting(name)
-    lens = [0, 1, 63, 64, 65, 300, 4096, 1000, 20000]
-    q, kv, scale, table, seq_lens = decode_inputs(setting, 512, 64, PS, H, lens, seed=11)
-    out, lse = mla_decode(q, kv, table, seq_lens, 576 ** -0.5, 512, kv_scale=scale, config=cfg)
-    assert launches
-    ref_out, ref_lse = mla_decode_ref(q, kv, table, seq_lens, 576 ** -0.5, 512, kv_scale=scale)
-    assert_close(out, ref_out, setting.atol, setting.rtol)
-    assert_lse(lse, ref_lse, setting.lse_tol)
+_GLUON_CASES = [  # (module, setting, heads, page size, config)
+    *[("fp8", name, H, PS, cfg) for name in ("fp16-fp8kv", "bf16-fp8kv")
+      for H, PS, cfg in [(16, 64, {}), (5, 128, {}), (16, 64, {"low_partials": 2}),
+                         (16, 128, {"programs_per_sm": 8})]],
+    *[("heads", name, H, PS, cfg) for name in ("fp16", "bf16", "fp16-fp8kv", "bf16-fp8kv")
+      for H, PS, cfg in [(128, 64, {}), (64, 128, {}), (128, 64, {"low_partials": 2}),
+                         (40, 64, {"programs_per_sm": 4})]],
+]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["fp16", "bf16", "fp16-fp8kv", "bf16-fp8kv"])
-@pytest.mark.parametrize("H,PS,cfg", [(128, 64, {}), (64, 128, {}), (128, 64, {"low_partials": 2}),
-                                      (40, 64, {"programs_per_sm": 4})])
-def test_heads_gluon_kernel_matches_reference(name, H, PS, cfg, monkeypatch):
-    """Many heads with 16-bit or e4m3 KV on an sm_90 GPU run the Gluon kernel
-    (``config["gluon"]``):
-    requests empty, shorter than a tile, one page, past one, many pages, split or not, their
-    results the reference's, though the pages' unused rows hold NaN."""
-    gluon = importlib.import_module("splash.kernels_triton.mla_decode_heads_gluon")
+@pytest.mark.parametrize("module,name,H,PS,cfg", _GLUON_CASES)
+def test_gluon_kernels_match_reference(module, name, H, PS, cfg, monkeypatch):
+    """On an sm_90 GPU the Gluon kernels (``config["gluon"]``: fp8 KV at few heads, 16-bit or
+    e4m3 KV at many) serve requests empty, shorter than a tile, one page, past one, many
+    pages, split or not, with the reference's results, though the pages' unused rows hold
+    NaN."""
+    gluon = importlib.import_module(f"splash.kernels_triton.mla_decode_{module}_gluon")
     if not compiled_gpu() or gluon.gluon is None or torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon many-head kernel runs on a compiled sm_90 GPU with Gluon")
+        pytest.skip("the Gluon kernels run on a compiled sm_90 GPU with Gluon")
     launches = []
     launch = gluon.launch
     monkeypatch.setattr(gluon, "launch", lambda *a: (launches.append(1), launch(*a)))
     setting = make_setting(name)
     lens = [0, 1, 63, 64, 65, 300, 4096, 1000, 20000]
     q, kv, scale, table, seq_lens = decode_inputs(setting, 512, 64, PS, H, lens, seed=12)
-    used = torch.zeros(kv.shape[:2], dtype=torch.bool, device=kv.device)
+    used = torch.zeros(kv.shape[:2], dtype=torch.bool)
     for row, n in zip(table.tolist(), lens):
-        for t in range(n):
-            used[row[t // PS], t % PS] = True
-    kv[~used] = float("nan")  # a page's rows past a request's length are never read as values
+        pages = torch.tensor(row[: -(-n // PS)], dtype=torch.long)
+        used[pages] = True
+        if n % PS:
+            used[pages[-1], n % PS:] = False
+    unused = ~used.to(kv.device)  # rows past a request's length are never values: NaN
+    if kv.element_size() == 1:
+        kv.view(torch.uint8)[unused] = 0x7F  # e4m3's NaN
+    else:
+        kv[unused] = float("nan")
+    cfg = {**cfg, "fp8": {"many_heads": {"gluon": True}}}  # the fp8 many-head form too
     out, lse = mla_decode(q, kv, table, seq_lens, 576 ** -0.5, 512, kv_scale=scale, config=cfg)
     assert launches
     ref_out, ref_lse = mla_decode_ref(q, kv, table, seq_lens, 576 ** -0.5, 512, kv_scale=scale)
