@@ -93,7 +93,7 @@ Design:
   plan only): at many heads (``mla_decode_heads_gluon.py``, 16-bit or e4m3 KV) two warpgroups
   hold 64 heads, the query and two KV tiles come in by TMA and both products are warpgroup
   MMAs (128 heads bf16 1.31-1.43x the Triton kernel a layer); at few heads with fp8 KV
-  (``mla_decode_fp8_gluon.py``) the tokens sit on the MMA's M side and the tile is widened
+  (``mla_decode_tokens_gluon.py``) the tokens sit on the MMA's M side and the tile is widened
   once into shared memory for both products. The Triton kernels serve everything else.
 - Full tiles load without a token mask; only a split's last partial tile is masked. When the
   page size is a multiple of ``BLOCK_N`` a tile lies in one page and its page id is one load.
@@ -109,8 +109,8 @@ import triton
 
 from splash.backends import device_tuning
 from splash.kernels_triton import _validate as V
-from splash.kernels_triton import mla_decode_fp8_gluon as fp8_gluon
 from splash.kernels_triton import mla_decode_heads_gluon as heads_gluon
+from splash.kernels_triton import mla_decode_tokens_gluon as tokens_gluon
 from splash.kernels_triton.lse_merge import _merge_into
 from splash.kernels_triton.mla_decode_chunked import CHUNKS, _mla_decode_chunked_kernel
 from splash.kernels_triton.mla_decode_kernels import _LOG2E, _MAX_SPLITS, _mla_decode_kernel
@@ -293,10 +293,9 @@ def mla_decode(
             return items, meta
 
         items, meta = planned(seq_lens, (N, programs, min_tiles, BLOCK_N, q.device), plan)
-        if fp8_gluon.usable(q, kv, L, R, PS, cfg):
-            q16 = q if q.dtype == torch.float16 else q.float().clamp(-65504.0, 65504.0).half()
-            fp8_gluon.launch(q16, kv, scale, block_table, o_part, o_low, lse_part, out, lse,
-                             items, float(sm_scale) * _LOG2E, low)
+        if tokens_gluon.usable(q, kv, L, R, PS, cfg):
+            tokens_gluon.launch(q, kv, scale, block_table, o_part, o_low, lse_part, out, lse,
+                                items, float(sm_scale) * _LOG2E, low)
         elif BLOCK_H == heads_gluon.BH and heads_gluon.usable(q, kv, L, R, PS, cfg):
             heads_gluon.launch(q, kv, scale, block_table, o_part, o_low, lse_part, out, lse,
                                items, float(sm_scale) * _LOG2E, low)

@@ -263,11 +263,24 @@ if gluon is not None:
                 gl.store(lse_ptr + pid * stride_ls + lh, lse, mask=lh < H)
 
 
-def _descriptor(t: torch.Tensor, cols: int) -> TensorDescriptor:
+def descriptor(t: torch.Tensor, cols: int, rows: int = BN) -> TensorDescriptor:
+    """A TMA descriptor over the 2-D ``t`` that copies (rows, cols) boxes."""
     dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
              torch.float8_e4m3fn: gl.float8e4nv}[t.dtype]
-    layout = gl.NVMMASharedLayout.get_default_for([BN, cols], dtype)
-    return TensorDescriptor.from_tensor(t, [BN, cols], layout)
+    layout = gl.NVMMASharedLayout.get_default_for([rows, cols], dtype)
+    return TensorDescriptor.from_tensor(t, [rows, cols], layout)
+
+
+def tma_rows(q: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (N, H, D) as (N * H, D) rows and the paged cache as (pages * PS, D) rows, as TMA
+    descriptors take them (16-byte aligned, unit stride last)."""
+    N, H, D = q.shape
+    rows_q = q.reshape(N * H, D)
+    if rows_q.stride(1) != 1 or rows_q.stride(0) % 8 or rows_q.data_ptr() % 16:
+        rows_q = rows_q.contiguous()
+    rows_kv = kv.view(kv.shape[0] * kv.shape[1], D) if kv.is_contiguous() else \
+        kv.as_strided((kv.shape[0] * kv.shape[1], D), (kv.stride(1), 1))
+    return rows_q, rows_kv
 
 
 def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
@@ -281,14 +294,10 @@ def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: 
     fp8 = kv.dtype == torch.float8_e4m3fn
     if fp8 and q.dtype != torch.float16:
         q = q.float().clamp(-65504.0, 65504.0).half()
-    rows_q = q.reshape(N * H, D)
-    if rows_q.stride(1) != 1 or rows_q.stride(0) % 8 or rows_q.data_ptr() % 16:
-        rows_q = rows_q.contiguous()
-    rows_kv = kv.view(kv.shape[0] * kv.shape[1], D) if kv.is_contiguous() else \
-        kv.as_strided((kv.shape[0] * kv.shape[1], D), (kv.stride(1), 1))
+    rows_q, rows_kv = tma_rows(q, kv)
     _mla_decode_heads_gluon_kernel[((H + BH - 1) // BH, items.shape[0])](
-        _descriptor(rows_q, L), _descriptor(rows_q, D - L), _descriptor(rows_kv, L),
-        _descriptor(rows_kv, D - L), scale, block_table, o_part, o_low, lse_part, out, lse,
+        descriptor(rows_q, L), descriptor(rows_q, D - L), descriptor(rows_kv, L),
+        descriptor(rows_kv, D - L), scale, block_table, o_part, o_low, lse_part, out, lse,
         items, qk_scale, H, N, scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0,
         block_table.stride(0), block_table.stride(1), o_part.stride(0), o_part.stride(2),
         lse_part.stride(0), out.stride(0), out.stride(1), lse.stride(0),

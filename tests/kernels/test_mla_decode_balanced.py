@@ -185,7 +185,7 @@ def test_balanced_partials_in_the_output_dtype(setting, case, low, monkeypatch):
 
 
 _GLUON_CASES = [  # (module, setting, heads, page size, config)
-    *[("fp8", name, H, PS, cfg) for name in ("fp16-fp8kv", "bf16-fp8kv")
+    *[("tokens", name, H, PS, cfg) for name in ("fp16", "bf16", "fp16-fp8kv", "bf16-fp8kv")
       for H, PS, cfg in [(16, 64, {}), (5, 128, {}), (16, 64, {"low_partials": 2}),
                          (16, 128, {"programs_per_sm": 8})]],
     *[("heads", name, H, PS, cfg) for name in ("fp16", "bf16", "fp16-fp8kv", "bf16-fp8kv")
@@ -197,8 +197,8 @@ _GLUON_CASES = [  # (module, setting, heads, page size, config)
 @pytest.mark.gpu
 @pytest.mark.parametrize("module,name,H,PS,cfg", _GLUON_CASES)
 def test_gluon_kernels_match_reference(module, name, H, PS, cfg, monkeypatch):
-    """On an sm_90 GPU the Gluon kernels (``config["gluon"]``: fp8 KV at few heads, 16-bit or
-    e4m3 KV at many) serve requests empty, shorter than a tile, one page, past one, many
+    """On an sm_90 GPU the Gluon kernels (``config["gluon"]``: tokens on M at few heads, heads
+    on M at many; 16-bit or e4m3 KV) serve requests empty, shorter than a tile, one page, past one, many
     pages, split or not, with the reference's results, though the pages' unused rows hold
     NaN."""
     gluon = importlib.import_module(f"splash.kernels_triton.mla_decode_{module}_gluon")
@@ -221,7 +221,7 @@ def test_gluon_kernels_match_reference(module, name, H, PS, cfg, monkeypatch):
         kv.view(torch.uint8)[unused] = 0x7F  # e4m3's NaN
     else:
         kv[unused] = float("nan")
-    cfg = {**cfg, "fp8": {"many_heads": {"gluon": True}}}  # the fp8 many-head form too
+    cfg = {**cfg, "gluon": True, "fp8": {"many_heads": {"gluon": True}}}  # wherever it applies
     out, lse = mla_decode(q, kv, table, seq_lens, 576 ** -0.5, 512, kv_scale=scale, config=cfg)
     assert launches
     ref_out, ref_lse = mla_decode_ref(q, kv, table, seq_lens, 576 ** -0.5, 512, kv_scale=scale)

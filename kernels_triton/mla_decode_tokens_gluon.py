@@ -32,15 +32,20 @@ from __future__ import annotations
 import torch
 
 from splash.kernels_triton import _validate as V
+from splash.kernels_triton import mla_decode_heads_gluon as heads_gluon
 
 try:  # Gluon ships with Triton 3.5 and later
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
+        mbarrier,
+        tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
+
+    from splash.kernels_triton.mla_decode_heads_gluon import _load_tile, _zero_rows_past
 except ImportError:  # pragma: no cover - an older Triton: the Triton kernels serve
     gluon = None
 
@@ -49,11 +54,18 @@ TILE = 64  # tokens a tile (the scores product's M)
 
 def usable(q: torch.Tensor, kv: torch.Tensor, L: int, R: int, page_size: int,
            cfg: dict) -> bool:
-    """Whether ``config["gluon"]`` applies: fp8 e4m3 KV of DeepSeek's dims (L 512, R 64) in
-    pages of a multiple of 64 tokens, at most 16 heads, compiled on an NVIDIA sm_90 GPU."""
-    return bool(cfg.get("gluon")) and gluon is not None and V.compiled_hopper(q) \
-        and kv.dtype == torch.float8_e4m3fn and q.shape[1] <= 16 and (L, R) == (512, 64) \
-        and page_size % TILE == 0 and cfg.get("BLOCK_N") == TILE and kv.stride(2) == 1
+    """Whether ``config["gluon"]`` applies: at most 16 heads, KV of DeepSeek's dims (L 512,
+    R 64) in pages of a multiple of 64 tokens, compiled on an NVIDIA sm_90 GPU; e4m3 KV
+    (the widening kernel), or 16-bit KV of q's dtype in pages laid end to end (TMA)."""
+    if not (bool(cfg.get("gluon")) and gluon is not None and V.compiled_hopper(q)
+            and q.shape[1] <= 16 and (L, R) == (512, 64) and page_size % TILE == 0
+            and cfg.get("BLOCK_N") == TILE and kv.stride(2) == 1):
+        return False
+    if kv.dtype == torch.float8_e4m3fn:
+        return True
+    return kv.dtype == q.dtype and kv.dtype in (torch.bfloat16, torch.float16) \
+        and kv.stride(0) == page_size * kv.stride(1) and kv.stride(1) % 8 == 0 \
+        and kv.data_ptr() % 16 == 0
 
 
 if gluon is not None:
@@ -76,6 +88,114 @@ if gluon is not None:
                at: gl.constexpr, PS: gl.constexpr, ld: gl.constexpr):
         rows = _load_rows(kv_ptr, page, t0, ok_r, stride_kvp, stride_kvs, c, PS, ld)
         k16.slice(at * CW, CW, dim=1).store(rows.to(gl.float16))
+
+    @gluon.jit
+    def _finish(acc, m_i, l_i, n, pid, count, H, o_ptr, o_low_ptr, lse_ptr, out_ptr,
+                lse_out_ptr, stride_os, stride_oh, stride_ls, stride_outn, stride_outh,
+                stride_lon, L: gl.constexpr, BH: gl.constexpr, LOW_SPLITS: gl.constexpr,
+                mma: gl.constexpr):
+        """outᵀ = acc / l and its lse into the output (a request's only split) or the split's
+        partial rows."""
+        has = l_i > 0.0
+        l_safe = gl.where(has, l_i, 1.0)
+        lse = gl.where(has, (m_i + gl.log2(l_safe)) / _LOG2E, float("-inf"))
+        res = acc / l_safe[None, :]
+        oc = gl.arange(0, L, layout=gl.SliceLayout(1, mma))
+        oh = gl.arange(0, BH, layout=gl.SliceLayout(0, mma))
+        mask = (oh < H)[None, :]
+        if count == 1:
+            o = out_ptr + n.to(gl.int64) * stride_outn + oh[None, :] * stride_outh
+            gl.store(o + oc[:, None], res.to(out_ptr.dtype.element_ty), mask=mask)
+            gl.store(lse_out_ptr + n * stride_lon + oh, lse, mask=oh < H)
+        else:
+            part = pid * stride_os + oh[None, :] * stride_oh + oc[:, None]
+            if count <= LOW_SPLITS:
+                gl.store(o_low_ptr + part, res.to(o_low_ptr.dtype.element_ty), mask=mask)
+            else:
+                gl.store(o_ptr + part, res, mask=mask)
+            gl.store(lse_ptr + pid * stride_ls + oh, lse, mask=oh < H)
+
+    @gluon.jit
+    def _mla_decode_tokens_tma_kernel(
+        qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q (N * H, L + R), kv (pages * PS, L + R)
+        bt_ptr,  # (N, max_pages) int
+        o_ptr, o_low_ptr, lse_ptr, out_ptr, lse_out_ptr, plan_ptr,  # as the fp8 kernel's
+        qk_scale, H, N,
+        stride_btn, stride_btp,
+        stride_os, stride_oh,
+        stride_ls,
+        stride_outn, stride_outh,
+        stride_lon,
+        L: gl.constexpr, R: gl.constexpr, PS: gl.constexpr, BH: gl.constexpr,
+        LOW_SPLITS: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        pid = gl.program_id(0)
+        item = plan_ptr + pid * 4
+        n = gl.load(item)
+        if n < N:
+            count = gl.load(item + 1)
+            start = gl.load(item + 2)
+            end = gl.load(item + 3)
+            dtype: gl.constexpr = kn_desc.dtype
+            mma: gl.constexpr = gl.NVMMADistributedLayout(
+                version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BH, 16])
+            qn_s = gl.allocate_shared_memory(dtype, [BH, L], qn_desc.layout)
+            qr_s = gl.allocate_shared_memory(dtype, [BH, R], qr_desc.layout)
+            kn_s = gl.allocate_shared_memory(dtype, [2, BN, L], kn_desc.layout)
+            kr_s = gl.allocate_shared_memory(dtype, [2, BN, R], kr_desc.layout)
+            p_s = gl.allocate_shared_memory(
+                dtype, [BN, BH], gl.NVMMASharedLayout.get_default_for([BN, BH], dtype))
+            bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(3):
+                mbarrier.init(bars.index(i), count=1)
+            mbarrier.expect(bars.index(2), qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(qn_desc, [n * H, 0], bars.index(2), qn_s)
+            tma.async_copy_global_to_shared(qr_desc, [n * H, L], bars.index(2), qr_s)
+            bt_row = bt_ptr + n.to(gl.int64) * stride_btn
+            tiles = (end - start + BN - 1) // BN
+            for j in gl.static_range(2):
+                if j < tiles:
+                    _load_tile(kn_desc, kr_desc, bt_row, stride_btp, start + j * BN,
+                               kn_s.index(j), kr_s.index(j), bars.index(j), L, PS)
+            mbarrier.wait(bars.index(2), 0)
+
+            acc = gl.zeros((L, BH), gl.float32, layout=mma)  # outᵀ
+            m_i = gl.full((BH,), float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma))
+            l_i = gl.zeros((BH,), gl.float32, layout=gl.SliceLayout(0, mma))
+            rows_m = gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+            for i in range(tiles):
+                st = i % 2
+                t0 = start + i * BN
+                kn = kn_s.index(st)
+                mbarrier.wait(bars.index(st), (i // 2) & 1)
+                if t0 + BN > end:  # the split's last, partial tile: its unused rows to 0
+                    _zero_rows_past(kn, end - t0, L, num_warps)
+                    fence_async_shared()
+                    gl.thread_barrier()
+                s = gl.zeros((BN, BH), gl.float32, layout=mma)
+                s = warpgroup_mma(kn, qn_s.permute((1, 0)), s, use_acc=False, is_async=True)
+                s = warpgroup_mma(kr_s.index(st), qr_s.permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma_wait(0, deps=(s,))
+                s = gl.where((t0 + rows_m < end)[:, None], s * qk_scale, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(s, axis=0))  # finite: the tile has a token
+                alpha = gl.exp2(m_i - m_new)
+                p = gl.exp2(s - m_new[None, :])
+                l_i = l_i * alpha + gl.sum(p, axis=0)
+                m_i = m_new
+                p_s.store(p.to(dtype))
+                fence_async_shared()
+                acc = warpgroup_mma(kn.permute((1, 0)), p_s, acc * alpha[None, :],
+                                    is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                if i + 2 < tiles:  # the value product has read this stage: refill it
+                    gl.thread_barrier()
+                    _load_tile(kn_desc, kr_desc, bt_row, stride_btp, t0 + 2 * BN, kn,
+                               kr_s.index(st), bars.index(st), L, PS)
+            for i in gl.static_range(3):
+                mbarrier.invalidate(bars.index(i))
+            _finish(acc, m_i, l_i, n, pid, count, H, o_ptr, o_low_ptr, lse_ptr, out_ptr,
+                    lse_out_ptr, stride_os, stride_oh, stride_ls, stride_outn, stride_outh,
+                    stride_lon, L, BH, LOW_SPLITS, mma)
 
     @gluon.jit
     def _mla_decode_fp8_gluon_kernel(
@@ -169,37 +289,32 @@ if gluon is not None:
                                     is_async=True)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 m_i = m_new
-            has = l_i > 0.0
-            l_safe = gl.where(has, l_i, 1.0)
-            lse = gl.where(has, (m_i + gl.log2(l_safe)) / _LOG2E, float("-inf"))
-            res = acc / l_safe[None, :]
-            oc = gl.arange(0, L, layout=gl.SliceLayout(1, mma))
-            oh = gl.arange(0, BH, layout=gl.SliceLayout(0, mma))
-            mask = (oh < H)[None, :]
-            if count == 1:
-                o = out_ptr + n.to(gl.int64) * stride_outn + oh[None, :] * stride_outh
-                gl.store(o + oc[:, None], res.to(out_ptr.dtype.element_ty), mask=mask)
-                gl.store(lse_out_ptr + n * stride_lon + oh, lse, mask=oh < H)
-            else:
-                part = pid * stride_os + oh[None, :] * stride_oh + oc[:, None]
-                if count <= LOW_SPLITS:
-                    gl.store(o_low_ptr + part, res.to(o_low_ptr.dtype.element_ty), mask=mask)
-                else:
-                    gl.store(o_ptr + part, res, mask=mask)
-                gl.store(lse_ptr + pid * stride_ls + oh, lse, mask=oh < H)
+            _finish(acc, m_i, l_i, n, pid, count, H, o_ptr, o_low_ptr, lse_ptr, out_ptr,
+                    lse_out_ptr, stride_os, stride_oh, stride_ls, stride_outn, stride_outh,
+                    stride_lon, L, BH, LOW_SPLITS, mma)
 
-
-def launch(q16: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
+def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
            o_part: torch.Tensor, o_low: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
            lse: torch.Tensor, items: torch.Tensor, qk_scale: float, low: int) -> None:
-    """One program per plan item (``_decode_plan_kernel``'s); ``q16`` fp16, the rest as the
-    balanced Triton launch takes them."""
-    N, H, D = q16.shape
+    """One program per plan item (``_decode_plan_kernel``'s), the rest as the balanced Triton
+    launch takes them. fp8 KV: fp16 products, q clamped to fp16's range."""
+    N, H, D = q.shape
     L = out.shape[2]
+    tail = (block_table.stride(0), block_table.stride(1), o_part.stride(0), o_part.stride(2),
+            lse_part.stride(0), out.stride(0), out.stride(1), lse.stride(0))
+    if kv.dtype != torch.float8_e4m3fn:
+        rows_q, rows_kv = heads_gluon.tma_rows(q, kv)
+        _mla_decode_tokens_tma_kernel[(items.shape[0],)](
+            heads_gluon.descriptor(rows_q, L, 16), heads_gluon.descriptor(rows_q, D - L, 16),
+            heads_gluon.descriptor(rows_kv, L), heads_gluon.descriptor(rows_kv, D - L),
+            block_table, o_part, o_low, lse_part, out, lse, items, qk_scale, H, N, *tail,
+            L=L, R=D - L, PS=kv.shape[1], BH=16, LOW_SPLITS=low, num_warps=4,
+        )
+        return
+    q16 = q if q.dtype == torch.float16 else q.float().clamp(-65504.0, 65504.0).half()
     _mla_decode_fp8_gluon_kernel[(items.shape[0],)](
         q16, kv, scale, block_table, o_part, o_low, lse_part, out, lse, items, qk_scale, H, N,
         q16.stride(0), q16.stride(1), kv.stride(0), kv.stride(1), scale.stride(0),
-        scale.stride(1), block_table.stride(0), block_table.stride(1), o_part.stride(0),
-        o_part.stride(2), lse_part.stride(0), out.stride(0), out.stride(1), lse.stride(0),
-        L=L, R=D - L, PS=kv.shape[1], BH=16, LOW_SPLITS=low, num_warps=4,
+        scale.stride(1), *tail, L=L, R=D - L, PS=kv.shape[1], BH=16, LOW_SPLITS=low,
+        num_warps=4,
     )
