@@ -46,9 +46,16 @@ class CUDABackend(BaseBackend):
         # 64 x 32K 0.839 -> 0.802 ms, 16 x 128K 0.840 -> 0.804, 128 x 1K 0.080 -> 0.072,
         # 64 x 4K 0.127 -> 0.124). It loses with bf16 at long contexts (64 x 32K 0.557 ->
         # 0.603) and at 128 heads (bf16 0.269 -> 0.355 on the 32-token tiles that fit).
-        # "gluon" (fp8 KV, at most 16 heads, sm_90): the Gluon kernel with the tokens on M
-        # (benchmarks/results/h200/fp8_decode_gluon.json: 64 x 32K 0.802 -> 0.731 ms, 64 x 1K
-        # 0.050 -> 0.032 against the Triton fp8 kernel).
+        # "gluon" (sm_90, balanced plan): the Gluon kernels, a layer's ms against the Triton
+        # kernels in the same run. Few heads, tokens on M: bf16 with TMA tiles, one program an
+        # SM ("gluon_programs_per_sm": 1; decode_tokens_gluon.json): 64 x 4K 0.0815 -> 0.0792,
+        # 64 x 32K 0.552 -> 0.546, 8 x 4K 0.0217 -> 0.0159, one 128K among 63 of 1K 0.089 ->
+        # 0.076, but 64 over 1K-32K 0.352 -> 0.370 and 128 over 256-2K 0.059 -> 0.064 (two
+        # programs an SM lose the uniform shapes instead); fp8 widened in shared memory, two
+        # programs an SM (fp8_decode_gluon.json): 64 x 32K 0.798 -> 0.746, 64 x 1K 0.047 ->
+        # 0.041, 8 x 4K 0.027 -> 0.030. Many heads, two warpgroups on 64 heads
+        # (decode_heads_gluon.json): bf16 64 x 4K 0.264 -> 0.188, 64 x 32K 2.003 -> 1.406;
+        # fp8 (decode_heads_gluon_fp8.json) 64 x 4K 0.535 -> 0.454, 64 x 32K 4.08 -> 3.24.
         # "low_partials": 8: requests of at most 8 splits write 16-bit partials, longer ones
         # fp32 (benchmarks/results/h200/decode_low_partials.json, a layer's ms against fp32
         # partials: 16 heads bf16 64 x 4K -1.1%, 128 x 1K -2.8%, 64 x 1K -4.2%; 128 heads
@@ -57,19 +64,20 @@ class CUDABackend(BaseBackend):
         "mla_decode": {
             "default": {
                 "transposed": False, "balanced": True, "dim_chunks": True, "BLOCK_N": 64,
-                "BLOCK_H": 16, "low_partials": 8,
+                "BLOCK_H": 16, "low_partials": 8, "gluon": True, "gluon_programs_per_sm": 1,
                 "num_warps": 4, "num_stages": 3, "max_block_h": 64, "programs_per_sm": 2,
                 "split_overhead_tokens": 512, "min_split_tokens": 256,
                 "many_heads": {"transposed": False, "dim_chunks": False, "BLOCK_H": 64,
-                               "BLOCK_N": 64, "gluon": True,
+                               "BLOCK_N": 64,
                                "num_warps": 8, "num_stages": 2, "programs_per_sm": 1,
                                "split_overhead_tokens": 64, "min_split_tokens": 64},
-                "fp8": {"transposed": False, "BLOCK_N": 64, "gather_pages": True, "gluon": True,
+                "fp8": {"transposed": False, "BLOCK_N": 64, "gather_pages": True,
+                        "gluon_programs_per_sm": 2,
                         "num_warps": 4, "num_stages": 3,
                         "programs_per_sm": 2, "split_overhead_tokens": 64, "fp8_fp16": True,
                         "many_heads": {"BLOCK_N": 64, "gather_pages": False, "num_warps": 8,
                                        "num_stages": 2, "programs_per_sm": 1,
-                                       "fp8_fp16": True, "gluon": False}},
+                                       "fp8_fp16": True, "gluon_programs_per_sm": 1}},
             },
         },
         # mla_sparse (benchmarks/results/h200/dsa_sweep.json, batch 16 x 2,048 selected rows):

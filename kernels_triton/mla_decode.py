@@ -273,6 +273,10 @@ def mla_decode(
     inputs = (*q.stride(), *kv.stride(), *(scale.stride() if kv_scale is not None else (0, 0)),
               *block_table.stride(), seq_lens.stride(0))
     if balanced:
+        gluon = "tokens" if tokens_gluon.usable(q, kv, L, R, PS, cfg) else "heads" \
+            if BLOCK_H == heads_gluon.BH and heads_gluon.usable(q, kv, L, R, PS, cfg) else None
+        if gluon and "gluon_programs_per_sm" in cfg:  # its own occupancy (shared memory)
+            cfg = {**cfg, "programs_per_sm": cfg["gluon_programs_per_sm"]}
         programs = balanced_programs(head_groups, q.device, cfg)
         split = programs > N + 1  # else every request is one program's
         rows = programs if split else 1
@@ -293,10 +297,10 @@ def mla_decode(
             return items, meta
 
         items, meta = planned(seq_lens, (N, programs, min_tiles, BLOCK_N, q.device), plan)
-        if tokens_gluon.usable(q, kv, L, R, PS, cfg):
+        if gluon == "tokens":
             tokens_gluon.launch(q, kv, scale, block_table, o_part, o_low, lse_part, out, lse,
                                 items, float(sm_scale) * _LOG2E, low)
-        elif BLOCK_H == heads_gluon.BH and heads_gluon.usable(q, kv, L, R, PS, cfg):
+        elif gluon == "heads":
             heads_gluon.launch(q, kv, scale, block_table, o_part, o_low, lse_part, out, lse,
                                items, float(sm_scale) * _LOG2E, low)
         else:
