@@ -147,7 +147,7 @@ if gluon is not None:
         stride_outn, stride_outh,
         stride_lon,
         L: gl.constexpr, R: gl.constexpr, PS: gl.constexpr, FP8: gl.constexpr,
-        LOW_SPLITS: gl.constexpr, num_warps: gl.constexpr,
+        DEFER_SUM: gl.constexpr, LOW_SPLITS: gl.constexpr, num_warps: gl.constexpr,
     ):
         g = gl.program_id(0)
         pid = gl.program_id(1)
@@ -215,6 +215,7 @@ if gluon is not None:
                     gl.thread_barrier()  # the widened tile is free again
             else:
                 ones = gl.full((GN,), 1.0, gl.float32, layout=gl.SliceLayout(0, mma_s))
+                l_acc = gl.zeros((GH, GN), gl.float32, layout=mma_s)  # DEFER_SUM's sums
                 if tiles > 0:  # tile 0's scores
                     mbarrier.wait(bars.index(0), 0)
                     s = warpgroup_mma_wait(0, deps=(_scores(qn_s, qr_s, kn_s.index(0),
@@ -223,8 +224,18 @@ if gluon is not None:
                     st = i % 2
                     t0 = start + i * GN
                     kn = kn_s.index(st)
-                    p_op, alpha_o, m_i, l_i = _softmax(s * qk_scale, t0 + cols < end, ones,
-                                                       m_i, l_i, dtype, p_layout, mma_o)
+                    if DEFER_SUM:  # each thread sums its own columns; one reduction at the end
+                        s = gl.where((t0 + cols < end)[None, :], s * qk_scale, float("-inf"))
+                        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+                        alpha = gl.exp2(m_i - m_new)
+                        p = gl.exp2(s - m_new[:, None])
+                        l_acc = l_acc * alpha[:, None] + p
+                        m_i = m_new
+                        p_op = gl.convert_layout(p.to(dtype), p_layout)
+                        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))
+                    else:
+                        p_op, alpha_o, m_i, l_i = _softmax(s * qk_scale, t0 + cols < end, ones,
+                                                           m_i, l_i, dtype, p_layout, mma_o)
                     if t0 + GN > end:  # the split's last, partial tile (its scores are read)
                         _zero_rows_past(kn, end - t0, L, num_warps)
                         fence_async_shared()
@@ -239,6 +250,8 @@ if gluon is not None:
                         gl.thread_barrier()
                         _load_tile(kn_desc, kr_desc, bt_row, stride_btp, t0 + 2 * GN, kn,
                                    kr_s.index(st), bars.index(st), L, PS)
+                if DEFER_SUM:
+                    l_i = gl.sum(l_acc, axis=1)
             for i in gl.static_range(3):
                 mbarrier.invalidate(bars.index(i))
 
@@ -285,7 +298,8 @@ def tma_rows(q: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
            o_part: torch.Tensor, o_low: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
-           lse: torch.Tensor, items: torch.Tensor, qk_scale: float, low: int) -> None:
+           lse: torch.Tensor, items: torch.Tensor, qk_scale: float, low: int,
+           defer_sum: bool = False) -> None:
     """Head groups of 64 x one program per plan item (``_decode_plan_kernel``'s); the rest
     as the balanced Triton launch takes them. fp8 KV: fp16 products, q clamped to fp16's
     range (as ``config["fp8_fp16"]`` in the Triton kernels)."""
@@ -301,5 +315,6 @@ def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: 
         items, qk_scale, H, N, scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0,
         block_table.stride(0), block_table.stride(1), o_part.stride(0), o_part.stride(2),
         lse_part.stride(0), out.stride(0), out.stride(1), lse.stride(0),
-        L=L, R=D - L, PS=kv.shape[1], FP8=fp8, LOW_SPLITS=low, num_warps=8,
+        L=L, R=D - L, PS=kv.shape[1], FP8=fp8, DEFER_SUM=defer_sum, LOW_SPLITS=low,
+        num_warps=8,
     )
