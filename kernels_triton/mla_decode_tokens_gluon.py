@@ -1,30 +1,35 @@
-"""fp8-KV MLA decode for few heads on Hopper, written in Gluon (Triton's layout-explicit
-dialect): the balanced plan's programs, the tokens on the MMA's M side
-(``config["gluon"]``, the CUDA default for fp8 KV at 16 heads or fewer on sm_90).
+"""MLA decode for few heads on Hopper, written in Gluon (Triton's layout-explicit dialect):
+the balanced plan's programs with the tokens on the MMA's M side (``config["gluon"]``, the
+CUDA default at 16 heads or fewer on sm_90). Per 64-token tile (one page of 64 or more):
 
-Per 64-token tile (one page of 64 or more tokens) a program of one warpgroup loads the fp8
-rows into registers, widens them to fp16 (rows past its range as 0) into one swizzled shared
-tile, and runs both products as warpgroup MMAs over it:
+    scoresᵀ (64 tokens, 16 heads) = tile · qᵀ                 (q in shared memory)
+    outᵀ (512, 16 heads)         += tile[:, :512]ᵀ · pᵀ      (the tile's transposed view; p in
+                                                             shared memory)
 
-    scoresᵀ (64 tokens, 16 heads) = K16 · qᵀ            (q in shared memory, fp16)
-    outᵀ (512, 16 heads)         += K16[:, :512]ᵀ · pᵀ  (the tile's transposed view; p in
-                                                        shared memory, times the rows' scales)
+so no operand pads 16 heads to the MMA's 64 rows. Two forms:
+- 16-bit KV (``_mla_decode_tokens_tma_kernel``): the query and two stages of tiles (72 KB
+  each) come in by TMA, a page's rows a copy; one program (one warpgroup) an SM, 168 KB of
+  shared memory, 168 registers; the next tile's copy runs under this tile's products. A
+  split's last partial tile zeroes its rows past the range (a page's unused rows may hold
+  NaN). H200, a layer against the Triton kernel (``decode_tokens_gluon.json``): 64 x 4K
+  0.0815 -> 0.0792 ms, 8 x 4K 0.0217 -> 0.0159, one 128K request among 63 of 1K 0.089 ->
+  0.076; 64 requests over 1K-32K 0.352 -> 0.370 and 128 over 256-2K 0.059 -> 0.064 (with
+  one program an SM, splits of unequal length leave SMs idle; two programs an SM, a second
+  wave, lose the uniform batches instead).
+- fp8 KV (``_mla_decode_fp8_gluon_kernel``): a program loads the fp8 rows into registers,
+  widens them to fp16 (rows past its range as 0) into one swizzled shared tile that both
+  products read (the Triton kernels widen in registers and keep both chunks live: 255
+  registers, one program an SM); 94 KB of shared memory lets two programs share an SM, whose
+  load, widen and MMA phases interleave. Scale columns multiply the scores (fp8 scale x
+  softmax scale) and p (the value rows' scale), as in ``mla_decode``. H200
+  (``fp8_decode_gluon.json``): 64 x 32K 0.798 -> 0.746 ms, 64 x 1K 0.047 -> 0.041, 8 x 4K
+  0.027 -> 0.030. Tried by the session that wrote it: the rows copied into an fp8 shared ring
+  by cp.async first (205 KB, one program an SM: 0.846 ms at 64 x 32K), and the next tile's
+  rows loaded into registers one tile ahead (2.3 KB of spills: 4.2 ms).
 
-so no operand pads 16 heads to the MMA's 64 rows, and the widened tile is written once and read
-by both products from shared memory (the Triton kernels widen in registers and keep both
-chunks live: 255 registers, one program an SM). Here 94 KB of shared memory and at most 255
-registers a thread let two programs share an SM, whose load, widen and MMA phases interleave.
-The online softmax runs per head column (a reduction over the tile's tokens); scale columns
-multiply the scores (fp8 scale x softmax scale) and p (the value rows' scale), as in
-``mla_decode``. Outputs follow the plan as the Triton kernels' do: a request's only split
-writes the output, others write partial rows (16-bit ones for requests of at most
-``LOW_SPLITS`` splits) for ``lse_merge``.
-
-H200 (CUDA graphs, 16 heads, against the Triton fp8 kernel in the same run, uniform splits):
-64 x 32K 0.802 -> 0.731 ms, 16 x 128K 0.799 -> 0.734, 64 x 4K 0.121 -> 0.103, 64 x 1K 0.050
--> 0.032 (``benchmarks/results/h200/fp8_decode_gluon.json``). Tried there: the rows copied
-into an fp8 shared ring by cp.async first (205 KB, one program an SM: 0.846 ms at 64 x 32K),
-and the next tile's rows loaded into registers one tile ahead (2.3 KB of spills: 4.2 ms).
+The online softmax runs per head column (a reduction over the tile's tokens). Outputs follow
+the plan as the Triton kernels' do: a request's only split writes the output, others write
+partial rows (16-bit ones for requests of at most ``LOW_SPLITS`` splits) for ``lse_merge``.
 """
 
 from __future__ import annotations
