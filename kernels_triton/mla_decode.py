@@ -89,12 +89,14 @@ Design:
   from the plan's total (gathered while the programs fit one an SM): the per-tile loop of that
   kernel ran 25-33% slower at 64 x 4K-32K whichever way the branch was written, so a kernel
   holds one loop (``benchmarks/results/h200/decode_gather_choice.json``).
-- Gluon kernels on Hopper (``config["gluon"]``, the CUDA default where they apply, balanced
-  plan only): at many heads (``mla_decode_heads_gluon.py``, 16-bit or e4m3 KV) two warpgroups
-  hold 64 heads, the query and two KV tiles come in by TMA and both products are warpgroup
-  MMAs (128 heads bf16 1.31-1.43x the Triton kernel a layer); at few heads with fp8 KV
-  (``mla_decode_tokens_gluon.py``) the tokens sit on the MMA's M side and the tile is widened
-  once into shared memory for both products. The Triton kernels serve everything else.
+- Gluon kernels on Hopper (``config["gluon"]``, the CUDA default on sm_90, balanced plan
+  only; ``gluon_programs_per_sm`` their occupancy): at many heads
+  (``mla_decode_heads_gluon.py``, 16-bit or e4m3 KV) two warpgroups hold 64 heads, the query
+  and two KV tiles come in by TMA and both products are warpgroup MMAs (128 heads bf16
+  380-415 TFLOP/s, 1.4x the Triton kernel); at few heads (``mla_decode_tokens_gluon.py``)
+  the tokens sit on the MMA's M side, 16-bit tiles by TMA (16 heads bf16 64 x 4K 90% of
+  copy a layer), fp8 tiles widened once into shared memory for both products. The Triton
+  kernels serve everything else.
 - Full tiles load without a token mask; only a split's last partial tile is masked. When the
   page size is a multiple of ``BLOCK_N`` a tile lies in one page and its page id is one load.
 """
