@@ -64,6 +64,12 @@ if gluon is not None:
     GN = gl.constexpr(BN)
 
     @gluon.jit
+    def _plan_item(plan_ptr, pid):
+        """Plan item ``pid``: (request, or N past the last split; its splits; start; end)."""
+        item = plan_ptr + pid * 4
+        return gl.load(item), gl.load(item + 1), gl.load(item + 2), gl.load(item + 3)
+
+    @gluon.jit
     def _load_tile(kn_desc, kr_desc, bt_row, stride_btp, t0, kn, kr, bar,
                    L: gl.constexpr, PS: gl.constexpr):
         """The tile at token ``t0`` (its page's rows) into ``kn`` / ``kr``, signalling ``bar``."""
@@ -151,12 +157,8 @@ if gluon is not None:
     ):
         g = gl.program_id(0)
         pid = gl.program_id(1)
-        item = plan_ptr + pid * 4
-        n = gl.load(item)
+        n, count, start, end = _plan_item(plan_ptr, pid)
         if n < N:
-            count = gl.load(item + 1)
-            start = gl.load(item + 2)
-            end = gl.load(item + 3)
             dtype: gl.constexpr = qn_desc.dtype  # the products' operands
             mma_s: gl.constexpr = gl.NVMMADistributedLayout(
                 version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, GN // 2, 16])

@@ -50,7 +50,11 @@ try:  # Gluon ships with Triton 3.5 and later
         warpgroup_mma_wait,
     )
 
-    from splash.kernels_triton.mla_decode_heads_gluon import _load_tile, _zero_rows_past
+    from splash.kernels_triton.mla_decode_heads_gluon import (
+        _load_tile,
+        _plan_item,
+        _zero_rows_past,
+    )
 except ImportError:  # pragma: no cover - an older Triton: the Triton kernels serve
     gluon = None
 
@@ -135,12 +139,8 @@ if gluon is not None:
         LOW_SPLITS: gl.constexpr, num_warps: gl.constexpr,
     ):
         pid = gl.program_id(0)
-        item = plan_ptr + pid * 4
-        n = gl.load(item)
+        n, count, start, end = _plan_item(plan_ptr, pid)
         if n < N:
-            count = gl.load(item + 1)
-            start = gl.load(item + 2)
-            end = gl.load(item + 3)
             dtype: gl.constexpr = kn_desc.dtype
             mma: gl.constexpr = gl.NVMMADistributedLayout(
                 version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BH, 16])
@@ -227,12 +227,8 @@ if gluon is not None:
         LOW_SPLITS: gl.constexpr, num_warps: gl.constexpr,
     ):
         pid = gl.program_id(0)
-        item = plan_ptr + pid * 4
-        n = gl.load(item)
+        n, count, start, end = _plan_item(plan_ptr, pid)
         if n < N:
-            count = gl.load(item + 1)
-            start = gl.load(item + 2)
-            end = gl.load(item + 3)
             ld: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
             mma: gl.constexpr = gl.NVMMADistributedLayout(
                 version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BH, 16])
