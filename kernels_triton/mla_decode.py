@@ -304,8 +304,7 @@ def mla_decode(
                                 items, float(sm_scale) * _LOG2E, low)
         elif gluon == "heads":
             heads_gluon.launch(q, kv, scale, block_table, o_part, o_low, lse_part, out, lse,
-                               items, float(sm_scale) * _LOG2E, low,
-                               bool(cfg.get("gluon_defer_sum")))
+                               items, float(sm_scale) * _LOG2E, low)
         else:
             kernel[(head_groups, launched)](
                 q, kv, scale, block_table, seq_lens, o_part, o_low, lse_part, out, lse, items,

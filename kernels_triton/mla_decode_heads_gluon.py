@@ -121,18 +121,20 @@ if gluon is not None:
         wr.store(gl.where(ok, x, gl.zeros_like(x)))
 
     @gluon.jit
-    def _softmax(s, ok, ks, m_i, l_i, dtype: gl.constexpr, p_layout: gl.constexpr,
+    def _softmax(s, ok, ks, m_i, l_acc, dtype: gl.constexpr, p_layout: gl.constexpr,
                  mma_o: gl.constexpr):
         """One tile's online-softmax step: scores ``s`` (already scaled, columns ``ok``), the
         rows' value scales ``ks``. Returns p as the value product's operand, the
-        accumulator's rescale, and the running max and sum."""
+        accumulator's rescale, the running max, and the running sums of p each thread keeps
+        for its own columns (``l_acc``; one reduction after the last tile instead of one a
+        tile across the warpgroups: 2-5% faster at 128 heads, decode_heads_defer_sum.json)."""
         s = gl.where(ok[None, :], s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))  # finite: the tile has a token
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
+        l_acc = l_acc * alpha[:, None] + p
         p_op = gl.convert_layout((p * ks[None, :]).to(dtype), p_layout)
-        return p_op, gl.convert_layout(alpha, gl.SliceLayout(1, mma_o)), m_new, l_i
+        return p_op, gl.convert_layout(alpha, gl.SliceLayout(1, mma_o)), m_new, l_acc
 
     @gluon.jit
     def _mla_decode_heads_gluon_kernel(
@@ -153,7 +155,7 @@ if gluon is not None:
         stride_outn, stride_outh,
         stride_lon,
         L: gl.constexpr, R: gl.constexpr, PS: gl.constexpr, FP8: gl.constexpr,
-        DEFER_SUM: gl.constexpr, LOW_SPLITS: gl.constexpr, num_warps: gl.constexpr,
+        LOW_SPLITS: gl.constexpr, num_warps: gl.constexpr,
     ):
         g = gl.program_id(0)
         pid = gl.program_id(1)
@@ -187,7 +189,7 @@ if gluon is not None:
 
             acc = gl.zeros((GH, L), gl.float32, layout=mma_o)
             m_i = gl.full((GH,), float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma_s))
-            l_i = gl.zeros((GH,), gl.float32, layout=gl.SliceLayout(1, mma_s))
+            l_acc = gl.zeros((GH, GN), gl.float32, layout=mma_s)  # p's sums, a thread's columns
             cols = gl.arange(0, GN, layout=gl.SliceLayout(0, mma_s))
             s = gl.zeros((GH, GN), gl.float32, layout=mma_s)
             if FP8:
@@ -210,14 +212,13 @@ if gluon is not None:
                     ks = gl.load(scale_ptr + page * stride_sp + (t0 % PS + cols) * stride_ss,
                                  mask=ok, other=0.0)
                     s = warpgroup_mma_wait(0, deps=(_scores(qn_s, qr_s, wn, wr, s),))
-                    p_op, alpha_o, m_i, l_i = _softmax(s * (ks * qk_scale)[None, :], ok, ks,
-                                                       m_i, l_i, dtype, p_layout, mma_o)
+                    p_op, alpha_o, m_i, l_acc = _softmax(s * (ks * qk_scale)[None, :], ok, ks,
+                                                         m_i, l_acc, dtype, p_layout, mma_o)
                     acc = warpgroup_mma(p_op, wn, acc * alpha_o[:, None], is_async=True)
                     acc = warpgroup_mma_wait(0, deps=(acc,))
                     gl.thread_barrier()  # the widened tile is free again
             else:
                 ones = gl.full((GN,), 1.0, gl.float32, layout=gl.SliceLayout(0, mma_s))
-                l_acc = gl.zeros((GH, GN), gl.float32, layout=mma_s)  # DEFER_SUM's sums
                 if tiles > 0:  # tile 0's scores
                     mbarrier.wait(bars.index(0), 0)
                     s = warpgroup_mma_wait(0, deps=(_scores(qn_s, qr_s, kn_s.index(0),
@@ -226,18 +227,8 @@ if gluon is not None:
                     st = i % 2
                     t0 = start + i * GN
                     kn = kn_s.index(st)
-                    if DEFER_SUM:  # each thread sums its own columns; one reduction at the end
-                        s = gl.where((t0 + cols < end)[None, :], s * qk_scale, float("-inf"))
-                        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-                        alpha = gl.exp2(m_i - m_new)
-                        p = gl.exp2(s - m_new[:, None])
-                        l_acc = l_acc * alpha[:, None] + p
-                        m_i = m_new
-                        p_op = gl.convert_layout(p.to(dtype), p_layout)
-                        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))
-                    else:
-                        p_op, alpha_o, m_i, l_i = _softmax(s * qk_scale, t0 + cols < end, ones,
-                                                           m_i, l_i, dtype, p_layout, mma_o)
+                    p_op, alpha_o, m_i, l_acc = _softmax(s * qk_scale, t0 + cols < end, ones,
+                                                         m_i, l_acc, dtype, p_layout, mma_o)
                     if t0 + GN > end:  # the split's last, partial tile (its scores are read)
                         _zero_rows_past(kn, end - t0, L, num_warps)
                         fence_async_shared()
@@ -252,11 +243,10 @@ if gluon is not None:
                         gl.thread_barrier()
                         _load_tile(kn_desc, kr_desc, bt_row, stride_btp, t0 + 2 * GN, kn,
                                    kr_s.index(st), bars.index(st), L, PS)
-                if DEFER_SUM:
-                    l_i = gl.sum(l_acc, axis=1)
             for i in gl.static_range(3):
                 mbarrier.invalidate(bars.index(i))
 
+            l_i = gl.sum(l_acc, axis=1)
             has = l_i > 0.0
             l_safe = gl.where(has, l_i, 1.0)
             lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
@@ -300,8 +290,7 @@ def tma_rows(q: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
            o_part: torch.Tensor, o_low: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
-           lse: torch.Tensor, items: torch.Tensor, qk_scale: float, low: int,
-           defer_sum: bool = False) -> None:
+           lse: torch.Tensor, items: torch.Tensor, qk_scale: float, low: int) -> None:
     """Head groups of 64 x one program per plan item (``_decode_plan_kernel``'s); the rest
     as the balanced Triton launch takes them. fp8 KV: fp16 products, q clamped to fp16's
     range (as ``config["fp8_fp16"]`` in the Triton kernels)."""
@@ -317,6 +306,5 @@ def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: 
         items, qk_scale, H, N, scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0,
         block_table.stride(0), block_table.stride(1), o_part.stride(0), o_part.stride(2),
         lse_part.stride(0), out.stride(0), out.stride(1), lse.stride(0),
-        L=L, R=D - L, PS=kv.shape[1], FP8=fp8, DEFER_SUM=defer_sum, LOW_SPLITS=low,
-        num_warps=8,
+        L=L, R=D - L, PS=kv.shape[1], FP8=fp8, LOW_SPLITS=low, num_warps=8,
     )
