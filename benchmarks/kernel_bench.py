@@ -34,7 +34,7 @@ Timings (value checks off, so a call never syncs with the host):
   (the 16-head 64x4K shape: ~0.13 ms per call).
 - ``ms_layer`` (defaults only) is a layer's share of one graph of ``LAYERS`` decode calls under
   one ``plan_scope``, as a forward runs them: the balanced-split plan launches once for all
-  layers instead of once a call (``pct_copy_layer`` from it).
+  layers instead of once a call (``pct_copy_layer`` and ``TFLOPs_layer`` from it).
 The warm-up runs the call eagerly first (compiles the kernels), so capture never compiles. If a
 capture fails, ``ms`` falls back to the eager time and ``graph_error`` says why. The copy
 benchmarks are eager only (large, bandwidth-bound).
@@ -252,6 +252,7 @@ def decode_records(dev, ceil, sweep: bool, records: list, tried: list, save,
                     rec["ms_layer"] = round(times["ms_layer"], 4)
                     rec["pct_copy_layer"] = round(
                         100 * kv_bytes / times["ms_layer"] / 1e6 / ceil["copy_GBps"], 1)
+                    rec["TFLOPs_layer"] = round(flops / times["ms_layer"] / 1e9, 1)
                 if "graph_error" in times:
                     rec["graph_error"] = times["graph_error"]
                 if kind == "bf16":
@@ -316,8 +317,8 @@ def main() -> None:
                  "ms = CUDA-graph replay median (do_bench_cudagraph, what graph decode steps pay), "
                  "ms_eager = eager do_bench median (includes the Python launcher); rates use ms; "
                  f"ms_layer = a layer's share of one graph of {LAYERS} decode layers under one "
-                 "split plan (what a forward pays: the plan launches once), pct_copy_layer from "
-                 "it; "
+                 "split plan (what a forward pays: the plan launches once), pct_copy_layer and "
+                 "TFLOPs_layer from it; "
                  "copies are eager",
         "records": [],
         "decode_sweep": [],
