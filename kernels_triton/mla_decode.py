@@ -93,7 +93,7 @@ Design:
   only; ``gluon_programs_per_sm`` their occupancy): at many heads
   (``mla_decode_heads_gluon.py``, 16-bit or e4m3 KV) two warpgroups hold 64 heads, the query
   and two KV tiles come in by TMA and both products are warpgroup MMAs (128 heads bf16
-  380-415 TFLOP/s, 1.4x the Triton kernel); at few heads (``mla_decode_tokens_gluon.py``)
+  400-439 TFLOP/s a layer, 1.5x the Triton kernel); at few heads (``mla_decode_tokens_gluon.py``)
   the tokens sit on the MMA's M side, 16-bit tiles by TMA (16 heads bf16 64 x 4K 90% of
   copy a layer), fp8 tiles widened once into shared memory for both products. The Triton
   kernels serve everything else.
