@@ -54,7 +54,8 @@ class CUDABackend(BaseBackend):
         # programs an SM lose the uniform shapes instead); fp8 widened in shared memory, two
         # programs an SM (fp8_decode_gluon.json): 64 x 32K 0.798 -> 0.746, 64 x 1K 0.047 ->
         # 0.041, 8 x 4K 0.027 -> 0.030. Many heads, two warpgroups on 64 heads
-        # (decode_heads_gluon.json): bf16 64 x 4K 0.264 -> 0.188, 64 x 32K 2.003 -> 1.406;
+        # (decode_heads_gluon.json): bf16 64 x 4K 0.264 -> 0.188, 64 x 32K 2.003 -> 1.406
+        # (0.179 / 1.329 with p's sums deferred, decode_heads_defer_sum.json);
         # fp8 (decode_heads_gluon_fp8.json) 64 x 4K 0.535 -> 0.454, 64 x 32K 4.08 -> 3.24.
         # "low_partials": 8: requests of at most 8 splits write 16-bit partials, longer ones
         # fp32 (benchmarks/results/h200/decode_low_partials.json, a layer's ms against fp32
