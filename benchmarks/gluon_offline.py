@@ -1,0 +1,96 @@
+"""Compile the Gluon decode kernels for sm_90a on a machine without a GPU and print what
+ptxas gives each (registers, spills, shared memory): the check before a device run.
+
+Gluon's API follows Triton's version; compile with the GPU image's (3.6), installed beside
+the project's own:
+
+    pip install --no-deps --target /tmp/t36 triton==3.6.0
+    PYTHONPATH=/tmp/t36 .venv/bin/python benchmarks/gluon_offline.py [--sass DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime.jit import mangle_type
+
+try:
+    from triton.experimental.gluon._runtime import GluonASTSource
+except ImportError:
+    sys.exit("benchmarks/gluon_offline.py needs a Triton with Gluon (3.5 or later)")
+
+from splash.kernels_triton import mla_decode_heads_gluon as heads
+from splash.kernels_triton import mla_decode_tokens_gluon as tokens
+
+OUTS = dict(bt_ptr="*i32", o_ptr="*fp32", o_low_ptr="*bf16", lse_ptr="*fp32", out_ptr="*bf16",
+            lse_out_ptr="*fp32", plan_ptr="*i32", qk_scale="fp32", scale_ptr="*fp32")
+
+
+def compile_sm90(fn, types: dict, constants: dict, num_warps: int, sass: str | None) -> str:
+    """One kernel compiled for sm_90a; ptxas's resource line (and its SASS into ``sass``)."""
+    names = fn.arg_names
+    signature = {n: types.get(n, "i32" if n not in constants else "constexpr") for n in names}
+    src = GluonASTSource(fn, signature, {(names.index(k),): v for k, v in constants.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": num_warps})
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        info = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", cubin],
+                              capture_output=True, text=True, check=True).stderr
+        if sass:
+            dump = subprocess.run([ptxas.replace("ptxas", "cuobjdump"), "-sass", cubin],
+                                  capture_output=True, text=True, check=True).stdout
+            with open(os.path.join(sass, fn.__name__ + ".sass"), "w") as f:
+                f.write(dump)
+    lines = [x.split(":", 1)[-1].strip() for x in info.splitlines()
+             if "registers" in x or "spill" in x]
+    return f"shared {kernel.metadata.shared} B; " + "; ".join(lines)
+
+
+def descriptors(q_dtype: torch.dtype, kv_dtype: torch.dtype, q_rows: int) -> dict:
+    q = torch.empty(1024, 576, dtype=q_dtype)
+    kv = torch.empty(1024, 576, dtype=kv_dtype)
+    return {"qn_desc": mangle_type(heads.descriptor(q, 512, q_rows)),
+            "qr_desc": mangle_type(heads.descriptor(q, 64, q_rows)),
+            "kn_desc": mangle_type(heads.descriptor(kv, 512)),
+            "kr_desc": mangle_type(heads.descriptor(kv, 64))}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sass", help="a folder for each kernel's SASS")
+    args = ap.parse_args()
+    if args.sass:
+        os.makedirs(args.sass, exist_ok=True)
+    if tokens.gluon is None:
+        sys.exit("this Triton's Gluon lacks what the kernels import")
+    base = dict(L=512, R=64, PS=64, LOW_SPLITS=8)
+    bf16, fp16, e4m3 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
+    runs = [
+        ("heads bf16", heads._mla_decode_heads_gluon_kernel,
+         {**OUTS, **descriptors(bf16, bf16, 64)}, {**base, "FP8": False}, 8),
+        ("heads fp8", heads._mla_decode_heads_gluon_kernel,
+         {**OUTS, **descriptors(fp16, e4m3, 64)}, {**base, "FP8": True}, 8),
+        ("tokens bf16", tokens._mla_decode_tokens_tma_kernel,
+         {**OUTS, **descriptors(bf16, bf16, 16)}, {**base, "BH": 16}, 4),
+        ("tokens fp8", tokens._mla_decode_fp8_gluon_kernel,
+         {**OUTS, "q_ptr": "*fp16", "kv_ptr": "*fp8e4nv"}, {**base, "BH": 16}, 4),
+    ]
+    for name, fn, types, constants, warps in runs:
+        print(f"{name}: {compile_sm90(fn, types, {**constants, 'num_warps': warps}, warps, args.sass)}",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
