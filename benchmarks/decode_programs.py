@@ -1,5 +1,5 @@
 """MLA decode launch configs in the balanced plan (programs an SM, the partials' dtype): a
-layer's ms (8 layers a CUDA graph under one plan, interleaved, the best of two) for uniform
+layer's ms and TFLOP/s (8 layers a CUDA graph under one plan, interleaved, the best of two) for uniform
 and mixed batches and each config (``--configs``; ``--error``: with its largest error against
 the torch reference, fp64 math rounded to the output's dtype), with what the compiler gave each
 kernel (registers, spills, shared memory, programs an SM that fit).
@@ -17,7 +17,7 @@ import sys
 import torch
 from _resources import compiled_resources  # noqa: E402  (benchmarks/ is on sys.path)
 from _results import save_json
-from decode_configs import paged_problem
+from decode_configs import D, L, paged_problem
 from decode_layers import layer_ms
 
 from splash import kernels_triton as K
@@ -68,7 +68,9 @@ def main() -> int:
             same = bool(torch.allclose(got, ref, rtol=2e-2, atol=2e-2))
             ms = min(times[i])
             rows.append({"shape": name, "config": cfg, "ms_layer": round(ms, 4),
-                         "GBps": round(nbytes / ms / 1e6, 1), "matches_default": same})
+                         "GBps": round(nbytes / ms / 1e6, 1),
+                         "TFLOPs": round(2 * args.heads * (D + L) * sum(lens) / ms / 1e9, 1),
+                         "matches_default": same})
             if exact is not None:  # against the reference (fp64 math, in the output's dtype)
                 rows[-1]["max_abs_err"] = float((got - exact).abs().max())
             print(rows[-1], flush=True)
