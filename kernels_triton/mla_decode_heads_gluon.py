@@ -18,8 +18,10 @@ after the last tile. The next tile's scores are issued with this tile's value pr
 tiles land in the two stages and are widened into one fp16 tile that both products read
 (fp16 products, q clamped to fp16's range). H200, a layer against the Triton kernel: 128
 heads bf16 64 x 4K 0.264 -> 0.179 ms, 64 x 32K 2.003 -> 1.329 (439 TFLOP/s); fp8 64 x 32K
-4.08 -> 3.24 (``decode_heads_gluon*.json``, ``decode_heads_defer_sum.json``). The last tile
-of a split zeroes its rows past the range in shared memory before the value
+4.08 -> 3.24 (``decode_heads_gluon*.json``, ``decode_heads_defer_sum.json``); the fp8 loop
+spills the scales' per-column addresses, and loading them one address a thread removed the
+spills but not a microsecond (64 x 32K 3.24 -> 3.26 ms): the serial loop is the limit. The
+last tile of a split zeroes its rows past the range in shared memory before the value
 product (a page's unused rows may hold anything, NaN included, and 0 x NaN is NaN).
 Outputs follow the plan as the Triton kernels' do: a request's only split writes the
 output, the others partial rows (16-bit ones for requests of at most ``LOW_SPLITS``
