@@ -89,6 +89,21 @@ if gluon is not None:
         tma.async_copy_global_to_shared(kr_desc, [row, L], bar, kr)
 
     @gluon.jit
+    def _start_copies(qn_desc, qr_desc, kn_desc, kr_desc, row_q, bt_row, stride_btp, start,
+                      tiles, qn_s, qr_s, kn_s, kr_s, bars, L: gl.constexpr, PS: gl.constexpr):
+        """Barriers 0 and 1 for the two tile stages, 2 for the query; the query's copy and the
+        first two tiles' issued."""
+        for i in gl.static_range(3):
+            mbarrier.init(bars.index(i), count=1)
+        mbarrier.expect(bars.index(2), qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(qn_desc, [row_q, 0], bars.index(2), qn_s)
+        tma.async_copy_global_to_shared(qr_desc, [row_q, L], bars.index(2), qr_s)
+        for j in gl.static_range(2):
+            if j < tiles:
+                _load_tile(kn_desc, kr_desc, bt_row, stride_btp, start + j * GN,
+                           kn_s.index(j), kr_s.index(j), bars.index(j), L, PS)
+
+    @gluon.jit
     def _zero_rows_past(kn, valid, L: gl.constexpr, num_warps: gl.constexpr):
         """Rows ``valid`` and on of the tile's value columns set to 0 in shared memory."""
         CW: gl.constexpr = 64
@@ -182,18 +197,10 @@ if gluon is not None:
             kn_s = gl.allocate_shared_memory(kn_desc.dtype, [2, GN, L], kn_desc.layout)
             kr_s = gl.allocate_shared_memory(kr_desc.dtype, [2, GN, R], kr_desc.layout)
             bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
-            for i in gl.static_range(3):
-                mbarrier.init(bars.index(i), count=1)
-            row_q = n * H + g * GH
-            mbarrier.expect(bars.index(2), qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(qn_desc, [row_q, 0], bars.index(2), qn_s)
-            tma.async_copy_global_to_shared(qr_desc, [row_q, L], bars.index(2), qr_s)
             bt_row = bt_ptr + n.to(gl.int64) * stride_btn
             tiles = (end - start + GN - 1) // GN
-            for j in gl.static_range(2):
-                if j < tiles:
-                    _load_tile(kn_desc, kr_desc, bt_row, stride_btp, start + j * GN,
-                               kn_s.index(j), kr_s.index(j), bars.index(j), L, PS)
+            _start_copies(qn_desc, qr_desc, kn_desc, kr_desc, n * H + g * GH, bt_row,
+                          stride_btp, start, tiles, qn_s, qr_s, kn_s, kr_s, bars, L, PS)
             mbarrier.wait(bars.index(2), 0)
 
             acc = gl.zeros((GH, L), gl.float32, layout=mma_o)

@@ -45,7 +45,6 @@ try:  # Gluon ships with Triton 3.5 and later
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
-        tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
@@ -53,6 +52,7 @@ try:  # Gluon ships with Triton 3.5 and later
     from splash.kernels_triton.mla_decode_heads_gluon import (
         _load_tile,
         _plan_item,
+        _start_copies,
         _zero_rows_past,
     )
 except ImportError:  # pragma: no cover - an older Triton: the Triton kernels serve
@@ -151,17 +151,10 @@ if gluon is not None:
             p_s = gl.allocate_shared_memory(
                 dtype, [BN, BH], gl.NVMMASharedLayout.get_default_for([BN, BH], dtype))
             bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
-            for i in gl.static_range(3):
-                mbarrier.init(bars.index(i), count=1)
-            mbarrier.expect(bars.index(2), qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(qn_desc, [n * H, 0], bars.index(2), qn_s)
-            tma.async_copy_global_to_shared(qr_desc, [n * H, L], bars.index(2), qr_s)
             bt_row = bt_ptr + n.to(gl.int64) * stride_btn
             tiles = (end - start + BN - 1) // BN
-            for j in gl.static_range(2):
-                if j < tiles:
-                    _load_tile(kn_desc, kr_desc, bt_row, stride_btp, start + j * BN,
-                               kn_s.index(j), kr_s.index(j), bars.index(j), L, PS)
+            _start_copies(qn_desc, qr_desc, kn_desc, kr_desc, n * H, bt_row, stride_btp, start,
+                          tiles, qn_s, qr_s, kn_s, kr_s, bars, L, PS)
             mbarrier.wait(bars.index(2), 0)
 
             acc = gl.zeros((L, BH), gl.float32, layout=mma)  # outᵀ
