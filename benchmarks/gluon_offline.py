@@ -33,11 +33,16 @@ OUTS = dict(bt_ptr="*i32", o_ptr="*fp32", o_low_ptr="*bf16", lse_ptr="*fp32", ou
             lse_out_ptr="*fp32", plan_ptr="*i32", qk_scale="fp32", scale_ptr="*fp32")
 
 
-def compile_sm90(fn, types: dict, constants: dict, num_warps: int, sass: str | None) -> str:
-    """One kernel compiled for sm_90a; ptxas's resource line (and its SASS into ``sass``)."""
+def compile_sm90(fn, types: dict, constants: dict, num_warps: int, sass: str | None,
+                 name: str) -> str:
+    """One kernel compiled for sm_90a; ptxas's resource line (and its SASS into ``sass``, as
+    ``name``.sass)."""
     names = fn.arg_names
     signature = {n: types.get(n, "i32" if n not in constants else "constexpr") for n in names}
-    src = GluonASTSource(fn, signature, {(names.index(k),): v for k, v in constants.items()})
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+               if signature[n].startswith("*")}  # as the launcher finds the tensors
+    src = GluonASTSource(fn, signature, {(names.index(k),): v for k, v in constants.items()},
+                         aligned)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": num_warps})
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
@@ -50,7 +55,7 @@ def compile_sm90(fn, types: dict, constants: dict, num_warps: int, sass: str | N
         if sass:
             dump = subprocess.run([ptxas.replace("ptxas", "cuobjdump"), "-sass", cubin],
                                   capture_output=True, text=True, check=True).stdout
-            with open(os.path.join(sass, fn.__name__ + ".sass"), "w") as f:
+            with open(os.path.join(sass, name.replace(" ", "_") + ".sass"), "w") as f:
                 f.write(dump)
     lines = [x.split(":", 1)[-1].strip() for x in info.splitlines()
              if "registers" in x or "spill" in x]
@@ -78,16 +83,25 @@ def main() -> int:
     bf16, fp16, e4m3 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
     runs = [
         ("heads bf16", heads._mla_decode_heads_gluon_kernel,
-         {**OUTS, **descriptors(bf16, bf16, 64)}, {**base, "FP8": False}, 8),
+         {**OUTS, **descriptors(bf16, bf16, 64), "kv_ptr": "*bf16"},
+         {**base, "FP8": False, "GATHER": False}, 8),
+        ("heads bf16 sparse", heads._mla_decode_heads_gluon_kernel,
+         {**OUTS, **descriptors(bf16, bf16, 64), "kv_ptr": "*bf16"},
+         {**base, "FP8": False, "GATHER": True}, 8),
         ("heads fp8", heads._mla_decode_heads_gluon_kernel,
-         {**OUTS, **descriptors(fp16, e4m3, 64)}, {**base, "FP8": True}, 8),
+         {**OUTS, **descriptors(fp16, e4m3, 64), "kv_ptr": "*fp8e4nv"},
+         {**base, "FP8": True, "GATHER": False}, 8),
         ("tokens bf16", tokens._mla_decode_tokens_tma_kernel,
-         {**OUTS, **descriptors(bf16, bf16, 16)}, {**base, "BH": 16}, 4),
+         {**OUTS, **descriptors(bf16, bf16, 16), "kv_ptr": "*bf16"},
+         {**base, "BH": 16, "GATHER": False}, 4),
+        ("tokens bf16 sparse", tokens._mla_decode_tokens_tma_kernel,
+         {**OUTS, **descriptors(bf16, bf16, 16), "kv_ptr": "*bf16"},
+         {**base, "BH": 16, "GATHER": True}, 4),
         ("tokens fp8", tokens._mla_decode_fp8_gluon_kernel,
          {**OUTS, "q_ptr": "*fp16", "kv_ptr": "*fp8e4nv"}, {**base, "BH": 16}, 4),
     ]
     for name, fn, types, constants, warps in runs:
-        print(f"{name}: {compile_sm90(fn, types, {**constants, 'num_warps': warps}, warps, args.sass)}",
+        print(f"{name}: {compile_sm90(fn, types, {**constants, 'num_warps': warps}, warps, args.sass, name)}",
               flush=True)
     return 0
 

@@ -37,6 +37,7 @@ from splash.kernels_triton import _validate as V
 try:  # Gluon ships with Triton 3.5 and later
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
@@ -73,10 +74,15 @@ if gluon is not None:
     GN = gl.constexpr(BN)
 
     @gluon.jit
-    def _plan_item(plan_ptr, pid):
-        """Plan item ``pid``: (request, or N past the last split; its splits; start; end)."""
-        item = plan_ptr + pid * 4
-        return gl.load(item), gl.load(item + 1), gl.load(item + 2), gl.load(item + 3)
+    def _plan_item(plan_ptr, pid, N, splits, split_len, K, GATHER: gl.constexpr):
+        """Program ``pid``'s (request, or N past the last split; its splits; start; end): plan
+        item ``pid``, or with ``GATHER`` split ``pid // N`` of row ``pid % N``'s slot list."""
+        if GATHER:
+            start = (pid // N) * split_len
+            return pid % N, splits, start, gl.minimum(start + split_len, K)
+        else:
+            item = plan_ptr + pid * 4
+            return gl.load(item), gl.load(item + 1), gl.load(item + 2), gl.load(item + 3)
 
     @gluon.jit
     def _load_tile(kn_desc, kr_desc, bt_row, stride_btp, t0, kn, kr, bar,
@@ -89,19 +95,92 @@ if gluon is not None:
         tma.async_copy_global_to_shared(kr_desc, [row, L], bar, kr)
 
     @gluon.jit
+    def _gather_cols(dst, kv_ptr, slot_row, stride_slk, stride_kvp, stride_kvs, j0, end,
+                     OFF: gl.constexpr, PS: gl.constexpr, ld: gl.constexpr):
+        """cp.async of columns [OFF, OFF + dst's width) of the rows at slots j0.. into
+        ``dst``; a slot past ``end`` or of -1 gives a row of zeros."""
+        j = j0 + gl.arange(0, dst.shape[0], layout=gl.SliceLayout(1, ld))
+        slot = gl.load(slot_row + j * stride_slk, mask=j < end, other=-1)
+        # rows start 16-byte aligned (``usable``): cp.async moves 16 bytes a copy
+        base = gl.multiple_of((slot // PS).to(gl.int64) * stride_kvp + (slot % PS) * stride_kvs,
+                              8) + OFF
+        cols = gl.arange(0, dst.shape[1], layout=gl.SliceLayout(0, ld))
+        async_copy.async_copy_global_to_shared(dst, kv_ptr + base[:, None] + cols[None, :],
+                                               mask=(slot >= 0)[:, None])
+
+    @gluon.jit
+    def _gather_tile(kv_ptr, slot_row, stride_slk, stride_kvp, stride_kvs, j0, end, kn, kr,
+                     L: gl.constexpr, PS: gl.constexpr, num_warps: gl.constexpr):
+        """The KV rows at slots j0.. (a sparse tile) into ``kn`` / ``kr`` by cp.async, issued
+        (the caller commits the group)."""
+        ldn: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+        ldr: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        _gather_cols(kn, kv_ptr, slot_row, stride_slk, stride_kvp, stride_kvs, j0, end, 0, PS,
+                     ldn)
+        _gather_cols(kr, kv_ptr, slot_row, stride_slk, stride_kvp, stride_kvs, j0, end, L, PS,
+                     ldr)
+
+    @gluon.jit
     def _start_copies(qn_desc, qr_desc, kn_desc, kr_desc, row_q, bt_row, stride_btp, start,
-                      tiles, qn_s, qr_s, kn_s, kr_s, bars, L: gl.constexpr, PS: gl.constexpr):
+                      tiles, qn_s, qr_s, kn_s, kr_s, bars, kv_ptr, stride_kvp, stride_kvs,
+                      end, L: gl.constexpr, PS: gl.constexpr, GATHER: gl.constexpr,
+                      num_warps: gl.constexpr):
         """Barriers 0 and 1 for the two tile stages, 2 for the query; the query's copy and the
-        first two tiles' issued."""
+        first two tiles' issued (with ``GATHER``, ``bt_row`` is the row's slot list and each
+        tile one cp.async group, committed even when empty)."""
         for i in gl.static_range(3):
             mbarrier.init(bars.index(i), count=1)
         mbarrier.expect(bars.index(2), qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(qn_desc, [row_q, 0], bars.index(2), qn_s)
         tma.async_copy_global_to_shared(qr_desc, [row_q, L], bars.index(2), qr_s)
         for j in gl.static_range(2):
-            if j < tiles:
-                _load_tile(kn_desc, kr_desc, bt_row, stride_btp, start + j * GN,
-                           kn_s.index(j), kr_s.index(j), bars.index(j), L, PS)
+            if GATHER:
+                if j < tiles:
+                    _gather_tile(kv_ptr, bt_row, stride_btp, stride_kvp, stride_kvs,
+                                 start + j * GN, end, kn_s.index(j), kr_s.index(j), L, PS,
+                                 num_warps)
+                async_copy.commit_group()
+            else:
+                if j < tiles:
+                    _load_tile(kn_desc, kr_desc, bt_row, stride_btp, start + j * GN,
+                               kn_s.index(j), kr_s.index(j), bars.index(j), L, PS)
+
+    @gluon.jit
+    def _refill(kn_desc, kr_desc, bt_row, stride_btp, t0, end, kn, kr, bar, more, kv_ptr,
+                stride_kvp, stride_kvs, L: gl.constexpr, PS: gl.constexpr,
+                GATHER: gl.constexpr, num_warps: gl.constexpr):
+        """A stage every warp is done with refilled with the tile at ``t0`` when ``more``
+        (with ``GATHER`` a cp.async group is committed either way)."""
+        if more:
+            gl.thread_barrier()
+            if GATHER:
+                _gather_tile(kv_ptr, bt_row, stride_btp, stride_kvp, stride_kvs, t0, end, kn,
+                             kr, L, PS, num_warps)
+            else:
+                _load_tile(kn_desc, kr_desc, bt_row, stride_btp, t0, kn, kr, bar, L, PS)
+        if GATHER:
+            async_copy.commit_group()
+
+    @gluon.jit
+    def _wait_tile(bars, st, phase, PENDING: gl.constexpr, GATHER: gl.constexpr):
+        """Until stage ``st``'s tile has landed: its barrier's ``phase``, or with ``GATHER``
+        at most ``PENDING`` of this thread's cp.async groups in flight, then every thread's
+        (fenced for the products' reads)."""
+        if GATHER:
+            async_copy.wait_group(PENDING)
+            fence_async_shared()
+            gl.thread_barrier()
+        else:
+            mbarrier.wait(bars.index(st), phase)
+
+    @gluon.jit
+    def _tile_ok(bt_row, stride_btp, t0, end, cols, GATHER: gl.constexpr):
+        """The tile's columns that hold a token: before ``end``, and with ``GATHER`` of a
+        slot other than -1."""
+        ok = t0 + cols < end
+        if GATHER:
+            ok = ok & (gl.load(bt_row + (t0 + cols) * stride_btp, mask=ok, other=-1) >= 0)
+        return ok
 
     @gluon.jit
     def _zero_rows_past(kn, valid, L: gl.constexpr, num_warps: gl.constexpr):
@@ -121,11 +200,11 @@ if gluon is not None:
         return warpgroup_mma(qr_s, kr.permute((1, 0)), tok, is_async=True)
 
     @gluon.jit
-    def _next_scores(qn_s, qr_s, kn_s, kr_s, bars, s, i, nxt):
+    def _next_scores(qn_s, qr_s, kn_s, kr_s, bars, s, i, nxt, GATHER: gl.constexpr):
         """Tile i + 1's scores, issued once its copy has landed; ``s`` as is past the last."""
         if nxt:
             st = (i + 1) % 2
-            mbarrier.wait(bars.index(st), ((i + 1) // 2) & 1)
+            _wait_tile(bars, st, ((i + 1) // 2) & 1, 0, GATHER)
             tok = _scores(qn_s, qr_s, kn_s.index(st), kr_s.index(st), s)
         else:
             tok = warpgroup_mma_init(s)
@@ -146,16 +225,20 @@ if gluon is not None:
 
     @gluon.jit
     def _softmax(s, ok, ks, m_i, l_acc, dtype: gl.constexpr, p_layout: gl.constexpr,
-                 mma_o: gl.constexpr):
+                 mma_o: gl.constexpr, MAYBE_EMPTY: gl.constexpr = False):
         """One tile's online-softmax step: scores ``s`` (already scaled, columns ``ok``), the
         rows' value scales ``ks``. Returns p as the value product's operand, the
         accumulator's rescale, the running max, and the running sums of p each thread keeps
         for its own columns (``l_acc``; one reduction after the last tile instead of one a
-        tile across the warpgroups: 2-5% faster at 128 heads, decode_heads_defer_sum.json)."""
+        tile across the warpgroups: 2-5% faster at 128 heads, decode_heads_defer_sum.json).
+        ``MAYBE_EMPTY``: a tile may hold no token (a sparse tile of skipped slots)."""
         s = gl.where(ok[None, :], s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))  # finite: the tile has a token
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - m_new[:, None])
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))  # finite unless MAYBE_EMPTY
+        m_use = m_new
+        if MAYBE_EMPTY:
+            m_use = gl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - m_use[:, None])
         l_acc = l_acc * alpha[:, None] + p
         p_op = gl.convert_layout((p * ks[None, :]).to(dtype), p_layout)
         return p_op, gl.convert_layout(alpha, gl.SliceLayout(1, mma_o)), m_new, l_acc
@@ -171,19 +254,22 @@ if gluon is not None:
         out_ptr,  # (N, H, L)
         lse_out_ptr,  # (N, H) fp32
         plan_ptr,  # (programs, 4) int32: request, splits, start, end
+        kv_ptr,  # (pages, PS, L + R) (GATHER: bt_ptr is then (N, K) slots)
         qk_scale, H, N,
+        splits, split_len, K,  # GATHER: each row's K slots in splits of split_len
         stride_sp, stride_ss,
         stride_btn, stride_btp,
+        stride_kvp, stride_kvs,
         stride_os, stride_oh,
         stride_ls,
         stride_outn, stride_outh,
         stride_lon,
         L: gl.constexpr, R: gl.constexpr, PS: gl.constexpr, FP8: gl.constexpr,
-        LOW_SPLITS: gl.constexpr, num_warps: gl.constexpr,
+        LOW_SPLITS: gl.constexpr, GATHER: gl.constexpr, num_warps: gl.constexpr,
     ):
         g = gl.program_id(0)
         pid = gl.program_id(1)
-        n, count, start, end = _plan_item(plan_ptr, pid)
+        n, count, start, end = _plan_item(plan_ptr, pid, N, splits, split_len, K, GATHER)
         if n < N:
             dtype: gl.constexpr = qn_desc.dtype  # the products' operands
             mma_s: gl.constexpr = gl.NVMMADistributedLayout(
@@ -200,7 +286,8 @@ if gluon is not None:
             bt_row = bt_ptr + n.to(gl.int64) * stride_btn
             tiles = (end - start + GN - 1) // GN
             _start_copies(qn_desc, qr_desc, kn_desc, kr_desc, n * H + g * GH, bt_row,
-                          stride_btp, start, tiles, qn_s, qr_s, kn_s, kr_s, bars, L, PS)
+                          stride_btp, start, tiles, qn_s, qr_s, kn_s, kr_s, bars, kv_ptr,
+                          stride_kvp, stride_kvs, end, L, PS, GATHER, num_warps)
             mbarrier.wait(bars.index(2), 0)
 
             acc = gl.zeros((GH, L), gl.float32, layout=mma_o)
@@ -236,29 +323,32 @@ if gluon is not None:
             else:
                 ones = gl.full((GN,), 1.0, gl.float32, layout=gl.SliceLayout(0, mma_s))
                 if tiles > 0:  # tile 0's scores
-                    mbarrier.wait(bars.index(0), 0)
+                    _wait_tile(bars, 0, 0, 1, GATHER)
                     s = warpgroup_mma_wait(0, deps=(_scores(qn_s, qr_s, kn_s.index(0),
                                                             kr_s.index(0), s),))
                 for i in range(tiles):  # s: tile i's scores
                     st = i % 2
                     t0 = start + i * GN
                     kn = kn_s.index(st)
-                    p_op, alpha_o, m_i, l_acc = _softmax(s * qk_scale, t0 + cols < end, ones,
-                                                         m_i, l_acc, dtype, p_layout, mma_o)
-                    if t0 + GN > end:  # the split's last, partial tile (its scores are read)
-                        _zero_rows_past(kn, end - t0, L, num_warps)
-                        fence_async_shared()
-                        gl.thread_barrier()
+                    p_op, alpha_o, m_i, l_acc = _softmax(
+                        s * qk_scale, _tile_ok(bt_row, stride_btp, t0, end, cols, GATHER),
+                        ones, m_i, l_acc, dtype, p_layout, mma_o, GATHER)
+                    if not GATHER:  # (gathered rows past the range are zeros)
+                        if t0 + GN > end:  # the split's last, partial tile
+                            _zero_rows_past(kn, end - t0, L, num_warps)
+                            fence_async_shared()
+                            gl.thread_barrier()
                     acc_tok = warpgroup_mma(p_op, kn, acc * alpha_o[:, None], is_async=True)
                     # tile i + 1's scores after this tile's value product, so its copy has
                     # had the softmax's time to land (issued before the softmax, they waited
                     # on a copy just started: 26% slower, decode_heads_gluon.json)
-                    s_tok = _next_scores(qn_s, qr_s, kn_s, kr_s, bars, s, i, i + 1 < tiles)
+                    s_tok = _next_scores(qn_s, qr_s, kn_s, kr_s, bars, s, i, i + 1 < tiles,
+                                         GATHER)
                     acc, s = warpgroup_mma_wait(0, deps=(acc_tok, s_tok))
-                    if i + 2 < tiles:  # both warpgroups are done with this stage: refill it
-                        gl.thread_barrier()
-                        _load_tile(kn_desc, kr_desc, bt_row, stride_btp, t0 + 2 * GN, kn,
-                                   kr_s.index(st), bars.index(st), L, PS)
+                    # both warpgroups are done with this stage: refill it
+                    _refill(kn_desc, kr_desc, bt_row, stride_btp, t0 + 2 * GN, end, kn,
+                            kr_s.index(st), bars.index(st), i + 2 < tiles, kv_ptr,
+                            stride_kvp, stride_kvs, L, PS, GATHER, num_warps)
             for i in gl.static_range(3):
                 mbarrier.invalidate(bars.index(i))
 
@@ -306,21 +396,28 @@ def tma_rows(q: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
            o_part: torch.Tensor, o_low: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
-           lse: torch.Tensor, items: torch.Tensor, qk_scale: float, low: int) -> None:
+           lse: torch.Tensor, items: torch.Tensor | None, qk_scale: float, low: int,
+           sparse: tuple[int, int] | None = None) -> None:
     """Head groups of 64 x one program per plan item (``_decode_plan_kernel``'s); the rest
     as the balanced Triton launch takes them. fp8 KV: fp16 products, q clamped to fp16's
-    range (as ``config["fp8_fp16"]`` in the Triton kernels)."""
+    range (as ``config["fp8_fp16"]`` in the Triton kernels). With ``sparse`` = (splits,
+    split_len), ``block_table`` is ``mla_sparse``'s (N, K) slots and the programs are each
+    row's splits (partial rows (splits * N, 1, H, L), split-major), without a plan."""
     N, H, D = q.shape
     L = out.shape[2]
     fp8 = kv.dtype == torch.float8_e4m3fn
     if fp8 and q.dtype != torch.float16:
         q = q.float().clamp(-65504.0, 65504.0).half()
     rows_q, rows_kv = tma_rows(q, kv)
-    _mla_decode_heads_gluon_kernel[((H + BH - 1) // BH, items.shape[0])](
+    splits, split_len = sparse or (1, 0)
+    programs = items.shape[0] if sparse is None else splits * N
+    _mla_decode_heads_gluon_kernel[((H + BH - 1) // BH, programs)](
         descriptor(rows_q, L), descriptor(rows_q, D - L), descriptor(rows_kv, L),
         descriptor(rows_kv, D - L), scale, block_table, o_part, o_low, lse_part, out, lse,
-        items, qk_scale, H, N, scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0,
-        block_table.stride(0), block_table.stride(1), o_part.stride(0), o_part.stride(2),
-        lse_part.stride(0), out.stride(0), out.stride(1), lse.stride(0),
-        L=L, R=D - L, PS=kv.shape[1], FP8=fp8, LOW_SPLITS=low, num_warps=8,
+        block_table if items is None else items, kv, qk_scale, H, N, splits, split_len,
+        block_table.shape[1], scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0,
+        block_table.stride(0), block_table.stride(1), kv.stride(0), kv.stride(1),
+        o_part.stride(0), o_part.stride(2), lse_part.stride(0), out.stride(0), out.stride(1),
+        lse.stride(0), L=L, R=D - L, PS=kv.shape[1], FP8=fp8, LOW_SPLITS=low,
+        GATHER=sparse is not None, num_warps=8,
     )

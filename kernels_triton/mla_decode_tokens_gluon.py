@@ -50,9 +50,11 @@ try:  # Gluon ships with Triton 3.5 and later
     )
 
     from splash.kernels_triton.mla_decode_heads_gluon import (
-        _load_tile,
         _plan_item,
+        _refill,
         _start_copies,
+        _tile_ok,
+        _wait_tile,
         _zero_rows_past,
     )
 except ImportError:  # pragma: no cover - an older Triton: the Triton kernels serve
@@ -127,19 +129,22 @@ if gluon is not None:
     @gluon.jit
     def _mla_decode_tokens_tma_kernel(
         qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q (N * H, L + R), kv (pages * PS, L + R)
-        bt_ptr,  # (N, max_pages) int
+        bt_ptr,  # (N, max_pages) int (GATHER: (N, K) slots)
         o_ptr, o_low_ptr, lse_ptr, out_ptr, lse_out_ptr, plan_ptr,  # as the fp8 kernel's
+        kv_ptr,  # (pages, PS, L + R), read by GATHER
         qk_scale, H, N,
+        splits, split_len, K,  # GATHER: each row's K slots in splits of split_len
         stride_btn, stride_btp,
+        stride_kvp, stride_kvs,
         stride_os, stride_oh,
         stride_ls,
         stride_outn, stride_outh,
         stride_lon,
         L: gl.constexpr, R: gl.constexpr, PS: gl.constexpr, BH: gl.constexpr,
-        LOW_SPLITS: gl.constexpr, num_warps: gl.constexpr,
+        LOW_SPLITS: gl.constexpr, GATHER: gl.constexpr, num_warps: gl.constexpr,
     ):
         pid = gl.program_id(0)
-        n, count, start, end = _plan_item(plan_ptr, pid)
+        n, count, start, end = _plan_item(plan_ptr, pid, N, splits, split_len, K, GATHER)
         if n < N:
             dtype: gl.constexpr = kn_desc.dtype
             mma: gl.constexpr = gl.NVMMADistributedLayout(
@@ -154,7 +159,8 @@ if gluon is not None:
             bt_row = bt_ptr + n.to(gl.int64) * stride_btn
             tiles = (end - start + BN - 1) // BN
             _start_copies(qn_desc, qr_desc, kn_desc, kr_desc, n * H, bt_row, stride_btp, start,
-                          tiles, qn_s, qr_s, kn_s, kr_s, bars, L, PS)
+                          tiles, qn_s, qr_s, kn_s, kr_s, bars, kv_ptr, stride_kvp, stride_kvs,
+                          end, L, PS, GATHER, num_warps)
             mbarrier.wait(bars.index(2), 0)
 
             acc = gl.zeros((L, BH), gl.float32, layout=mma)  # outᵀ
@@ -165,19 +171,24 @@ if gluon is not None:
                 st = i % 2
                 t0 = start + i * BN
                 kn = kn_s.index(st)
-                mbarrier.wait(bars.index(st), (i // 2) & 1)
-                if t0 + BN > end:  # the split's last, partial tile: its unused rows to 0
-                    _zero_rows_past(kn, end - t0, L, num_warps)
-                    fence_async_shared()
-                    gl.thread_barrier()
+                _wait_tile(bars, st, (i // 2) & 1, 1, GATHER)
+                if not GATHER:  # (gathered rows past the range are zeros)
+                    if t0 + BN > end:  # the split's last, partial tile: its unused rows to 0
+                        _zero_rows_past(kn, end - t0, L, num_warps)
+                        fence_async_shared()
+                        gl.thread_barrier()
                 s = gl.zeros((BN, BH), gl.float32, layout=mma)
                 s = warpgroup_mma(kn, qn_s.permute((1, 0)), s, use_acc=False, is_async=True)
                 s = warpgroup_mma(kr_s.index(st), qr_s.permute((1, 0)), s, is_async=True)
                 s = warpgroup_mma_wait(0, deps=(s,))
-                s = gl.where((t0 + rows_m < end)[:, None], s * qk_scale, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(s, axis=0))  # finite: the tile has a token
-                alpha = gl.exp2(m_i - m_new)
-                p = gl.exp2(s - m_new[None, :])
+                ok = _tile_ok(bt_row, stride_btp, t0, end, rows_m, GATHER)
+                s = gl.where(ok[:, None], s * qk_scale, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(s, axis=0))  # finite unless GATHER
+                m_use = m_new
+                if GATHER:  # a tile of skipped slots
+                    m_use = gl.where(m_new > float("-inf"), m_new, 0.0)
+                alpha = gl.exp2(m_i - m_use)
+                p = gl.exp2(s - m_use[None, :])
                 l_i = l_i * alpha + gl.sum(p, axis=0)
                 m_i = m_new
                 p_s.store(p.to(dtype))
@@ -185,10 +196,10 @@ if gluon is not None:
                 acc = warpgroup_mma(kn.permute((1, 0)), p_s, acc * alpha[None, :],
                                     is_async=True)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
-                if i + 2 < tiles:  # the value product has read this stage: refill it
-                    gl.thread_barrier()
-                    _load_tile(kn_desc, kr_desc, bt_row, stride_btp, t0 + 2 * BN, kn,
-                               kr_s.index(st), bars.index(st), L, PS)
+                # the value product has read this stage: refill it
+                _refill(kn_desc, kr_desc, bt_row, stride_btp, t0 + 2 * BN, end, kn,
+                        kr_s.index(st), bars.index(st), i + 2 < tiles, kv_ptr, stride_kvp,
+                        stride_kvs, L, PS, GATHER, num_warps)
             for i in gl.static_range(3):
                 mbarrier.invalidate(bars.index(i))
             _finish(acc, m_i, l_i, n, pid, count, H, o_ptr, o_low_ptr, lse_ptr, out_ptr,
@@ -220,7 +231,7 @@ if gluon is not None:
         LOW_SPLITS: gl.constexpr, num_warps: gl.constexpr,
     ):
         pid = gl.program_id(0)
-        n, count, start, end = _plan_item(plan_ptr, pid)
+        n, count, start, end = _plan_item(plan_ptr, pid, N, 1, 0, 0, False)
         if n < N:
             ld: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
             mma: gl.constexpr = gl.NVMMADistributedLayout(
@@ -289,22 +300,30 @@ if gluon is not None:
 
 def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
            o_part: torch.Tensor, o_low: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
-           lse: torch.Tensor, items: torch.Tensor, qk_scale: float, low: int) -> None:
+           lse: torch.Tensor, items: torch.Tensor | None, qk_scale: float, low: int,
+           sparse: tuple[int, int] | None = None) -> None:
     """One program per plan item (``_decode_plan_kernel``'s), the rest as the balanced Triton
-    launch takes them. fp8 KV: fp16 products, q clamped to fp16's range."""
+    launch takes them. fp8 KV: fp16 products, q clamped to fp16's range. ``sparse`` (16-bit
+    KV only) as in ``mla_decode_heads_gluon.launch``."""
     N, H, D = q.shape
     L = out.shape[2]
     tail = (block_table.stride(0), block_table.stride(1), o_part.stride(0), o_part.stride(2),
             lse_part.stride(0), out.stride(0), out.stride(1), lse.stride(0))
     if kv.dtype != torch.float8_e4m3fn:
         rows_q, rows_kv = heads_gluon.tma_rows(q, kv)
-        _mla_decode_tokens_tma_kernel[(items.shape[0],)](
+        splits, split_len = sparse or (1, 0)
+        programs = items.shape[0] if sparse is None else splits * N
+        _mla_decode_tokens_tma_kernel[(programs,)](
             heads_gluon.descriptor(rows_q, L, 16), heads_gluon.descriptor(rows_q, D - L, 16),
             heads_gluon.descriptor(rows_kv, L), heads_gluon.descriptor(rows_kv, D - L),
-            block_table, o_part, o_low, lse_part, out, lse, items, qk_scale, H, N, *tail,
-            L=L, R=D - L, PS=kv.shape[1], BH=16, LOW_SPLITS=low, num_warps=4,
+            block_table, o_part, o_low, lse_part, out, lse,
+            block_table if items is None else items, kv, qk_scale, H, N, splits, split_len,
+            block_table.shape[1], tail[0], tail[1], kv.stride(0), kv.stride(1), *tail[2:],
+            L=L, R=D - L, PS=kv.shape[1], BH=16, LOW_SPLITS=low, GATHER=sparse is not None,
+            num_warps=4,
         )
         return
+    assert sparse is None, "the fp8 form reads pages only"
     q16 = q if q.dtype == torch.float16 else q.float().clamp(-65504.0, 65504.0).half()
     _mla_decode_fp8_gluon_kernel[(items.shape[0],)](
         q16, kv, scale, block_table, o_part, o_low, lse_part, out, lse, items, qk_scale, H, N,

@@ -36,6 +36,8 @@ import triton.language as tl
 
 from splash.backends import device_tuning
 from splash.kernels_triton import _validate as V
+from splash.kernels_triton import mla_decode_heads_gluon as heads_gluon
+from splash.kernels_triton import mla_decode_tokens_gluon as tokens_gluon
 from splash.kernels_triton.lse_merge import _merge_into
 from splash.kernels_triton.mla_decode import choose_num_splits, decode_config
 from splash.kernels_triton.mla_decode_kernels import (
@@ -194,10 +196,15 @@ def mla_sparse(
     cfg: dict[str, Any] = decode_config(H, dev, config, fp8=fp8, fp32_q=q.dtype == torch.float32)
     block_h, block_n = cfg["BLOCK_H"], cfg["BLOCK_N"]
     head_groups = triton.cdiv(H, block_h)
+    if num_splits is not None and (not isinstance(num_splits, int)
+                                   or not 1 <= num_splits <= 65535):
+        raise ValueError(f"num_splits={num_splits!r} must be an int in [1, 65535]")
+    gluon = _gluon_form(q, kv, L, R, block_h, cfg)
+    if gluon is not None:
+        _gluon_sparse(gluon, q, kv, slots, float(sm_scale) * _LOG2E, out, lse, num_splits)
+        return out, lse
     if num_splits is None:
         num_splits = choose_num_splits(N, head_groups, K, dev, cfg)
-    if not isinstance(num_splits, int) or not 1 <= num_splits <= 65535:
-        raise ValueError(f"num_splits={num_splits!r} must be an int in [1, 65535]")
     if num_splits == 1:
         o_part, lse_part, stride_os, stride_ls = out, lse, 0, 0
     else:
@@ -224,6 +231,43 @@ def mla_sparse(
     if num_splits > 1:
         _merge_into(o_part, lse_part, out, lse)
     return out, lse
+
+
+def _gluon_form(q: torch.Tensor, kv: torch.Tensor, L: int, R: int, block_h: int,
+                cfg: dict[str, Any]) -> str | None:
+    """The Gluon decode kernel that gathers the selected rows here (``config["gluon"]`` on
+    Hopper, 16-bit KV of q's dtype): "tokens" at 16 heads or fewer, "heads" at more than 32
+    in head groups of 64; else None (the Triton kernels)."""
+    if kv.dtype != q.dtype:
+        return None
+    if tokens_gluon.usable(q, kv, L, R, kv.shape[1], cfg):
+        return "tokens"
+    if block_h == heads_gluon.BH and heads_gluon.usable(q, kv, L, R, kv.shape[1], cfg):
+        return "heads"
+    return None
+
+
+def _gluon_sparse(form: str, q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor,
+                  qk_scale: float, out: torch.Tensor, lse: torch.Tensor,
+                  num_splits: int | None) -> None:
+    """``mla_sparse`` by a Gluon kernel: each row's slot list in splits of whole 64-row tiles,
+    one program (one SM) per head group x split x row (``num_splits`` or as many as fill
+    the SMs once), then ``lse_merge`` over the splits."""
+    N, H, L = out.shape
+    K = slots.shape[1]
+    groups = 1 if form == "tokens" else triton.cdiv(H, heads_gluon.BH)
+    tiles = triton.cdiv(K, heads_gluon.BN)
+    if num_splits is None:
+        num_splits = max(1, V.num_sms(q.device) // (groups * N))
+    split_len = triton.cdiv(tiles, min(num_splits, tiles)) * heads_gluon.BN
+    splits = triton.cdiv(K, split_len)
+    o_part = torch.empty((splits * N, 1, H, L), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((splits * N, 1, H), dtype=torch.float32, device=q.device)
+    launch = tokens_gluon.launch if form == "tokens" else heads_gluon.launch
+    launch(q, kv, lse, slots, o_part, o_part, lse_part, out, lse, None, qk_scale, 0,
+           sparse=(splits, split_len))
+    if splits > 1:
+        _merge_into(o_part.view(splits, N, H, L), lse_part.view(splits, N, H), out, lse)
 
 
 # ---------------------------------------------------------------------------------------------

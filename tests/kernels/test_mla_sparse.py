@@ -9,7 +9,14 @@ import importlib
 
 import pytest
 import torch
-from kernel_data import assert_close, assert_lse, block_table, make_setting, paged_cache
+from kernel_data import (
+    assert_close,
+    assert_lse,
+    block_table,
+    compiled_gpu,
+    make_setting,
+    paged_cache,
+)
 
 from splash.kernels_triton import mla_decode, mla_sparse, mla_sparse_ref
 
@@ -96,3 +103,40 @@ def test_sparse_partials_in_the_output_dtype(setting, case, monkeypatch):
     ref_out, ref_lse = mla_sparse_ref(q, kv, slots, 0.15, L, kv_scale=scale)
     assert_close(out, ref_out, setting.atol, setting.rtol)
     assert_lse(lse, ref_lse, setting.lse_tol)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+@pytest.mark.parametrize("H", [16, 8, 128, 48])
+def test_gluon_sparse_matches_reference(H, num_splits, monkeypatch):
+    """On an sm_90 GPU the Gluon decode kernels gather the selected rows by cp.async (tokens
+    on M at 16 heads or fewer, heads on M above 32): 2,100 slots a row (a partial last tile),
+    selections partly empty, empty, with a whole tile of -1 and with -1 scattered, over a pool
+    whose unselected rows hold NaN."""
+    module = "tokens" if H <= 16 else "heads"
+    gluon = importlib.import_module(f"splash.kernels_triton.mla_decode_{module}_gluon")
+    if not compiled_gpu() or gluon.gluon is None or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels run on a compiled sm_90 GPU with Gluon")
+    launches = []
+    launch = gluon.launch
+    monkeypatch.setattr(gluon, "launch", lambda *a, **k: (launches.append(k), launch(*a, **k)))
+    setting = make_setting("bf16")
+    gen = torch.Generator().manual_seed(9)
+    PS, pages, K = 64, 80, 2100
+    kv, _ = paged_cache(pages, PS, 576, torch.bfloat16, setting.device, gen)
+    slots = torch.stack([torch.randperm(pages * PS, generator=gen)[:K] for _ in range(5)])
+    slots[1, K // 2:] = -1
+    slots[2] = -1
+    slots[3, ::3] = -1
+    slots[4, 64:128] = -1  # the second tile selects nothing
+    unused = torch.ones(pages * PS, dtype=torch.bool)
+    unused[slots[slots >= 0]] = False
+    kv.view(-1, 576)[unused.to(setting.device)] = float("nan")
+    slots = slots.to(torch.int32).to(setting.device)
+    q = torch.randn(5, H, 576, generator=gen).to(torch.bfloat16).to(setting.device)
+    out, lse = mla_sparse(q, kv, slots, 576 ** -0.5, 512, num_splits=num_splits,
+                          config={"gluon": True})
+    assert launches and launches[0].get("sparse")
+    ref_out, ref_lse = mla_sparse_ref(q, kv, slots, 576 ** -0.5, 512)
+    assert_close(out, ref_out, setting.atol, setting.rtol)
+    assert_lse(lse, ref_lse, setting.lse_tol)
+    assert torch.all(out[2] == 0) and torch.all(lse[2] == float("-inf"))
