@@ -91,6 +91,9 @@ def main() -> int:
         ("heads fp8", heads._mla_decode_heads_gluon_kernel,
          {**OUTS, **descriptors(fp16, e4m3, 64), "kv_ptr": "*fp8e4nv"},
          {**base, "FP8": True, "GATHER": False}, 8),
+        ("heads fp8 sparse", heads._mla_decode_heads_gluon_kernel,
+         {**OUTS, **descriptors(fp16, e4m3, 64), "kv_ptr": "*fp8e4nv"},
+         {**base, "FP8": True, "GATHER": True}, 8),
         ("tokens bf16", tokens._mla_decode_tokens_tma_kernel,
          {**OUTS, **descriptors(bf16, bf16, 16), "kv_ptr": "*bf16"},
          {**base, "BH": 16, "GATHER": False}, 4),
@@ -98,7 +101,11 @@ def main() -> int:
          {**OUTS, **descriptors(bf16, bf16, 16), "kv_ptr": "*bf16"},
          {**base, "BH": 16, "GATHER": True}, 4),
         ("tokens fp8", tokens._mla_decode_fp8_gluon_kernel,
-         {**OUTS, "q_ptr": "*fp16", "kv_ptr": "*fp8e4nv"}, {**base, "BH": 16}, 4),
+         {**OUTS, "q_ptr": "*fp16", "kv_ptr": "*fp8e4nv"}, {**base, "BH": 16, "GATHER": False},
+         4),
+        ("tokens fp8 sparse", tokens._mla_decode_fp8_gluon_kernel,
+         {**OUTS, "q_ptr": "*fp16", "kv_ptr": "*fp8e4nv"}, {**base, "BH": 16, "GATHER": True},
+         4),
     ]
     for name, fn, types, constants, warps in runs:
         print(f"{name}: {compile_sm90(fn, types, {**constants, 'num_warps': warps}, warps, args.sass, name)}",

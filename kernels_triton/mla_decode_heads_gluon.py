@@ -111,10 +111,12 @@ if gluon is not None:
     @gluon.jit
     def _gather_tile(kv_ptr, slot_row, stride_slk, stride_kvp, stride_kvs, j0, end, kn, kr,
                      L: gl.constexpr, PS: gl.constexpr, num_warps: gl.constexpr):
-        """The KV rows at slots j0.. (a sparse tile) into ``kn`` / ``kr`` by cp.async, issued
-        (the caller commits the group)."""
-        ldn: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
-        ldr: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        """The KV rows at slots j0.. (a sparse tile) into ``kn`` / ``kr`` by cp.async, 16
+        bytes a copy, issued (the caller commits the group)."""
+        VEC: gl.constexpr = 128 // kn.dtype.primitive_bitwidth
+        RT: gl.constexpr = kr.shape[1] // VEC  # threads across the rope columns
+        ldn: gl.constexpr = gl.BlockedLayout([1, VEC], [1, 32], [num_warps, 1], [1, 0])
+        ldr: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // RT, RT], [num_warps, 1], [1, 0])
         _gather_cols(kn, kv_ptr, slot_row, stride_slk, stride_kvp, stride_kvs, j0, end, 0, PS,
                      ldn)
         _gather_cols(kr, kv_ptr, slot_row, stride_slk, stride_kvp, stride_kvs, j0, end, L, PS,
@@ -174,13 +176,20 @@ if gluon is not None:
             mbarrier.wait(bars.index(st), phase)
 
     @gluon.jit
-    def _tile_ok(bt_row, stride_btp, t0, end, cols, GATHER: gl.constexpr):
-        """The tile's columns that hold a token: before ``end``, and with ``GATHER`` of a
-        slot other than -1."""
-        ok = t0 + cols < end
+    def _tile_rows(bt_row, stride_btp, t0, end, rows, stride_p, stride_s, PS: gl.constexpr,
+                   GATHER: gl.constexpr):
+        """For the tile's ``rows`` (any layout): the offsets of their slots in a (pages, PS)
+        array of strides (``stride_p``, ``stride_s``) and whether each holds a token: before
+        ``end``, and with ``GATHER`` (``bt_row`` the slot list) of a slot other than -1."""
+        ok = t0 + rows < end
         if GATHER:
-            ok = ok & (gl.load(bt_row + (t0 + cols) * stride_btp, mask=ok, other=-1) >= 0)
-        return ok
+            slot = gl.load(bt_row + (t0 + rows) * stride_btp, mask=ok, other=-1)
+            ok = slot >= 0
+            off = (slot // PS).to(gl.int64) * stride_p + (slot % PS) * stride_s
+        else:
+            page = gl.load(bt_row + (t0 // PS) * stride_btp).to(gl.int64)
+            off = page * stride_p + (t0 % PS + rows) * stride_s
+        return off, ok
 
     @gluon.jit
     def _zero_rows_past(kn, valid, L: gl.constexpr, num_warps: gl.constexpr):
@@ -303,20 +312,20 @@ if gluon is not None:
                 for i in range(tiles):
                     st = i % 2
                     t0 = start + i * GN
-                    mbarrier.wait(bars.index(st), (i // 2) & 1)
+                    _wait_tile(bars, st, (i // 2) & 1, 1, GATHER)
                     _widen(kn_s.index(st), kr_s.index(st), wn, wr, end - t0, L, R, num_warps)
                     fence_async_shared()
                     gl.thread_barrier()  # widened, and the stage read by every warp
-                    if i + 2 < tiles:
-                        _load_tile(kn_desc, kr_desc, bt_row, stride_btp, t0 + 2 * GN,
-                                   kn_s.index(st), kr_s.index(st), bars.index(st), L, PS)
-                    ok = t0 + cols < end
-                    page = gl.load(bt_row + (t0 // PS) * stride_btp).to(gl.int64)
-                    ks = gl.load(scale_ptr + page * stride_sp + (t0 % PS + cols) * stride_ss,
-                                 mask=ok, other=0.0)
+                    _refill(kn_desc, kr_desc, bt_row, stride_btp, t0 + 2 * GN, end,
+                            kn_s.index(st), kr_s.index(st), bars.index(st), i + 2 < tiles,
+                            kv_ptr, stride_kvp, stride_kvs, L, PS, GATHER, num_warps)
+                    off, ok = _tile_rows(bt_row, stride_btp, t0, end, cols, stride_sp,
+                                         stride_ss, PS, GATHER)
+                    ks = gl.load(scale_ptr + off, mask=ok, other=0.0)
                     s = warpgroup_mma_wait(0, deps=(_scores(qn_s, qr_s, wn, wr, s),))
                     p_op, alpha_o, m_i, l_acc = _softmax(s * (ks * qk_scale)[None, :], ok, ks,
-                                                         m_i, l_acc, dtype, p_layout, mma_o)
+                                                         m_i, l_acc, dtype, p_layout, mma_o,
+                                                         GATHER)
                     acc = warpgroup_mma(p_op, wn, acc * alpha_o[:, None], is_async=True)
                     acc = warpgroup_mma_wait(0, deps=(acc,))
                     gl.thread_barrier()  # the widened tile is free again
@@ -330,9 +339,9 @@ if gluon is not None:
                     st = i % 2
                     t0 = start + i * GN
                     kn = kn_s.index(st)
-                    p_op, alpha_o, m_i, l_acc = _softmax(
-                        s * qk_scale, _tile_ok(bt_row, stride_btp, t0, end, cols, GATHER),
-                        ones, m_i, l_acc, dtype, p_layout, mma_o, GATHER)
+                    ok = _tile_rows(bt_row, stride_btp, t0, end, cols, 0, 0, PS, GATHER)[1]
+                    p_op, alpha_o, m_i, l_acc = _softmax(s * qk_scale, ok, ones, m_i, l_acc,
+                                                         dtype, p_layout, mma_o, GATHER)
                     if not GATHER:  # (gathered rows past the range are zeros)
                         if t0 + GN > end:  # the split's last, partial tile
                             _zero_rows_past(kn, end - t0, L, num_warps)

@@ -53,7 +53,7 @@ try:  # Gluon ships with Triton 3.5 and later
         _plan_item,
         _refill,
         _start_copies,
-        _tile_ok,
+        _tile_rows,
         _wait_tile,
         _zero_rows_past,
     )
@@ -85,19 +85,11 @@ if gluon is not None:
     _LOG2E = gl.constexpr(1.4426950408889634)
 
     @gluon.jit
-    def _load_rows(kv_ptr, page, t0, ok_r, stride_kvp, stride_kvs, c: gl.constexpr,
-                   PS: gl.constexpr, ld: gl.constexpr):
-        """Column chunk ``c`` (CW wide) of the tile's fp8 rows, 0 past ``ok_r``."""
-        rows = gl.arange(0, BN, layout=gl.SliceLayout(1, ld))
+    def _widen(k16, kv_ptr, off, ok_r, c: gl.constexpr, at: gl.constexpr, ld: gl.constexpr):
+        """Column chunk ``c`` (CW wide) of the tile's fp8 rows (at offsets ``off``; 0 past
+        ``ok_r``) widened to fp16 into chunk ``at`` of ``k16``."""
         cols = gl.arange(0, CW, layout=gl.SliceLayout(0, ld))
-        base = kv_ptr + page * stride_kvp + (t0 % PS) * stride_kvs + c * CW
-        return gl.load(base + (rows[:, None] * stride_kvs + cols[None, :]), mask=ok_r,
-                       other=0.0)
-
-    @gluon.jit
-    def _widen(k16, kv_ptr, page, t0, ok_r, stride_kvp, stride_kvs, c: gl.constexpr,
-               at: gl.constexpr, PS: gl.constexpr, ld: gl.constexpr):
-        rows = _load_rows(kv_ptr, page, t0, ok_r, stride_kvp, stride_kvs, c, PS, ld)
+        rows = gl.load(kv_ptr + off[:, None] + (c * CW + cols)[None, :], mask=ok_r, other=0.0)
         k16.slice(at * CW, CW, dim=1).store(rows.to(gl.float16))
 
     @gluon.jit
@@ -181,7 +173,7 @@ if gluon is not None:
                 s = warpgroup_mma(kn, qn_s.permute((1, 0)), s, use_acc=False, is_async=True)
                 s = warpgroup_mma(kr_s.index(st), qr_s.permute((1, 0)), s, is_async=True)
                 s = warpgroup_mma_wait(0, deps=(s,))
-                ok = _tile_ok(bt_row, stride_btp, t0, end, rows_m, GATHER)
+                ok = _tile_rows(bt_row, stride_btp, t0, end, rows_m, 0, 0, PS, GATHER)[1]
                 s = gl.where(ok[:, None], s * qk_scale, float("-inf"))
                 m_new = gl.maximum(m_i, gl.max(s, axis=0))  # finite unless GATHER
                 m_use = m_new
@@ -219,6 +211,7 @@ if gluon is not None:
         lse_out_ptr,  # (N, H) fp32
         plan_ptr,  # (programs, 4) int32: request, splits, start, end
         qk_scale, H, N,
+        splits, split_len, K,  # GATHER: each row's K slots (bt_ptr) in splits of split_len
         stride_qn, stride_qh,
         stride_kvp, stride_kvs,
         stride_sp, stride_ss,
@@ -228,10 +221,10 @@ if gluon is not None:
         stride_outn, stride_outh,
         stride_lon,
         L: gl.constexpr, R: gl.constexpr, PS: gl.constexpr, BH: gl.constexpr,
-        LOW_SPLITS: gl.constexpr, num_warps: gl.constexpr,
+        LOW_SPLITS: gl.constexpr, GATHER: gl.constexpr, num_warps: gl.constexpr,
     ):
         pid = gl.program_id(0)
-        n, count, start, end = _plan_item(plan_ptr, pid, N, 1, 0, 0, False)
+        n, count, start, end = _plan_item(plan_ptr, pid, N, splits, split_len, K, GATHER)
         if n < N:
             ld: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
             mma: gl.constexpr = gl.NVMMADistributedLayout(
@@ -267,16 +260,16 @@ if gluon is not None:
             rows_l = gl.arange(0, BN, layout=gl.SliceLayout(1, ld))
             bt_row = bt_ptr + n.to(gl.int64) * stride_btn
             for t0 in range(start, end, BN):  # plan ranges start on tiles, tiles on pages
-                page = gl.load(bt_row + (t0 // PS) * stride_btp).to(gl.int64)
-                ok_m = t0 + rows_m < end
-                ks = gl.load(scale_ptr + page * stride_sp + (t0 % PS + rows_m) * stride_ss,
-                             mask=ok_m, other=0.0)
-                ok_r = (t0 + rows_l < end)[:, None]
+                off_m, ok_m = _tile_rows(bt_row, stride_btp, t0, end, rows_m, stride_sp,
+                                         stride_ss, PS, GATHER)
+                ks = gl.load(scale_ptr + off_m, mask=ok_m, other=0.0)
+                off, ok_l = _tile_rows(bt_row, stride_btp, t0, end, rows_l, stride_kvp,
+                                       stride_kvs, PS, GATHER)
+                ok_r = ok_l[:, None]
                 gl.thread_barrier()  # the last tile's value product has read the tile
                 for c in gl.static_range(L // CW):
-                    _widen(k16, kv_ptr, page, t0, ok_r, stride_kvp, stride_kvs, c, c, PS, ld)
-                _widen(k16r, kv_ptr, page, t0, ok_r, stride_kvp, stride_kvs, L // CW, 0, PS,
-                       ld)
+                    _widen(k16, kv_ptr, off, ok_r, c, c, ld)
+                _widen(k16r, kv_ptr, off, ok_r, L // CW, 0, ld)
                 fence_async_shared()
                 s = gl.zeros((BN, BH), gl.float32, layout=mma)
                 s = warpgroup_mma(k16, qn_s.permute((1, 0)), s, use_acc=False, is_async=True)
@@ -303,16 +296,16 @@ def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: 
            lse: torch.Tensor, items: torch.Tensor | None, qk_scale: float, low: int,
            sparse: tuple[int, int] | None = None) -> None:
     """One program per plan item (``_decode_plan_kernel``'s), the rest as the balanced Triton
-    launch takes them. fp8 KV: fp16 products, q clamped to fp16's range. ``sparse`` (16-bit
-    KV only) as in ``mla_decode_heads_gluon.launch``."""
+    launch takes them. fp8 KV: fp16 products, q clamped to fp16's range. ``sparse`` as in
+    ``mla_decode_heads_gluon.launch``."""
     N, H, D = q.shape
     L = out.shape[2]
     tail = (block_table.stride(0), block_table.stride(1), o_part.stride(0), o_part.stride(2),
             lse_part.stride(0), out.stride(0), out.stride(1), lse.stride(0))
+    splits, split_len = sparse or (1, 0)
+    programs = items.shape[0] if items is not None else splits * N
     if kv.dtype != torch.float8_e4m3fn:
         rows_q, rows_kv = heads_gluon.tma_rows(q, kv)
-        splits, split_len = sparse or (1, 0)
-        programs = items.shape[0] if sparse is None else splits * N
         _mla_decode_tokens_tma_kernel[(programs,)](
             heads_gluon.descriptor(rows_q, L, 16), heads_gluon.descriptor(rows_q, D - L, 16),
             heads_gluon.descriptor(rows_kv, L), heads_gluon.descriptor(rows_kv, D - L),
@@ -323,11 +316,11 @@ def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: 
             num_warps=4,
         )
         return
-    assert sparse is None, "the fp8 form reads pages only"
     q16 = q if q.dtype == torch.float16 else q.float().clamp(-65504.0, 65504.0).half()
-    _mla_decode_fp8_gluon_kernel[(items.shape[0],)](
-        q16, kv, scale, block_table, o_part, o_low, lse_part, out, lse, items, qk_scale, H, N,
-        q16.stride(0), q16.stride(1), kv.stride(0), kv.stride(1), scale.stride(0),
-        scale.stride(1), *tail, L=L, R=D - L, PS=kv.shape[1], BH=16, LOW_SPLITS=low,
-        num_warps=4,
+    _mla_decode_fp8_gluon_kernel[(programs,)](
+        q16, kv, scale, block_table, o_part, o_low, lse_part, out, lse,
+        block_table if items is None else items, qk_scale, H, N, splits, split_len,
+        block_table.shape[1], q16.stride(0), q16.stride(1), kv.stride(0), kv.stride(1),
+        scale.stride(0), scale.stride(1), *tail, L=L, R=D - L, PS=kv.shape[1], BH=16,
+        LOW_SPLITS=low, GATHER=sparse is not None, num_warps=4,
     )

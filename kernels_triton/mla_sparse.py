@@ -201,7 +201,8 @@ def mla_sparse(
         raise ValueError(f"num_splits={num_splits!r} must be an int in [1, 65535]")
     gluon = _gluon_form(q, kv, L, R, block_h, cfg)
     if gluon is not None:
-        _gluon_sparse(gluon, q, kv, slots, float(sm_scale) * _LOG2E, out, lse, num_splits)
+        _gluon_sparse(gluon, q, kv, kv_scale, slots, float(sm_scale) * _LOG2E, out, lse,
+                      num_splits, cfg)
         return out, lse
     if num_splits is None:
         num_splits = choose_num_splits(N, head_groups, K, dev, cfg)
@@ -236,9 +237,9 @@ def mla_sparse(
 def _gluon_form(q: torch.Tensor, kv: torch.Tensor, L: int, R: int, block_h: int,
                 cfg: dict[str, Any]) -> str | None:
     """The Gluon decode kernel that gathers the selected rows here (``config["gluon"]`` on
-    Hopper, 16-bit KV of q's dtype): "tokens" at 16 heads or fewer, "heads" at more than 32
-    in head groups of 64; else None (the Triton kernels)."""
-    if kv.dtype != q.dtype:
+    Hopper; 16-bit KV of q's dtype, or e4m3 KV with fp16 products): "tokens" at 16 heads or
+    fewer, "heads" at more than 32 in head groups of 64; else None (the Triton kernels)."""
+    if kv.dtype != q.dtype and not V.is_fp8(kv.dtype):
         return None
     if tokens_gluon.usable(q, kv, L, R, kv.shape[1], cfg):
         return "tokens"
@@ -247,12 +248,13 @@ def _gluon_form(q: torch.Tensor, kv: torch.Tensor, L: int, R: int, block_h: int,
     return None
 
 
-def _gluon_sparse(form: str, q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor,
-                  qk_scale: float, out: torch.Tensor, lse: torch.Tensor,
-                  num_splits: int | None) -> None:
+def _gluon_sparse(form: str, q: torch.Tensor, kv: torch.Tensor, kv_scale: torch.Tensor | None,
+                  slots: torch.Tensor, qk_scale: float, out: torch.Tensor, lse: torch.Tensor,
+                  num_splits: int | None, cfg: dict[str, Any]) -> None:
     """``mla_sparse`` by a Gluon kernel: each row's slot list in splits of whole 64-row tiles,
     one program (one SM) per head group x split x row (``num_splits`` or as many as fill
-    the SMs once), then ``lse_merge`` over the splits."""
+    the SMs once), then ``lse_merge`` over the splits (partial rows in ``low_partials``'
+    dtype)."""
     N, H, L = out.shape
     K = slots.shape[1]
     groups = 1 if form == "tokens" else triton.cdiv(H, heads_gluon.BH)
@@ -261,10 +263,12 @@ def _gluon_sparse(form: str, q: torch.Tensor, kv: torch.Tensor, slots: torch.Ten
         num_splits = max(1, V.num_sms(q.device) // (groups * N))
     split_len = triton.cdiv(tiles, min(num_splits, tiles)) * heads_gluon.BN
     splits = triton.cdiv(K, split_len)
-    o_part = torch.empty((splits * N, 1, H, L), dtype=torch.float32, device=q.device)
+    dtype = V.partial_dtype(cfg, out.dtype, splits)
+    o_part = torch.empty((splits * N, 1, H, L), dtype=dtype, device=q.device)
     lse_part = torch.empty((splits * N, 1, H), dtype=torch.float32, device=q.device)
     launch = tokens_gluon.launch if form == "tokens" else heads_gluon.launch
-    launch(q, kv, lse, slots, o_part, o_part, lse_part, out, lse, None, qk_scale, 0,
+    launch(q, kv, kv_scale if kv_scale is not None else lse, slots, o_part, o_part, lse_part,
+           out, lse, None, qk_scale, splits if dtype != torch.float32 else 0,
            sparse=(splits, split_len))
     if splits > 1:
         _merge_into(o_part.view(splits, N, H, L), lse_part.view(splits, N, H), out, lse)

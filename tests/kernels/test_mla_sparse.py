@@ -105,13 +105,14 @@ def test_sparse_partials_in_the_output_dtype(setting, case, monkeypatch):
     assert_lse(lse, ref_lse, setting.lse_tol)
 
 
+@pytest.mark.parametrize("name", ["bf16", "bf16-fp8kv"])
 @pytest.mark.parametrize("num_splits", [1, 3, None])
 @pytest.mark.parametrize("H", [16, 8, 128, 48])
-def test_gluon_sparse_matches_reference(H, num_splits, monkeypatch):
-    """On an sm_90 GPU the Gluon decode kernels gather the selected rows by cp.async (tokens
-    on M at 16 heads or fewer, heads on M above 32): 2,100 slots a row (a partial last tile),
-    selections partly empty, empty, with a whole tile of -1 and with -1 scattered, over a pool
-    whose unselected rows hold NaN."""
+def test_gluon_sparse_matches_reference(H, num_splits, name, monkeypatch):
+    """On an sm_90 GPU the Gluon decode kernels gather the selected rows (tokens on M at 16
+    heads or fewer, heads on M above 32; bf16 or e4m3 KV): 2,100 slots a row (a partial last
+    tile), selections partly empty, empty, with a whole tile of -1 and with -1 scattered,
+    over a pool whose unselected rows hold NaN."""
     module = "tokens" if H <= 16 else "heads"
     gluon = importlib.import_module(f"splash.kernels_triton.mla_decode_{module}_gluon")
     if not compiled_gpu() or gluon.gluon is None or torch.cuda.get_device_capability()[0] != 9:
@@ -119,10 +120,10 @@ def test_gluon_sparse_matches_reference(H, num_splits, monkeypatch):
     launches = []
     launch = gluon.launch
     monkeypatch.setattr(gluon, "launch", lambda *a, **k: (launches.append(k), launch(*a, **k)))
-    setting = make_setting("bf16")
+    setting = make_setting(name)
     gen = torch.Generator().manual_seed(9)
     PS, pages, K = 64, 80, 2100
-    kv, _ = paged_cache(pages, PS, 576, torch.bfloat16, setting.device, gen)
+    kv, scale = paged_cache(pages, PS, 576, setting.kv_dtype, setting.device, gen)
     slots = torch.stack([torch.randperm(pages * PS, generator=gen)[:K] for _ in range(5)])
     slots[1, K // 2:] = -1
     slots[2] = -1
@@ -130,13 +131,17 @@ def test_gluon_sparse_matches_reference(H, num_splits, monkeypatch):
     slots[4, 64:128] = -1  # the second tile selects nothing
     unused = torch.ones(pages * PS, dtype=torch.bool)
     unused[slots[slots >= 0]] = False
-    kv.view(-1, 576)[unused.to(setting.device)] = float("nan")
+    if scale is None:
+        kv.view(-1, 576)[unused.to(setting.device)] = float("nan")
+    else:
+        kv.view(torch.uint8).view(-1, 576)[unused.to(setting.device)] = 0x7F  # e4m3's NaN
     slots = slots.to(torch.int32).to(setting.device)
-    q = torch.randn(5, H, 576, generator=gen).to(torch.bfloat16).to(setting.device)
-    out, lse = mla_sparse(q, kv, slots, 576 ** -0.5, 512, num_splits=num_splits,
-                          config={"gluon": True})
+    q = torch.randn(5, H, 576, generator=gen).to(setting.q_dtype).to(setting.device)
+    out, lse = mla_sparse(q, kv, slots, 576 ** -0.5, 512, kv_scale=scale,
+                          num_splits=num_splits,
+                          config={"gluon": True, "fp8": {"many_heads": {"fp8_fp16": True}}})
     assert launches and launches[0].get("sparse")
-    ref_out, ref_lse = mla_sparse_ref(q, kv, slots, 576 ** -0.5, 512)
+    ref_out, ref_lse = mla_sparse_ref(q, kv, slots, 576 ** -0.5, 512, kv_scale=scale)
     assert_close(out, ref_out, setting.atol, setting.rtol)
     assert_lse(lse, ref_lse, setting.lse_tol)
     assert torch.all(out[2] == 0) and torch.all(lse[2] == float("-inf"))
