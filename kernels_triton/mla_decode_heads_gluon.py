@@ -252,7 +252,9 @@ if gluon is not None:
         p_op = gl.convert_layout((p * ks[None, :]).to(dtype), p_layout)
         return p_op, gl.convert_layout(alpha, gl.SliceLayout(1, mma_o)), m_new, l_acc
 
-    @gluon.jit
+    # splits stays a runtime int: one split a row compiled as a constant 1 trips an assertion
+    # in Triton 3.6's lowering to LLVM
+    @gluon.jit(do_not_specialize=["splits"])
     def _mla_decode_heads_gluon_kernel(
         qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q (N * H, L + R), kv (pages * PS, L + R)
         scale_ptr,  # (pages, PS) fp32 (fp8 KV)

@@ -118,7 +118,9 @@ if gluon is not None:
                 gl.store(o_ptr + part, res, mask=mask)
             gl.store(lse_ptr + pid * stride_ls + oh, lse, mask=oh < H)
 
-    @gluon.jit
+    # splits stays a runtime int: one split a row compiled as a constant 1 trips an assertion
+    # in Triton 3.6's lowering to LLVM
+    @gluon.jit(do_not_specialize=["splits"])
     def _mla_decode_tokens_tma_kernel(
         qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q (N * H, L + R), kv (pages * PS, L + R)
         bt_ptr,  # (N, max_pages) int (GATHER: (N, K) slots)
@@ -198,7 +200,9 @@ if gluon is not None:
                     lse_out_ptr, stride_os, stride_oh, stride_ls, stride_outn, stride_outh,
                     stride_lon, L, BH, LOW_SPLITS, mma)
 
-    @gluon.jit
+    # splits stays a runtime int: one split a row compiled as a constant 1 trips an assertion
+    # in Triton 3.6's lowering to LLVM
+    @gluon.jit(do_not_specialize=["splits"])
     def _mla_decode_fp8_gluon_kernel(
         q_ptr,  # (N, H, L + R) fp16
         kv_ptr,  # (pages, PS, L + R) e4m3
