@@ -66,7 +66,7 @@ def usable(q: torch.Tensor, kv: torch.Tensor, L: int, R: int, page_size: int,
     return bool(cfg.get("gluon")) and gluon is not None and kv_ok and V.compiled_hopper(q) \
         and q.shape[1] > 32 and (L, R) == (512, 64) and page_size % BN == 0 \
         and kv.stride(2) == 1 and kv.stride(0) == page_size * kv.stride(1) \
-        and kv.stride(1) % 8 == 0 and kv.data_ptr() % 16 == 0
+        and kv.stride(1) * kv.element_size() % 16 == 0 and kv.data_ptr() % 16 == 0
 
 
 if gluon is not None:

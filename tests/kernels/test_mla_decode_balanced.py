@@ -188,6 +188,8 @@ _GLUON_CASES = [  # (module, setting, heads, page size, config)
     *[("tokens", name, H, PS, cfg) for name in ("fp16", "bf16", "fp16-fp8kv", "bf16-fp8kv")
       for H, PS, cfg in [(16, 64, {}), (5, 128, {}), (16, 64, {"low_partials": 2}),
                          (16, 128, {"programs_per_sm": 8})]],
+    *[("tokens", name, H, 64, {"gluon_fp8_tma": False}) for name in ("fp16-fp8kv", "bf16-fp8kv")
+      for H in (16, 5)],
     *[("heads", name, H, PS, cfg) for name in ("fp16", "bf16", "fp16-fp8kv", "bf16-fp8kv")
       for H, PS, cfg in [(128, 64, {}), (64, 128, {}), (128, 64, {"low_partials": 2}),
                          (40, 64, {"programs_per_sm": 4})]],
@@ -206,7 +208,7 @@ def test_gluon_kernels_match_reference(module, name, H, PS, cfg, monkeypatch):
         pytest.skip("the Gluon kernels run on a compiled sm_90 GPU with Gluon")
     launches = []
     launch = gluon.launch
-    monkeypatch.setattr(gluon, "launch", lambda *a: (launches.append(1), launch(*a)))
+    monkeypatch.setattr(gluon, "launch", lambda *a, **k: (launches.append(1), launch(*a, **k)))
     setting = make_setting(name)
     lens = [0, 1, 63, 64, 65, 300, 4096, 1000, 20000]
     q, kv, scale, table, seq_lens = decode_inputs(setting, 512, 64, PS, H, lens, seed=12)
