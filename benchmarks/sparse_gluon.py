@@ -35,6 +35,40 @@ FORMS = [("triton", {"gluon": False}, None),
          ("gluon splits=16", {"gluon": True, "fp8": {"many_heads": {"fp8_fp16": True}}}, 16)]
 
 
+def _shape_records(dev, ceil, kind: str, heads: int, batch: int, context: int) -> list[dict]:
+    """Every form's record at one shape (the layer's inputs drawn once)."""
+    gen = torch.Generator(device=dev).manual_seed(0)
+    layer = decode_layer(dev, gen, kind, heads, batch, context)
+    slots = layer.topk(layer.scores())
+    q = torch.randn(batch, heads, D, device=dev, dtype=torch.bfloat16, generator=gen)
+    row_bytes = batch * TOPK * (D * layer.kv.element_size() + (4 if layer.scale is not None else 0))
+    key_bytes = batch * context * (INDEX_DIM + 4)
+    ref = K.mla_sparse_ref(q, layer.kv, slots, SM_SCALE, L, kv_scale=layer.scale)[0]
+    records = []
+    for name, cfg, splits in FORMS:
+        def sparse(s=slots, cfg=cfg, splits=splits):
+            return K.mla_sparse(q, layer.kv, s, SM_SCALE, L, kv_scale=layer.scale, config=cfg,
+                                num_splits=splits)
+        diff = (sparse()[0].float() - ref.float()).abs().max().item()
+        times = bench_both(sparse)
+        rec = {"kernel": "dsa_sparse_mla", "form": name, "heads": heads, "batch": batch,
+               "context": context, "index_topk": TOPK, "kv_dtype": kind, "page": PAGE,
+               "ms": round(times["ms"], 4),
+               "pct_copy": round(100 * row_bytes / times["ms"] / 1e6 / ceil["copy_GBps"], 1),
+               "TFLOPs": round(batch * heads * TOPK * 2 * (D + L) / times["ms"] / 1e9, 1),
+               "max_diff_vs_ref": diff}
+        if splits is None:  # the launcher's split: the whole layer too
+            layer_t = bench_both(lambda cfg=cfg: K.mla_sparse(
+                q, layer.kv, layer.topk(layer.scores()), SM_SCALE, L, kv_scale=layer.scale,
+                config=cfg))
+            rec["layer_ms"] = round(layer_t["ms"], 4)
+            rec["layer_pct_copy"] = round(100 * (key_bytes + row_bytes) / layer_t["ms"] / 1e6
+                                          / ceil["copy_GBps"], 1)
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
+    return records
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
@@ -46,40 +80,8 @@ def main() -> None:
     K.set_value_checks(False)
     dev = torch.device("cuda")
     ceil = ceilings(dev)
-    batch, records = 16, []
-    for kind in args.kinds.split(","):
-        for heads in (16, 128):
-            gen = torch.Generator(device=dev).manual_seed(0)
-            layer = decode_layer(dev, gen, kind, heads, batch, args.context)
-            slots = layer.topk(layer.scores())
-            q = torch.randn(batch, heads, D, device=dev, dtype=torch.bfloat16, generator=gen)
-            row_bytes = batch * TOPK * (D * layer.kv.element_size()
-                                        + (4 if layer.scale is not None else 0))
-            key_bytes = batch * args.context * (INDEX_DIM + 4)
-            ref = K.mla_sparse_ref(q, layer.kv, slots, SM_SCALE, L, kv_scale=layer.scale)[0]
-            for name, cfg, splits in FORMS:
-                def sparse(s=slots, cfg=cfg, splits=splits):
-                    return K.mla_sparse(q, layer.kv, s, SM_SCALE, L, kv_scale=layer.scale,
-                                        config=cfg, num_splits=splits)
-                diff = (sparse()[0].float() - ref.float()).abs().max().item()
-                times = bench_both(sparse)
-                rec = {"kernel": "dsa_sparse_mla", "form": name, "heads": heads,
-                       "batch": batch, "context": args.context, "index_topk": TOPK,
-                       "kv_dtype": kind, "page": PAGE, "ms": round(times["ms"], 4),
-                       "pct_copy": round(100 * row_bytes / times["ms"] / 1e6
-                                         / ceil["copy_GBps"], 1),
-                       "TFLOPs": round(batch * heads * TOPK * 2 * (D + L) / times["ms"] / 1e9,
-                                       1),
-                       "max_diff_vs_ref": diff}
-                if splits is None:  # the launcher's split: the whole layer too
-                    layer_t = bench_both(lambda cfg=cfg: K.mla_sparse(
-                        q, layer.kv, layer.topk(layer.scores()), SM_SCALE, L,
-                        kv_scale=layer.scale, config=cfg))
-                    rec["layer_ms"] = round(layer_t["ms"], 4)
-                    rec["layer_pct_copy"] = round(100 * (key_bytes + row_bytes) / layer_t["ms"]
-                                                  / 1e6 / ceil["copy_GBps"], 1)
-                records.append(rec)
-                print(json.dumps(rec), flush=True)
+    records = [rec for kind in args.kinds.split(",") for heads in (16, 128)
+               for rec in _shape_records(dev, ceil, kind, heads, 16, args.context)]
     save_json(args.out, {"what": __doc__.splitlines()[0], "ceilings": ceil,
                          "triton": __import__("triton").__version__, "records": records})
 

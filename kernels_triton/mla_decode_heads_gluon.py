@@ -421,7 +421,7 @@ def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: 
         q = q.float().clamp(-65504.0, 65504.0).half()
     rows_q, rows_kv = tma_rows(q, kv)
     splits, split_len = sparse or (1, 0)
-    programs = items.shape[0] if sparse is None else splits * N
+    programs = items.shape[0] if items is not None else splits * N
     _mla_decode_heads_gluon_kernel[((H + BH - 1) // BH, programs)](
         descriptor(rows_q, L), descriptor(rows_q, D - L), descriptor(rows_kv, L),
         descriptor(rows_kv, D - L), scale, block_table, o_part, o_low, lse_part, out, lse,

@@ -49,7 +49,6 @@ try:  # Gluon ships with Triton 3.5 and later
         warpgroup_mma_wait,
     )
 
-    from splash.kernels_triton.mla_decode_heads_gluon import _widen as _widen_tile
     from splash.kernels_triton.mla_decode_heads_gluon import (
         _plan_item,
         _refill,
@@ -58,6 +57,7 @@ try:  # Gluon ships with Triton 3.5 and later
         _wait_tile,
         _zero_rows_past,
     )
+    from splash.kernels_triton.mla_decode_heads_gluon import _widen as _widen_tile
 except ImportError:  # pragma: no cover - an older Triton: the Triton kernels serve
     gluon = None
 
