@@ -302,7 +302,8 @@ def mla_decode(
         if gluon == "tokens":
             tokens_gluon.launch(q, kv, scale, block_table, o_part, o_low, lse_part, out, lse,
                                 items, float(sm_scale) * _LOG2E, low,
-                                fp8_tma=bool(cfg.get("gluon_fp8_tma", True)))
+                                fp8_tma=bool(cfg.get("gluon_fp8_tma", True)),
+                                fp8_stages=int(cfg.get("gluon_fp8_stages", 2)))
         elif gluon == "heads":
             heads_gluon.launch(q, kv, scale, block_table, o_part, o_low, lse_part, out, lse,
                                items, float(sm_scale) * _LOG2E, low)

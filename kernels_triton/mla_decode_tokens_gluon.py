@@ -140,7 +140,7 @@ if gluon is not None:
         stride_lon,
         L: gl.constexpr, R: gl.constexpr, PS: gl.constexpr, BH: gl.constexpr,
         LOW_SPLITS: gl.constexpr, GATHER: gl.constexpr, FP8: gl.constexpr,
-        num_warps: gl.constexpr,
+        STAGES: gl.constexpr, num_warps: gl.constexpr,
     ):
         pid = gl.program_id(0)
         n, count, start, end = _plan_item(plan_ptr, pid, N, splits, split_len, K, GATHER)
@@ -150,8 +150,8 @@ if gluon is not None:
                 version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BH, 16])
             qn_s = gl.allocate_shared_memory(dtype, [BH, L], qn_desc.layout)
             qr_s = gl.allocate_shared_memory(dtype, [BH, R], qr_desc.layout)
-            kn_s = gl.allocate_shared_memory(kn_desc.dtype, [2, BN, L], kn_desc.layout)
-            kr_s = gl.allocate_shared_memory(kr_desc.dtype, [2, BN, R], kr_desc.layout)
+            kn_s = gl.allocate_shared_memory(kn_desc.dtype, [STAGES, BN, L], kn_desc.layout)
+            kr_s = gl.allocate_shared_memory(kr_desc.dtype, [STAGES, BN, R], kr_desc.layout)
             p_s = gl.allocate_shared_memory(
                 dtype, [BN, BH], gl.NVMMASharedLayout.get_default_for([BN, BH], dtype))
             if FP8:  # each e4m3 stage widened into one fp16 tile that both products read
@@ -159,30 +159,31 @@ if gluon is not None:
                     dtype, [BN, L], gl.NVMMASharedLayout.get_default_for([BN, L], dtype))
                 wr = gl.allocate_shared_memory(
                     dtype, [BN, R], gl.NVMMASharedLayout.get_default_for([BN, R], dtype))
-            bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+            bars = gl.allocate_shared_memory(gl.int64, [STAGES + 1, 1],
+                                             mbarrier.MBarrierLayout())
             bt_row = bt_ptr + n.to(gl.int64) * stride_btn
             tiles = (end - start + BN - 1) // BN
             _start_copies(qn_desc, qr_desc, kn_desc, kr_desc, n * H, bt_row, stride_btp, start,
                           tiles, qn_s, qr_s, kn_s, kr_s, bars, kv_ptr, stride_kvp, stride_kvs,
-                          end, L, PS, GATHER, num_warps)
-            mbarrier.wait(bars.index(2), 0)
+                          end, L, PS, GATHER, num_warps, STAGES)
+            mbarrier.wait(bars.index(STAGES), 0)
 
             acc = gl.zeros((L, BH), gl.float32, layout=mma)  # outᵀ
             m_i = gl.full((BH,), float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma))
             l_i = gl.zeros((BH,), gl.float32, layout=gl.SliceLayout(0, mma))
             rows_m = gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
             for i in range(tiles):
-                st = i % 2
+                st = i % STAGES
                 t0 = start + i * BN
-                _wait_tile(bars, st, (i // 2) & 1, 1, GATHER)
+                _wait_tile(bars, st, (i // STAGES) & 1, STAGES - 1, GATHER)
                 if FP8:  # the stage widened (rows past the range 0) and refilled at once
                     gl.thread_barrier()  # every warp's last value product has read the tile
                     _widen_tile(kn_s.index(st), kr_s.index(st), wn, wr, end - t0, L, R,
                                 num_warps)
                     fence_async_shared()
                     gl.thread_barrier()
-                    _refill(kn_desc, kr_desc, bt_row, stride_btp, t0 + 2 * BN, end,
-                            kn_s.index(st), kr_s.index(st), bars.index(st), i + 2 < tiles,
+                    _refill(kn_desc, kr_desc, bt_row, stride_btp, t0 + STAGES * BN, end,
+                            kn_s.index(st), kr_s.index(st), bars.index(st), i + STAGES < tiles,
                             kv_ptr, stride_kvp, stride_kvs, L, PS, GATHER, num_warps)
                     kn = wn
                     kr = wr
@@ -221,10 +222,10 @@ if gluon is not None:
                                     is_async=True)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 if not FP8:  # the value product has read this stage: refill it
-                    _refill(kn_desc, kr_desc, bt_row, stride_btp, t0 + 2 * BN, end, kn, kr,
-                            bars.index(st), i + 2 < tiles, kv_ptr, stride_kvp, stride_kvs, L,
-                            PS, GATHER, num_warps)
-            for i in gl.static_range(3):
+                    _refill(kn_desc, kr_desc, bt_row, stride_btp, t0 + STAGES * BN, end, kn,
+                            kr, bars.index(st), i + STAGES < tiles, kv_ptr, stride_kvp,
+                            stride_kvs, L, PS, GATHER, num_warps)
+            for i in gl.static_range(STAGES + 1):
                 mbarrier.invalidate(bars.index(i))
             _finish(acc, m_i, l_i, n, pid, count, H, o_ptr, o_low_ptr, lse_ptr, out_ptr,
                     lse_out_ptr, stride_os, stride_oh, stride_ls, stride_outn, stride_outh,
@@ -328,10 +329,11 @@ if gluon is not None:
 def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
            o_part: torch.Tensor, o_low: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
            lse: torch.Tensor, items: torch.Tensor | None, qk_scale: float, low: int,
-           sparse: tuple[int, int] | None = None, fp8_tma: bool = True) -> None:
+           sparse: tuple[int, int] | None = None, fp8_tma: bool = True,
+           fp8_stages: int = 2) -> None:
     """One program per plan item (``_decode_plan_kernel``'s), the rest as the balanced Triton
     launch takes them. fp8 KV: fp16 products, q clamped to fp16's range; e4m3 tiles by TMA
-    (``fp8_tma``) or loaded into registers. ``sparse`` as in
+    in ``fp8_stages`` stages (``fp8_tma``) or loaded into registers. ``sparse`` as in
     ``mla_decode_heads_gluon.launch``."""
     N, H, D = q.shape
     L = out.shape[2]
@@ -352,7 +354,7 @@ def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: 
             block_table, o_part, o_low, lse_part, out, lse, plan, kv, scale, qk_scale, H, N,
             splits, split_len, block_table.shape[1], *tail,
             L=L, R=D - L, PS=kv.shape[1], BH=16, LOW_SPLITS=low, GATHER=sparse is not None,
-            FP8=fp8, num_warps=4,
+            FP8=fp8, STAGES=fp8_stages if fp8 else 2, num_warps=4,
         )
         return
     _mla_decode_fp8_gluon_kernel[(programs,)](
