@@ -301,9 +301,7 @@ def mla_decode(
         items, meta = planned(seq_lens, (N, programs, min_tiles, BLOCK_N, q.device), plan)
         if gluon == "tokens":
             tokens_gluon.launch(q, kv, scale, block_table, o_part, o_low, lse_part, out, lse,
-                                items, float(sm_scale) * _LOG2E, low,
-                                fp8_tma=bool(cfg.get("gluon_fp8_tma", True)),
-                                fp8_stages=int(cfg.get("gluon_fp8_stages", 2)))
+                                items, float(sm_scale) * _LOG2E, low)
         elif gluon == "heads":
             heads_gluon.launch(q, kv, scale, block_table, o_part, o_low, lse_part, out, lse,
                                items, float(sm_scale) * _LOG2E, low)

@@ -25,7 +25,13 @@ so no operand pads 16 heads to the MMA's 64 rows. Two forms:
   (``fp8_decode_gluon.json``): 64 x 32K 0.798 -> 0.746 ms, 64 x 1K 0.047 -> 0.041, 8 x 4K
   0.027 -> 0.030. Tried by the session that wrote it: the rows copied into an fp8 shared ring
   by cp.async first (205 KB, one program an SM: 0.846 ms at 64 x 32K), and the next tile's
-  rows loaded into registers one tile ahead (2.3 KB of spills: 4.2 ms).
+  rows loaded into registers one tile ahead (2.3 KB of spills: 4.2 ms). Tried later: the
+  16-bit form's TMA pipeline with e4m3 stages, each widened in shared memory into one fp16
+  tile and refilled at once (2 or 3 stages, one program an SM): 64 x 32K 0.826 / 0.838 ms
+  against this form's 0.751, as one program's serial chain takes ~3.3 us a tile
+  (``decode_tokens_fp8_tma_tried.json``); this form's row offsets (no spills, 194
+  registers) measured the same as its spilling predecessor
+  (``decode_tokens_fp8_offsets.json``).
 
 The online softmax runs per head column (a reduction over the tile's tokens). Outputs follow
 the plan as the Triton kernels' do: a request's only split writes the output, others write
@@ -57,7 +63,6 @@ try:  # Gluon ships with Triton 3.5 and later
         _wait_tile,
         _zero_rows_past,
     )
-    from splash.kernels_triton.mla_decode_heads_gluon import _widen as _widen_tile
 except ImportError:  # pragma: no cover - an older Triton: the Triton kernels serve
     gluon = None
 
@@ -67,18 +72,17 @@ TILE = 64  # tokens a tile (the scores product's M)
 def usable(q: torch.Tensor, kv: torch.Tensor, L: int, R: int, page_size: int,
            cfg: dict) -> bool:
     """Whether ``config["gluon"]`` applies: at most 16 heads, KV of DeepSeek's dims (L 512,
-    R 64) in pages of a multiple of 64 tokens, compiled on an NVIDIA sm_90 GPU; 16-bit KV of
-    q's dtype or e4m3 KV, in pages laid end to end for TMA (e4m3 KV loaded into registers,
-    ``gluon_fp8_tma`` off, takes any page stride)."""
+    R 64) in pages of a multiple of 64 tokens, compiled on an NVIDIA sm_90 GPU; e4m3 KV
+    (the widening kernel), or 16-bit KV of q's dtype in pages laid end to end (TMA)."""
     if not (bool(cfg.get("gluon")) and gluon is not None and V.compiled_hopper(q)
             and q.shape[1] <= 16 and (L, R) == (512, 64) and page_size % TILE == 0
             and cfg.get("BLOCK_N") == TILE and kv.stride(2) == 1):
         return False
-    tma = kv.stride(0) == page_size * kv.stride(1) and kv.stride(1) * kv.element_size() % 16 == 0 \
-        and kv.data_ptr() % 16 == 0
     if kv.dtype == torch.float8_e4m3fn:
-        return tma or not cfg.get("gluon_fp8_tma", True)
-    return kv.dtype == q.dtype and kv.dtype in (torch.bfloat16, torch.float16) and tma
+        return True
+    return kv.dtype == q.dtype and kv.dtype in (torch.bfloat16, torch.float16) \
+        and kv.stride(0) == page_size * kv.stride(1) and kv.stride(1) % 8 == 0 \
+        and kv.data_ptr() % 16 == 0
 
 
 if gluon is not None:
@@ -128,84 +132,57 @@ if gluon is not None:
         bt_ptr,  # (N, max_pages) int (GATHER: (N, K) slots)
         o_ptr, o_low_ptr, lse_ptr, out_ptr, lse_out_ptr, plan_ptr,  # as the fp8 kernel's
         kv_ptr,  # (pages, PS, L + R), read by GATHER
-        scale_ptr,  # (pages, PS) fp32 (FP8)
         qk_scale, H, N,
         splits, split_len, K,  # GATHER: each row's K slots in splits of split_len
         stride_btn, stride_btp,
         stride_kvp, stride_kvs,
-        stride_sp, stride_ss,
         stride_os, stride_oh,
         stride_ls,
         stride_outn, stride_outh,
         stride_lon,
         L: gl.constexpr, R: gl.constexpr, PS: gl.constexpr, BH: gl.constexpr,
-        LOW_SPLITS: gl.constexpr, GATHER: gl.constexpr, FP8: gl.constexpr,
-        STAGES: gl.constexpr, num_warps: gl.constexpr,
+        LOW_SPLITS: gl.constexpr, GATHER: gl.constexpr, num_warps: gl.constexpr,
     ):
         pid = gl.program_id(0)
         n, count, start, end = _plan_item(plan_ptr, pid, N, splits, split_len, K, GATHER)
         if n < N:
-            dtype: gl.constexpr = qn_desc.dtype  # the products' operands
+            dtype: gl.constexpr = kn_desc.dtype
             mma: gl.constexpr = gl.NVMMADistributedLayout(
                 version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BH, 16])
             qn_s = gl.allocate_shared_memory(dtype, [BH, L], qn_desc.layout)
             qr_s = gl.allocate_shared_memory(dtype, [BH, R], qr_desc.layout)
-            kn_s = gl.allocate_shared_memory(kn_desc.dtype, [STAGES, BN, L], kn_desc.layout)
-            kr_s = gl.allocate_shared_memory(kr_desc.dtype, [STAGES, BN, R], kr_desc.layout)
+            kn_s = gl.allocate_shared_memory(dtype, [2, BN, L], kn_desc.layout)
+            kr_s = gl.allocate_shared_memory(dtype, [2, BN, R], kr_desc.layout)
             p_s = gl.allocate_shared_memory(
                 dtype, [BN, BH], gl.NVMMASharedLayout.get_default_for([BN, BH], dtype))
-            if FP8:  # each e4m3 stage widened into one fp16 tile that both products read
-                wn = gl.allocate_shared_memory(
-                    dtype, [BN, L], gl.NVMMASharedLayout.get_default_for([BN, L], dtype))
-                wr = gl.allocate_shared_memory(
-                    dtype, [BN, R], gl.NVMMASharedLayout.get_default_for([BN, R], dtype))
-            bars = gl.allocate_shared_memory(gl.int64, [STAGES + 1, 1],
-                                             mbarrier.MBarrierLayout())
+            bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
             bt_row = bt_ptr + n.to(gl.int64) * stride_btn
             tiles = (end - start + BN - 1) // BN
             _start_copies(qn_desc, qr_desc, kn_desc, kr_desc, n * H, bt_row, stride_btp, start,
                           tiles, qn_s, qr_s, kn_s, kr_s, bars, kv_ptr, stride_kvp, stride_kvs,
-                          end, L, PS, GATHER, num_warps, STAGES)
-            mbarrier.wait(bars.index(STAGES), 0)
+                          end, L, PS, GATHER, num_warps)
+            mbarrier.wait(bars.index(2), 0)
 
             acc = gl.zeros((L, BH), gl.float32, layout=mma)  # outᵀ
             m_i = gl.full((BH,), float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma))
             l_i = gl.zeros((BH,), gl.float32, layout=gl.SliceLayout(0, mma))
             rows_m = gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
             for i in range(tiles):
-                st = i % STAGES
+                st = i % 2
                 t0 = start + i * BN
-                _wait_tile(bars, st, (i // STAGES) & 1, STAGES - 1, GATHER)
-                if FP8:  # the stage widened (rows past the range 0) and refilled at once
-                    gl.thread_barrier()  # every warp's last value product has read the tile
-                    _widen_tile(kn_s.index(st), kr_s.index(st), wn, wr, end - t0, L, R,
-                                num_warps)
-                    fence_async_shared()
-                    gl.thread_barrier()
-                    _refill(kn_desc, kr_desc, bt_row, stride_btp, t0 + STAGES * BN, end,
-                            kn_s.index(st), kr_s.index(st), bars.index(st), i + STAGES < tiles,
-                            kv_ptr, stride_kvp, stride_kvs, L, PS, GATHER, num_warps)
-                    kn = wn
-                    kr = wr
-                else:
-                    kn = kn_s.index(st)
-                    kr = kr_s.index(st)
-                    if not GATHER:  # (gathered rows past the range are zeros)
-                        if t0 + BN > end:  # the split's last, partial tile: unused rows to 0
-                            _zero_rows_past(kn, end - t0, L, num_warps)
-                            fence_async_shared()
-                            gl.thread_barrier()
+                kn = kn_s.index(st)
+                _wait_tile(bars, st, (i // 2) & 1, 1, GATHER)
+                if not GATHER:  # (gathered rows past the range are zeros)
+                    if t0 + BN > end:  # the split's last, partial tile: its unused rows to 0
+                        _zero_rows_past(kn, end - t0, L, num_warps)
+                        fence_async_shared()
+                        gl.thread_barrier()
                 s = gl.zeros((BN, BH), gl.float32, layout=mma)
                 s = warpgroup_mma(kn, qn_s.permute((1, 0)), s, use_acc=False, is_async=True)
-                s = warpgroup_mma(kr, qr_s.permute((1, 0)), s, is_async=True)
-                off, ok = _tile_rows(bt_row, stride_btp, t0, end, rows_m, stride_sp, stride_ss,
-                                     PS, GATHER)
-                if FP8:  # the rows' scales: the scores' and p's
-                    ks = gl.load(scale_ptr + off, mask=ok, other=0.0)
-                    s = warpgroup_mma_wait(0, deps=(s,)) * (ks * qk_scale)[:, None]
-                else:
-                    s = warpgroup_mma_wait(0, deps=(s,)) * qk_scale
-                s = gl.where(ok[:, None], s, float("-inf"))
+                s = warpgroup_mma(kr_s.index(st), qr_s.permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma_wait(0, deps=(s,))
+                ok = _tile_rows(bt_row, stride_btp, t0, end, rows_m, 0, 0, PS, GATHER)[1]
+                s = gl.where(ok[:, None], s * qk_scale, float("-inf"))
                 m_new = gl.maximum(m_i, gl.max(s, axis=0))  # finite unless GATHER
                 m_use = m_new
                 if GATHER:  # a tile of skipped slots
@@ -214,18 +191,16 @@ if gluon is not None:
                 p = gl.exp2(s - m_use[None, :])
                 l_i = l_i * alpha + gl.sum(p, axis=0)
                 m_i = m_new
-                if FP8:
-                    p = p * ks[:, None]
                 p_s.store(p.to(dtype))
                 fence_async_shared()
                 acc = warpgroup_mma(kn.permute((1, 0)), p_s, acc * alpha[None, :],
                                     is_async=True)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
-                if not FP8:  # the value product has read this stage: refill it
-                    _refill(kn_desc, kr_desc, bt_row, stride_btp, t0 + STAGES * BN, end, kn,
-                            kr, bars.index(st), i + STAGES < tiles, kv_ptr, stride_kvp,
-                            stride_kvs, L, PS, GATHER, num_warps)
-            for i in gl.static_range(STAGES + 1):
+                # the value product has read this stage: refill it
+                _refill(kn_desc, kr_desc, bt_row, stride_btp, t0 + 2 * BN, end, kn,
+                        kr_s.index(st), bars.index(st), i + 2 < tiles, kv_ptr, stride_kvp,
+                        stride_kvs, L, PS, GATHER, num_warps)
+            for i in gl.static_range(3):
                 mbarrier.invalidate(bars.index(i))
             _finish(acc, m_i, l_i, n, pid, count, H, o_ptr, o_low_ptr, lse_ptr, out_ptr,
                     lse_out_ptr, stride_os, stride_oh, stride_ls, stride_outn, stride_outh,
@@ -329,38 +304,33 @@ if gluon is not None:
 def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
            o_part: torch.Tensor, o_low: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
            lse: torch.Tensor, items: torch.Tensor | None, qk_scale: float, low: int,
-           sparse: tuple[int, int] | None = None, fp8_tma: bool = True,
-           fp8_stages: int = 2) -> None:
+           sparse: tuple[int, int] | None = None) -> None:
     """One program per plan item (``_decode_plan_kernel``'s), the rest as the balanced Triton
-    launch takes them. fp8 KV: fp16 products, q clamped to fp16's range; e4m3 tiles by TMA
-    in ``fp8_stages`` stages (``fp8_tma``) or loaded into registers. ``sparse`` as in
+    launch takes them. fp8 KV: fp16 products, q clamped to fp16's range. ``sparse`` as in
     ``mla_decode_heads_gluon.launch``."""
     N, H, D = q.shape
     L = out.shape[2]
+    tail = (block_table.stride(0), block_table.stride(1), o_part.stride(0), o_part.stride(2),
+            lse_part.stride(0), out.stride(0), out.stride(1), lse.stride(0))
     splits, split_len = sparse or (1, 0)
     programs = items.shape[0] if items is not None else splits * N
-    fp8 = kv.dtype == torch.float8_e4m3fn
-    if fp8 and q.dtype != torch.float16:
-        q = q.float().clamp(-65504.0, 65504.0).half()
-    tail = (block_table.stride(0), block_table.stride(1), kv.stride(0), kv.stride(1),
-            scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0, o_part.stride(0),
-            o_part.stride(2), lse_part.stride(0), out.stride(0), out.stride(1), lse.stride(0))
-    plan = block_table if items is None else items
-    if not fp8 or fp8_tma:
+    if kv.dtype != torch.float8_e4m3fn:
         rows_q, rows_kv = heads_gluon.tma_rows(q, kv)
         _mla_decode_tokens_tma_kernel[(programs,)](
             heads_gluon.descriptor(rows_q, L, 16), heads_gluon.descriptor(rows_q, D - L, 16),
             heads_gluon.descriptor(rows_kv, L), heads_gluon.descriptor(rows_kv, D - L),
-            block_table, o_part, o_low, lse_part, out, lse, plan, kv, scale, qk_scale, H, N,
-            splits, split_len, block_table.shape[1], *tail,
+            block_table, o_part, o_low, lse_part, out, lse,
+            block_table if items is None else items, kv, qk_scale, H, N, splits, split_len,
+            block_table.shape[1], tail[0], tail[1], kv.stride(0), kv.stride(1), *tail[2:],
             L=L, R=D - L, PS=kv.shape[1], BH=16, LOW_SPLITS=low, GATHER=sparse is not None,
-            FP8=fp8, STAGES=fp8_stages if fp8 else 2, num_warps=4,
+            num_warps=4,
         )
         return
+    q16 = q if q.dtype == torch.float16 else q.float().clamp(-65504.0, 65504.0).half()
     _mla_decode_fp8_gluon_kernel[(programs,)](
-        q, kv, scale, block_table, o_part, o_low, lse_part, out, lse, plan, qk_scale, H, N,
-        splits, split_len, block_table.shape[1], q.stride(0), q.stride(1), *tail[2:6], *tail[:2],
-        *tail[6:],
-        L=L, R=D - L, PS=kv.shape[1], BH=16, LOW_SPLITS=low, GATHER=sparse is not None,
-        num_warps=4,
+        q16, kv, scale, block_table, o_part, o_low, lse_part, out, lse,
+        block_table if items is None else items, qk_scale, H, N, splits, split_len,
+        block_table.shape[1], q16.stride(0), q16.stride(1), kv.stride(0), kv.stride(1),
+        scale.stride(0), scale.stride(1), *tail, L=L, R=D - L, PS=kv.shape[1], BH=16,
+        LOW_SPLITS=low, GATHER=sparse is not None, num_warps=4,
     )

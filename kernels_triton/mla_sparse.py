@@ -24,6 +24,14 @@ selected rows): 16 heads 3-7% faster, 128 heads fp8 9% faster, 128 heads bf16 3%
 
 ``config["dim_chunks"]`` (the CUDA default, latents of 64 columns or more): the latent dims in
 four column chunks (``mla_sparse_chunked``), 9-13% faster on an H200 at 16 and 128 heads.
+
+``config["gluon"]`` (Hopper; the CUDA default at many heads with bf16 KV): the Gluon decode
+kernels serve the selection, each tile's 64 rows gathered by cp.async into the swizzled stages
+the products read (rows of -1 or past the list arrive as zeros), one program an SM over a
+split of the row's list, then ``lse_merge``. H200, batch 16 x 2,048 selected rows
+(``dsa_sparse_gluon.json``, against the Triton kernel in the same run): 128 heads bf16
+0.0519 -> 0.0418 ms; 16 heads bf16 0.0163 -> 0.0171 and e4m3 KV through the widening forms
+slower, so the tuning table keeps the Triton kernel there.
 """
 
 from __future__ import annotations

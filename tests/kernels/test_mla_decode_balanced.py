@@ -188,8 +188,6 @@ _GLUON_CASES = [  # (module, setting, heads, page size, config)
     *[("tokens", name, H, PS, cfg) for name in ("fp16", "bf16", "fp16-fp8kv", "bf16-fp8kv")
       for H, PS, cfg in [(16, 64, {}), (5, 128, {}), (16, 64, {"low_partials": 2}),
                          (16, 128, {"programs_per_sm": 8})]],
-    *[("tokens", name, H, 64, cfg) for name in ("fp16-fp8kv", "bf16-fp8kv") for H in (16, 5)
-      for cfg in ({"gluon_fp8_tma": False}, {"gluon_fp8_stages": 3})],
     *[("heads", name, H, PS, cfg) for name in ("fp16", "bf16", "fp16-fp8kv", "bf16-fp8kv")
       for H, PS, cfg in [(128, 64, {}), (64, 128, {}), (128, 64, {"low_partials": 2}),
                          (40, 64, {"programs_per_sm": 4})]],
