@@ -3,7 +3,7 @@ that gather the selected rows by cp.async (``config["gluon"]``, Hopper), in the 
 
 Batch 16, index_topk 2,048, DeepSeek-V3.2 dims, bf16 and fp8 KV, the DSA layer's own inputs
 (``dsa_kernels.decode_layer``: the slots the indexer and top-k pick over a 32K history):
-``mla_sparse`` alone at 16 and 128 heads, the Gluon kernels at several split counts, and the
+``mla_sparse`` alone at 16 and 128 heads (``--heads``), the Gluon kernels at several split counts, and the
 whole layer (scores + top-k + sparse MLA) with each. CUDA-graph medians; ``pct_copy`` is the
 selected rows' bytes (or the layer's: keys + rows) over the same run's copy bandwidth;
 ``max_diff_vs_ref`` is each output's largest difference from the torch reference's.
@@ -74,13 +74,14 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--kinds", default="bf16,fp8", help="KV kinds: bf16, fp8")
+    parser.add_argument("--heads", default="16,128", help="attention heads (comma-separated)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/sparse_gluon.py needs a GPU")
     K.set_value_checks(False)
     dev = torch.device("cuda")
     ceil = ceilings(dev)
-    records = [rec for kind in args.kinds.split(",") for heads in (16, 128)
+    records = [rec for kind in args.kinds.split(",") for heads in map(int, args.heads.split(","))
                for rec in _shape_records(dev, ceil, kind, heads, 16, args.context)]
     save_json(args.out, {"what": __doc__.splitlines()[0], "ceilings": ceil,
                          "triton": __import__("triton").__version__, "records": records})
