@@ -99,15 +99,17 @@ class CUDABackend(BaseBackend):
         # 0.0168 ms; fp8 0.0197 -> 0.0202 and 128 heads 0.052 -> 0.078 keep 8)
         # fp32 partials (16-bit ones, decode_partials.json: 16 heads bf16 0.0163 -> 0.0172 ms)
         # "gluon" (the Gluon decode kernels gathering the selected rows by cp.async,
-        # dsa_sparse_gluon.json, against the Triton kernel in the same run): 128 heads bf16
-        # 0.0519 -> 0.0418 ms (a DSA layer at 32K 0.1006 -> 0.0906); not at 16 heads (0.0163 ->
-        # 0.0171: four tiles a split leave the copies no time to overlap) nor with fp8 KV (16
+        # dsa_sparse_gluon*.json, against the Triton kernel in the same run): 128 heads bf16
+        # 0.0519 -> 0.0418 ms (8 tiles a split; a DSA layer at 32K 0.1006 -> 0.0906); at 4
+        # tiles a split slower (64 heads 0.0292 -> 0.0300, 16 heads 0.0163 -> 0.0171: the
+        # copies have no time to overlap), hence "gluon_min_split_tiles"; nor with fp8 KV (16
         # heads 0.0194 -> 0.0272, 128 heads 0.0658 -> 0.0948: the widening loop is serial)
         "mla_sparse": {"default": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3,
                                    "gather_slots": True, "dim_chunks": True,
                                    "low_partials": False, "gluon": False,
                                    "many_heads": {"num_stages": 2, "gather_slots": False,
-                                                  "num_warps": 8, "gluon": True},
+                                                  "num_warps": 8, "gluon": True,
+                                                  "gluon_min_split_tiles": 8},
                                    "fp8": {"num_warps": 8, "gluon": False,
                                            "many_heads": {"fp8_fp16": False,
                                                           "gather_slots": True}}}},

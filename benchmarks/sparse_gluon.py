@@ -25,14 +25,14 @@ from dsa_kernels import INDEX_DIM, TOPK, decode_layer  # noqa: E402
 
 import splash.kernels_triton as K
 
-# (name, config, num_splits): the Triton kernels, then the Gluon ones (at many heads with fp8 KV
-# asked for fp16 products, which they run), 16-bit partial rows, other split counts
-FORMS = [("triton", {"gluon": False}, None),
-         ("gluon", {"gluon": True, "fp8": {"many_heads": {"fp8_fp16": True}}}, None),
-         ("gluon 16-bit partials", {"gluon": True, "low_partials": 64,
-                                    "fp8": {"many_heads": {"fp8_fp16": True}}}, None),
-         ("gluon splits=4", {"gluon": True, "fp8": {"many_heads": {"fp8_fp16": True}}}, 4),
-         ("gluon splits=16", {"gluon": True, "fp8": {"many_heads": {"fp8_fp16": True}}}, 16)]
+# (name, config, num_splits): the Triton kernels, then the Gluon ones at any split length (at
+# many heads with fp8 KV asked for fp16 products, which they run), with 16-bit partial rows, at
+# other split counts
+_ANY = {"gluon": True, "gluon_min_split_tiles": 0}
+GLUON = {**_ANY, "many_heads": _ANY, "fp8": {"many_heads": {"fp8_fp16": True}}}
+FORMS = [("triton", {"gluon": False}, None), ("gluon", GLUON, None),
+         ("gluon 16-bit partials", {**GLUON, "low_partials": 64}, None),
+         ("gluon splits=4", GLUON, 4), ("gluon splits=16", GLUON, 16)]
 
 
 def _shape_records(dev, ceil, kind: str, heads: int, batch: int, context: int) -> list[dict]:

@@ -25,13 +25,15 @@ selected rows): 16 heads 3-7% faster, 128 heads fp8 9% faster, 128 heads bf16 3%
 ``config["dim_chunks"]`` (the CUDA default, latents of 64 columns or more): the latent dims in
 four column chunks (``mla_sparse_chunked``), 9-13% faster on an H200 at 16 and 128 heads.
 
-``config["gluon"]`` (Hopper; the CUDA default at many heads with bf16 KV): the Gluon decode
-kernels serve the selection, each tile's 64 rows gathered by cp.async into the swizzled stages
-the products read (rows of -1 or past the list arrive as zeros), one program an SM over a
-split of the row's list, then ``lse_merge``. H200, batch 16 x 2,048 selected rows
-(``dsa_sparse_gluon.json``, against the Triton kernel in the same run): 128 heads bf16
-0.0519 -> 0.0418 ms; 16 heads bf16 0.0163 -> 0.0171 and e4m3 KV through the widening forms
-slower, so the tuning table keeps the Triton kernel there.
+``config["gluon"]`` (Hopper; the CUDA default at many heads with bf16 KV when a split holds at
+least ``gluon_min_split_tiles`` tiles): the Gluon decode kernels serve the selection, each
+tile's 64 rows gathered by cp.async into the swizzled stages the products read (rows of -1 or
+past the list arrive as zeros), one program an SM over a split of the row's list, then
+``lse_merge``. H200, batch 16 x 2,048 selected rows (``dsa_sparse_gluon*.json``, against the
+Triton kernel in the same run): 128 heads bf16 0.0519 -> 0.0418 ms (8 tiles a split); 64
+heads 0.0292 -> 0.0300 and 16 heads 0.0163 -> 0.0171 (4 tiles a split: the copies have no
+time to overlap), e4m3 KV through the widening forms slower, so the tuning table keeps the
+Triton kernel there.
 """
 
 from __future__ import annotations
@@ -209,9 +211,11 @@ def mla_sparse(
         raise ValueError(f"num_splits={num_splits!r} must be an int in [1, 65535]")
     gluon = _gluon_form(q, kv, L, R, block_h, cfg)
     if gluon is not None:
-        _gluon_sparse(gluon, q, kv, kv_scale, slots, float(sm_scale) * _LOG2E, out, lse,
-                      num_splits, cfg)
-        return out, lse
+        split = _gluon_split(gluon, N, H, K, dev, num_splits)
+        if num_splits is not None or split[1] >= int(cfg.get("gluon_min_split_tiles", 0)) * 64:
+            _gluon_sparse(gluon, q, kv, kv_scale, slots, float(sm_scale) * _LOG2E, out, lse,
+                          split, cfg)
+            return out, lse
     if num_splits is None:
         num_splits = choose_num_splits(N, head_groups, K, dev, cfg)
     if num_splits == 1:
@@ -256,28 +260,32 @@ def _gluon_form(q: torch.Tensor, kv: torch.Tensor, L: int, R: int, block_h: int,
     return None
 
 
-def _gluon_sparse(form: str, q: torch.Tensor, kv: torch.Tensor, kv_scale: torch.Tensor | None,
-                  slots: torch.Tensor, qk_scale: float, out: torch.Tensor, lse: torch.Tensor,
-                  num_splits: int | None, cfg: dict[str, Any]) -> None:
-    """``mla_sparse`` by a Gluon kernel: each row's slot list in splits of whole 64-row tiles,
-    one program (one SM) per head group x split x row (``num_splits`` or as many as fill
-    the SMs once), then ``lse_merge`` over the splits (partial rows in ``low_partials``'
-    dtype)."""
-    N, H, L = out.shape
-    K = slots.shape[1]
+def _gluon_split(form: str, N: int, H: int, K: int, device: torch.device,
+                 num_splits: int | None) -> tuple[int, int]:
+    """(splits, slots a split) of each row's K slots for the Gluon kernels: whole 64-row
+    tiles, ``num_splits`` or as many as fill the SMs once with one program an SM per head
+    group x split x row."""
     groups = 1 if form == "tokens" else triton.cdiv(H, heads_gluon.BH)
     tiles = triton.cdiv(K, heads_gluon.BN)
     if num_splits is None:
-        num_splits = max(1, V.num_sms(q.device) // (groups * N))
+        num_splits = max(1, V.num_sms(device) // (groups * N))
     split_len = triton.cdiv(tiles, min(num_splits, tiles)) * heads_gluon.BN
-    splits = triton.cdiv(K, split_len)
+    return triton.cdiv(K, split_len), split_len
+
+
+def _gluon_sparse(form: str, q: torch.Tensor, kv: torch.Tensor, kv_scale: torch.Tensor | None,
+                  slots: torch.Tensor, qk_scale: float, out: torch.Tensor, lse: torch.Tensor,
+                  split: tuple[int, int], cfg: dict[str, Any]) -> None:
+    """``mla_sparse`` by a Gluon kernel over ``split`` (``_gluon_split``), then ``lse_merge``
+    over the splits (partial rows in ``low_partials``' dtype)."""
+    N, H, L = out.shape
+    splits = split[0]
     dtype = V.partial_dtype(cfg, out.dtype, splits)
     o_part = torch.empty((splits * N, 1, H, L), dtype=dtype, device=q.device)
     lse_part = torch.empty((splits * N, 1, H), dtype=torch.float32, device=q.device)
     launch = tokens_gluon.launch if form == "tokens" else heads_gluon.launch
     launch(q, kv, kv_scale if kv_scale is not None else lse, slots, o_part, o_part, lse_part,
-           out, lse, None, qk_scale, splits if dtype != torch.float32 else 0,
-           sparse=(splits, split_len))
+           out, lse, None, qk_scale, splits if dtype != torch.float32 else 0, sparse=split)
     if splits > 1:
         _merge_into(o_part.view(splits, N, H, L), lse_part.view(splits, N, H), out, lse)
 

@@ -139,7 +139,9 @@ def test_gluon_sparse_matches_reference(H, num_splits, name, monkeypatch):
     q = torch.randn(5, H, 576, generator=gen).to(setting.q_dtype).to(setting.device)
     out, lse = mla_sparse(q, kv, slots, 576 ** -0.5, 512, kv_scale=scale,
                           num_splits=num_splits,
-                          config={"gluon": True, "fp8": {"many_heads": {"fp8_fp16": True}}})
+                          config={"gluon": True, "gluon_min_split_tiles": 0,
+                                  "many_heads": {"gluon": True, "gluon_min_split_tiles": 0},
+                                  "fp8": {"many_heads": {"fp8_fp16": True}}})
     assert launches and launches[0].get("sparse")
     ref_out, ref_lse = mla_sparse_ref(q, kv, slots, 576 ** -0.5, 512, kv_scale=scale)
     assert_close(out, ref_out, setting.atol, setting.rtol)
