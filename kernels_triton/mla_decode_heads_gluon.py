@@ -33,25 +33,31 @@ from __future__ import annotations
 import torch
 
 from splash.kernels_triton import _validate as V
+from splash.kernels_triton.mla_decode_gluon_tiles import BN, descriptor, tma_rows
 
 try:  # Gluon ships with Triton 3.5 and later
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
-        tma,
         warpgroup_mma,
         warpgroup_mma_init,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from splash.kernels_triton.mla_decode_gluon_tiles import (
+        _plan_item,
+        _refill,
+        _start_copies,
+        _tile_rows,
+        _wait_tile,
+        _zero_rows_past,
+    )
 except ImportError:  # pragma: no cover - an older Triton: the Triton kernels serve
     gluon = None
 
 BH = 64  # heads a program (the MMA's M)
-BN = 64  # tokens a tile
 
 
 def usable(q: torch.Tensor, kv: torch.Tensor, L: int, R: int, page_size: int,
@@ -72,135 +78,6 @@ def usable(q: torch.Tensor, kv: torch.Tensor, L: int, R: int, page_size: int,
 if gluon is not None:
     GH = gl.constexpr(BH)
     GN = gl.constexpr(BN)
-
-    @gluon.jit
-    def _plan_item(plan_ptr, pid, N, splits, split_len, K, GATHER: gl.constexpr):
-        """Program ``pid``'s (request, or N past the last split; its splits; start; end): plan
-        item ``pid``, or with ``GATHER`` split ``pid // N`` of row ``pid % N``'s slot list."""
-        if GATHER:
-            start = (pid // N) * split_len
-            return pid % N, splits, start, gl.minimum(start + split_len, K)
-        else:
-            item = plan_ptr + pid * 4
-            return gl.load(item), gl.load(item + 1), gl.load(item + 2), gl.load(item + 3)
-
-    @gluon.jit
-    def _load_tile(kn_desc, kr_desc, bt_row, stride_btp, t0, kn, kr, bar,
-                   L: gl.constexpr, PS: gl.constexpr):
-        """The tile at token ``t0`` (its page's rows) into ``kn`` / ``kr``, signalling ``bar``."""
-        page = gl.load(bt_row + (t0 // PS) * stride_btp)
-        row = page * PS + t0 % PS
-        mbarrier.expect(bar, kn_desc.block_type.nbytes + kr_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(kn_desc, [row, 0], bar, kn)
-        tma.async_copy_global_to_shared(kr_desc, [row, L], bar, kr)
-
-    @gluon.jit
-    def _gather_cols(dst, kv_ptr, slot_row, stride_slk, stride_kvp, stride_kvs, j0, end,
-                     OFF: gl.constexpr, PS: gl.constexpr, ld: gl.constexpr):
-        """cp.async of columns [OFF, OFF + dst's width) of the rows at slots j0.. into
-        ``dst``; a slot past ``end`` or of -1 gives a row of zeros."""
-        j = j0 + gl.arange(0, dst.shape[0], layout=gl.SliceLayout(1, ld))
-        slot = gl.load(slot_row + j * stride_slk, mask=j < end, other=-1)
-        # rows start 16-byte aligned (``usable``): cp.async moves 16 bytes a copy
-        base = gl.multiple_of((slot // PS).to(gl.int64) * stride_kvp + (slot % PS) * stride_kvs,
-                              8) + OFF
-        cols = gl.arange(0, dst.shape[1], layout=gl.SliceLayout(0, ld))
-        async_copy.async_copy_global_to_shared(dst, kv_ptr + base[:, None] + cols[None, :],
-                                               mask=(slot >= 0)[:, None])
-
-    @gluon.jit
-    def _gather_tile(kv_ptr, slot_row, stride_slk, stride_kvp, stride_kvs, j0, end, kn, kr,
-                     L: gl.constexpr, PS: gl.constexpr, num_warps: gl.constexpr):
-        """The KV rows at slots j0.. (a sparse tile) into ``kn`` / ``kr`` by cp.async, 16
-        bytes a copy, issued (the caller commits the group)."""
-        VEC: gl.constexpr = 128 // kn.dtype.primitive_bitwidth
-        RT: gl.constexpr = kr.shape[1] // VEC  # threads across the rope columns
-        ldn: gl.constexpr = gl.BlockedLayout([1, VEC], [1, 32], [num_warps, 1], [1, 0])
-        ldr: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // RT, RT], [num_warps, 1], [1, 0])
-        _gather_cols(kn, kv_ptr, slot_row, stride_slk, stride_kvp, stride_kvs, j0, end, 0, PS,
-                     ldn)
-        _gather_cols(kr, kv_ptr, slot_row, stride_slk, stride_kvp, stride_kvs, j0, end, L, PS,
-                     ldr)
-
-    @gluon.jit
-    def _start_copies(qn_desc, qr_desc, kn_desc, kr_desc, row_q, bt_row, stride_btp, start,
-                      tiles, qn_s, qr_s, kn_s, kr_s, bars, kv_ptr, stride_kvp, stride_kvs,
-                      end, L: gl.constexpr, PS: gl.constexpr, GATHER: gl.constexpr,
-                      num_warps: gl.constexpr):
-        """Barriers 0 and 1 for the two tile stages, 2 for the query; the query's copy and the
-        first two tiles' issued (with ``GATHER``, ``bt_row`` is the row's slot list and each
-        tile one cp.async group, committed even when empty)."""
-        for i in gl.static_range(3):
-            mbarrier.init(bars.index(i), count=1)
-        mbarrier.expect(bars.index(2), qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(qn_desc, [row_q, 0], bars.index(2), qn_s)
-        tma.async_copy_global_to_shared(qr_desc, [row_q, L], bars.index(2), qr_s)
-        for j in gl.static_range(2):
-            if GATHER:
-                if j < tiles:
-                    _gather_tile(kv_ptr, bt_row, stride_btp, stride_kvp, stride_kvs,
-                                 start + j * GN, end, kn_s.index(j), kr_s.index(j), L, PS,
-                                 num_warps)
-                async_copy.commit_group()
-            else:
-                if j < tiles:
-                    _load_tile(kn_desc, kr_desc, bt_row, stride_btp, start + j * GN,
-                               kn_s.index(j), kr_s.index(j), bars.index(j), L, PS)
-
-    @gluon.jit
-    def _refill(kn_desc, kr_desc, bt_row, stride_btp, t0, end, kn, kr, bar, more, kv_ptr,
-                stride_kvp, stride_kvs, L: gl.constexpr, PS: gl.constexpr,
-                GATHER: gl.constexpr, num_warps: gl.constexpr):
-        """A stage every warp is done with refilled with the tile at ``t0`` when ``more``
-        (with ``GATHER`` a cp.async group is committed either way)."""
-        if more:
-            gl.thread_barrier()
-            if GATHER:
-                _gather_tile(kv_ptr, bt_row, stride_btp, stride_kvp, stride_kvs, t0, end, kn,
-                             kr, L, PS, num_warps)
-            else:
-                _load_tile(kn_desc, kr_desc, bt_row, stride_btp, t0, kn, kr, bar, L, PS)
-        if GATHER:
-            async_copy.commit_group()
-
-    @gluon.jit
-    def _wait_tile(bars, st, phase, PENDING: gl.constexpr, GATHER: gl.constexpr):
-        """Until stage ``st``'s tile has landed: its barrier's ``phase``, or with ``GATHER``
-        at most ``PENDING`` of this thread's cp.async groups in flight, then every thread's
-        (fenced for the products' reads)."""
-        if GATHER:
-            async_copy.wait_group(PENDING)
-            fence_async_shared()
-            gl.thread_barrier()
-        else:
-            mbarrier.wait(bars.index(st), phase)
-
-    @gluon.jit
-    def _tile_rows(bt_row, stride_btp, t0, end, rows, stride_p, stride_s, PS: gl.constexpr,
-                   GATHER: gl.constexpr):
-        """For the tile's ``rows`` (any layout): the offsets of their slots in a (pages, PS)
-        array of strides (``stride_p``, ``stride_s``) and whether each holds a token: before
-        ``end``, and with ``GATHER`` (``bt_row`` the slot list) of a slot other than -1."""
-        ok = t0 + rows < end
-        if GATHER:
-            slot = gl.load(bt_row + (t0 + rows) * stride_btp, mask=ok, other=-1)
-            ok = slot >= 0
-            off = (slot // PS).to(gl.int64) * stride_p + (slot % PS) * stride_s
-        else:
-            page = gl.load(bt_row + (t0 // PS) * stride_btp).to(gl.int64)
-            off = page * stride_p + (t0 % PS + rows) * stride_s
-        return off, ok
-
-    @gluon.jit
-    def _zero_rows_past(kn, valid, L: gl.constexpr, num_warps: gl.constexpr):
-        """Rows ``valid`` and on of the tile's value columns set to 0 in shared memory."""
-        CW: gl.constexpr = 64
-        ld: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [num_warps, 1], [1, 0])
-        rows = gl.arange(0, GN, layout=gl.SliceLayout(1, ld))
-        for c in gl.static_range(L // CW):
-            part = kn.slice(c * CW, CW, dim=1)
-            x = part.load(ld)
-            part.store(gl.where((rows < valid)[:, None], x, gl.zeros_like(x)))
 
     @gluon.jit
     def _scores(qn_s, qr_s, kn, kr, s):
@@ -384,25 +261,6 @@ if gluon is not None:
                     gl.store(o_ptr + part, res, mask=mask)
                 gl.store(lse_ptr + pid * stride_ls + lh, lse, mask=lh < H)
 
-
-def descriptor(t: torch.Tensor, cols: int, rows: int = BN) -> TensorDescriptor:
-    """A TMA descriptor over the 2-D ``t`` that copies (rows, cols) boxes."""
-    dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
-             torch.float8_e4m3fn: gl.float8e4nv}[t.dtype]
-    layout = gl.NVMMASharedLayout.get_default_for([rows, cols], dtype)
-    return TensorDescriptor.from_tensor(t, [rows, cols], layout)
-
-
-def tma_rows(q: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (N, H, D) as (N * H, D) rows and the paged cache as (pages * PS, D) rows, as TMA
-    descriptors take them (16-byte aligned, unit stride last)."""
-    N, H, D = q.shape
-    rows_q = q.reshape(N * H, D)
-    if rows_q.stride(1) != 1 or rows_q.stride(0) % 8 or rows_q.data_ptr() % 16:
-        rows_q = rows_q.contiguous()
-    rows_kv = kv.view(kv.shape[0] * kv.shape[1], D) if kv.is_contiguous() else \
-        kv.as_strided((kv.shape[0] * kv.shape[1], D), (kv.stride(1), 1))
-    return rows_q, rows_kv
 
 
 def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,

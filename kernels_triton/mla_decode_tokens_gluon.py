@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 
 from splash.kernels_triton import _validate as V
-from splash.kernels_triton import mla_decode_heads_gluon as heads_gluon
+from splash.kernels_triton import mla_decode_gluon_tiles as tiles
 
 try:  # Gluon ships with Triton 3.5 and later
     from triton.experimental import gluon
@@ -55,7 +55,7 @@ try:  # Gluon ships with Triton 3.5 and later
         warpgroup_mma_wait,
     )
 
-    from splash.kernels_triton.mla_decode_heads_gluon import (
+    from splash.kernels_triton.mla_decode_gluon_tiles import (
         _plan_item,
         _refill,
         _start_copies,
@@ -315,10 +315,10 @@ def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: 
     splits, split_len = sparse or (1, 0)
     programs = items.shape[0] if items is not None else splits * N
     if kv.dtype != torch.float8_e4m3fn:
-        rows_q, rows_kv = heads_gluon.tma_rows(q, kv)
+        rows_q, rows_kv = tiles.tma_rows(q, kv)
         _mla_decode_tokens_tma_kernel[(programs,)](
-            heads_gluon.descriptor(rows_q, L, 16), heads_gluon.descriptor(rows_q, D - L, 16),
-            heads_gluon.descriptor(rows_kv, L), heads_gluon.descriptor(rows_kv, D - L),
+            tiles.descriptor(rows_q, L, 16), tiles.descriptor(rows_q, D - L, 16),
+            tiles.descriptor(rows_kv, L), tiles.descriptor(rows_kv, D - L),
             block_table, o_part, o_low, lse_part, out, lse,
             block_table if items is None else items, kv, qk_scale, H, N, splits, split_len,
             block_table.shape[1], tail[0], tail[1], kv.stride(0), kv.stride(1), *tail[2:],

@@ -50,6 +50,7 @@ from splash.kernels_triton import mla_decode_heads_gluon as heads_gluon
 from splash.kernels_triton import mla_decode_tokens_gluon as tokens_gluon
 from splash.kernels_triton.lse_merge import _merge_into
 from splash.kernels_triton.mla_decode import choose_num_splits, decode_config
+from splash.kernels_triton.mla_decode_gluon_tiles import BN as GLUON_TILE
 from splash.kernels_triton.mla_decode_kernels import (
     _LOG2E,
     _q_operand,
@@ -212,7 +213,7 @@ def mla_sparse(
     gluon = _gluon_form(q, kv, L, R, block_h, cfg)
     if gluon is not None:
         split = _gluon_split(gluon, N, H, K, dev, num_splits)
-        if num_splits is not None or split[1] >= int(cfg.get("gluon_min_split_tiles", 0)) * 64:
+        if num_splits is not None or split[1] >= int(cfg.get("gluon_min_split_tiles", 0)) * GLUON_TILE:
             _gluon_sparse(gluon, q, kv, kv_scale, slots, float(sm_scale) * _LOG2E, out, lse,
                           split, cfg)
             return out, lse
@@ -266,10 +267,10 @@ def _gluon_split(form: str, N: int, H: int, K: int, device: torch.device,
     tiles, ``num_splits`` or as many as fill the SMs once with one program an SM per head
     group x split x row."""
     groups = 1 if form == "tokens" else triton.cdiv(H, heads_gluon.BH)
-    tiles = triton.cdiv(K, heads_gluon.BN)
+    tiles = triton.cdiv(K, GLUON_TILE)
     if num_splits is None:
         num_splits = max(1, V.num_sms(device) // (groups * N))
-    split_len = triton.cdiv(tiles, min(num_splits, tiles)) * heads_gluon.BN
+    split_len = triton.cdiv(tiles, min(num_splits, tiles)) * GLUON_TILE
     return triton.cdiv(K, split_len), split_len
 
 

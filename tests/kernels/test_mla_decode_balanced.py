@@ -233,10 +233,10 @@ def test_tma_rows_view_the_paged_cache_row_by_row():
     """The Gluon kernels' TMA descriptors read q as (N * H, D) rows and the paged cache as
     (pages * PS, D) rows, a page's rows end to end, also for a cache that is a view into a
     wider buffer (no copy)."""
-    heads_gluon = importlib.import_module("splash.kernels_triton.mla_decode_heads_gluon")
+    tiles = importlib.import_module("splash.kernels_triton.mla_decode_gluon_tiles")
     wide = torch.arange(5 * 4 * 12, dtype=torch.float32).reshape(5, 4, 12)
     kv = wide[:, :, 2:10]  # (pages 5, PS 4, D 8), rows 12 apart
     q = torch.arange(3 * 2 * 8, dtype=torch.float32).reshape(3, 2, 8)[:, :, :8]
-    rows_q, rows_kv = heads_gluon.tma_rows(q, kv)
+    rows_q, rows_kv = tiles.tma_rows(q, kv)
     assert torch.equal(rows_q, q.reshape(6, 8))
     assert torch.equal(rows_kv, kv.reshape(20, 8)) and rows_kv.data_ptr() == kv.data_ptr()
