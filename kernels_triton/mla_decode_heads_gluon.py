@@ -25,7 +25,10 @@ last tile of a split zeroes its rows past the range in shared memory before the 
 product (a page's unused rows may hold anything, NaN included, and 0 x NaN is NaN).
 Outputs follow the plan as the Triton kernels' do: a request's only split writes the
 output, the others partial rows (16-bit ones for requests of at most ``LOW_SPLITS``
-splits) for ``lse_merge``.
+splits) for ``lse_merge``. With ``GATHER`` the kernel serves ``mla_sparse`` instead: a
+split of one row's selected slots, each tile's rows gathered by cp.async
+(``mla_decode_gluon_tiles``): 128 heads bf16, 16 rows x 2,048 slots, 0.0519 -> 0.0418 ms
+against the Triton kernel (``dsa_sparse_gluon.json``).
 """
 
 from __future__ import annotations

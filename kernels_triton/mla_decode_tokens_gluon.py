@@ -33,6 +33,11 @@ so no operand pads 16 heads to the MMA's 64 rows. Two forms:
   registers) measured the same as its spilling predecessor
   (``decode_tokens_fp8_offsets.json``).
 
+With ``GATHER`` both forms serve ``mla_sparse``: a split of one row's selected slots, the
+16-bit form's rows gathered by cp.async into its stages, the fp8 form's loaded by slot
+(``mla_decode_gluon_tiles``); at 16 rows x 2,048 slots both lose to the Triton kernel
+(splits of four tiles; ``dsa_sparse_gluon.json``), which the tuning table keeps there.
+
 The online softmax runs per head column (a reduction over the tile's tokens). Outputs follow
 the plan as the Triton kernels' do: a request's only split writes the output, others write
 partial rows (16-bit ones for requests of at most ``LOW_SPLITS`` splits) for ``lse_merge``.
