@@ -105,6 +105,7 @@ def test_sparse_partials_in_the_output_dtype(setting, case, monkeypatch):
     assert_lse(lse, ref_lse, setting.lse_tol)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["bf16", "bf16-fp8kv"])
 @pytest.mark.parametrize("num_splits", [1, 3, None])
 @pytest.mark.parametrize("H", [16, 8, 128, 48])
