@@ -81,32 +81,21 @@ def main() -> int:
         sys.exit("this Triton's Gluon lacks what the kernels import")
     base = dict(L=512, R=64, PS=64, LOW_SPLITS=8)
     bf16, fp16, e4m3 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
-    runs = [
-        ("heads bf16", heads._mla_decode_heads_gluon_kernel,
-         {**OUTS, **descriptors(bf16, bf16, 64), "kv_ptr": "*bf16"},
-         {**base, "FP8": False, "GATHER": False}, 8),
-        ("heads bf16 sparse", heads._mla_decode_heads_gluon_kernel,
-         {**OUTS, **descriptors(bf16, bf16, 64), "kv_ptr": "*bf16"},
-         {**base, "FP8": False, "GATHER": True}, 8),
-        ("heads fp8", heads._mla_decode_heads_gluon_kernel,
-         {**OUTS, **descriptors(fp16, e4m3, 64), "kv_ptr": "*fp8e4nv"},
-         {**base, "FP8": True, "GATHER": False}, 8),
-        ("heads fp8 sparse", heads._mla_decode_heads_gluon_kernel,
-         {**OUTS, **descriptors(fp16, e4m3, 64), "kv_ptr": "*fp8e4nv"},
-         {**base, "FP8": True, "GATHER": True}, 8),
-        ("tokens bf16", tokens._mla_decode_tokens_tma_kernel,
-         {**OUTS, **descriptors(bf16, bf16, 16), "kv_ptr": "*bf16"},
-         {**base, "BH": 16, "GATHER": False}, 4),
-        ("tokens bf16 sparse", tokens._mla_decode_tokens_tma_kernel,
-         {**OUTS, **descriptors(bf16, bf16, 16), "kv_ptr": "*bf16"},
-         {**base, "BH": 16, "GATHER": True}, 4),
-        ("tokens fp8", tokens._mla_decode_fp8_gluon_kernel,
-         {**OUTS, "q_ptr": "*fp16", "kv_ptr": "*fp8e4nv"}, {**base, "BH": 16, "GATHER": False},
-         4),
-        ("tokens fp8 sparse", tokens._mla_decode_fp8_gluon_kernel,
-         {**OUTS, "q_ptr": "*fp16", "kv_ptr": "*fp8e4nv"}, {**base, "BH": 16, "GATHER": True},
-         4),
-    ]
+    heads_fn, tma_fn = heads._mla_decode_heads_gluon_kernel, tokens._mla_decode_tokens_tma_kernel
+    fp8_fn = tokens._mla_decode_fp8_gluon_kernel
+    runs = []
+    for gather in (False, True):  # paged decode, then the sparse (gathered) form
+        tag, g = " sparse" if gather else "", {**base, "GATHER": gather}
+        runs += [
+            (f"heads bf16{tag}", heads_fn, {**OUTS, **descriptors(bf16, bf16, 64),
+                                            "kv_ptr": "*bf16"}, {**g, "FP8": False}, 8),
+            (f"heads fp8{tag}", heads_fn, {**OUTS, **descriptors(fp16, e4m3, 64),
+                                           "kv_ptr": "*fp8e4nv"}, {**g, "FP8": True}, 8),
+            (f"tokens bf16{tag}", tma_fn, {**OUTS, **descriptors(bf16, bf16, 16),
+                                           "kv_ptr": "*bf16"}, {**g, "BH": 16}, 4),
+            (f"tokens fp8{tag}", fp8_fn, {**OUTS, "q_ptr": "*fp16", "kv_ptr": "*fp8e4nv"},
+             {**g, "BH": 16}, 4),
+        ]
     for name, fn, types, constants, warps in runs:
         print(f"{name}: {compile_sm90(fn, types, {**constants, 'num_warps': warps}, warps, args.sass, name)}",
               flush=True)

@@ -181,6 +181,17 @@ def choose_num_splits(
     return best
 
 
+def gluon_form(q: torch.Tensor, kv: torch.Tensor, L: int, R: int, block_h: int,
+               cfg: dict[str, Any]) -> str | None:
+    """The Gluon kernel that serves here (``config["gluon"]`` on Hopper): "tokens" at 16 heads
+    or fewer, "heads" above 32 in head groups of ``block_h`` = 64; None: the Triton kernels."""
+    if tokens_gluon.usable(q, kv, L, R, kv.shape[1], cfg):
+        return "tokens"
+    if block_h == heads_gluon.BH and heads_gluon.usable(q, kv, L, R, kv.shape[1], cfg):
+        return "heads"
+    return None
+
+
 def balanced_programs(head_groups: int, device: torch.device, cfg: dict[str, Any]) -> int:
     """Programs one head group may fill when the splits follow the batch's work:
     ``programs_per_sm`` resident programs on every SM, shared by the head groups."""
@@ -275,8 +286,7 @@ def mla_decode(
     inputs = (*q.stride(), *kv.stride(), *(scale.stride() if kv_scale is not None else (0, 0)),
               *block_table.stride(), seq_lens.stride(0))
     if balanced:
-        gluon = "tokens" if tokens_gluon.usable(q, kv, L, R, PS, cfg) else "heads" \
-            if BLOCK_H == heads_gluon.BH and heads_gluon.usable(q, kv, L, R, PS, cfg) else None
+        gluon = gluon_form(q, kv, L, R, BLOCK_H, cfg)
         if gluon and "gluon_programs_per_sm" in cfg:  # its own occupancy (shared memory)
             cfg = {**cfg, "programs_per_sm": cfg["gluon_programs_per_sm"]}
         programs = balanced_programs(head_groups, q.device, cfg)

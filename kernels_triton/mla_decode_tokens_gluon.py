@@ -71,7 +71,7 @@ try:  # Gluon ships with Triton 3.5 and later
 except ImportError:  # pragma: no cover - an older Triton: the Triton kernels serve
     gluon = None
 
-TILE = 64  # tokens a tile (the scores product's M)
+TILE = tiles.BN  # tokens a tile (the scores product's M)
 
 
 def usable(q: torch.Tensor, kv: torch.Tensor, L: int, R: int, page_size: int,
@@ -102,6 +102,19 @@ if gluon is not None:
         cols = gl.arange(0, CW, layout=gl.SliceLayout(0, ld))
         rows = gl.load(kv_ptr + off[:, None] + (c * CW + cols)[None, :], mask=ok_r, other=0.0)
         k16.slice(at * CW, CW, dim=1).store(rows.to(gl.float16))
+
+    @gluon.jit
+    def _softmax_columns(s, m_i, l_i, MAYBE_EMPTY: gl.constexpr):
+        """One tile's online-softmax step per head column of the scores ``s`` (tokens x
+        heads, already scaled and masked): p, the accumulator's rescale, the running max and
+        sum. ``MAYBE_EMPTY``: a tile may hold no token (its max -inf)."""
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        m_use = m_new
+        if MAYBE_EMPTY:
+            m_use = gl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - m_use[None, :])
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=0)
 
     @gluon.jit
     def _finish(acc, m_i, l_i, n, pid, count, H, o_ptr, o_low_ptr, lse_ptr, out_ptr,
@@ -188,14 +201,7 @@ if gluon is not None:
                 s = warpgroup_mma_wait(0, deps=(s,))
                 ok = _tile_rows(bt_row, stride_btp, t0, end, rows_m, 0, 0, PS, GATHER)[1]
                 s = gl.where(ok[:, None], s * qk_scale, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(s, axis=0))  # finite unless GATHER
-                m_use = m_new
-                if GATHER:  # a tile of skipped slots
-                    m_use = gl.where(m_new > float("-inf"), m_new, 0.0)
-                alpha = gl.exp2(m_i - m_use)
-                p = gl.exp2(s - m_use[None, :])
-                l_i = l_i * alpha + gl.sum(p, axis=0)
-                m_i = m_new
+                p, alpha, m_i, l_i = _softmax_columns(s, m_i, l_i, GATHER)
                 p_s.store(p.to(dtype))
                 fence_async_shared()
                 acc = warpgroup_mma(kn.permute((1, 0)), p_s, acc * alpha[None, :],
@@ -291,17 +297,12 @@ if gluon is not None:
                 s = warpgroup_mma(k16r, qr_s.permute((1, 0)), s, is_async=True)
                 s = warpgroup_mma_wait(0, deps=(s,))
                 s = gl.where(ok_m[:, None], s * (ks * qk_scale)[:, None], float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(s, axis=0))
-                m_safe = gl.where(m_new > float("-inf"), m_new, 0.0)  # a tile of no tokens
-                alpha = gl.exp2(m_i - m_safe)
-                p = gl.exp2(s - m_safe[None, :])
-                l_i = l_i * alpha + gl.sum(p, axis=0)
+                p, alpha, m_i, l_i = _softmax_columns(s, m_i, l_i, True)
                 p_s.store((p * ks[:, None]).to(gl.float16))
                 fence_async_shared()
                 acc = warpgroup_mma(k16.permute((1, 0)), p_s, acc * alpha[None, :],
                                     is_async=True)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
-                m_i = m_new
             _finish(acc, m_i, l_i, n, pid, count, H, o_ptr, o_low_ptr, lse_ptr, out_ptr,
                     lse_out_ptr, stride_os, stride_oh, stride_ls, stride_outn, stride_outh,
                     stride_lon, L, BH, LOW_SPLITS, mma)

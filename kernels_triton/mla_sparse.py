@@ -49,7 +49,7 @@ from splash.kernels_triton import _validate as V
 from splash.kernels_triton import mla_decode_heads_gluon as heads_gluon
 from splash.kernels_triton import mla_decode_tokens_gluon as tokens_gluon
 from splash.kernels_triton.lse_merge import _merge_into
-from splash.kernels_triton.mla_decode import choose_num_splits, decode_config
+from splash.kernels_triton.mla_decode import choose_num_splits, decode_config, gluon_form
 from splash.kernels_triton.mla_decode_gluon_tiles import BN as GLUON_TILE
 from splash.kernels_triton.mla_decode_kernels import (
     _LOG2E,
@@ -210,7 +210,7 @@ def mla_sparse(
     if num_splits is not None and (not isinstance(num_splits, int)
                                    or not 1 <= num_splits <= 65535):
         raise ValueError(f"num_splits={num_splits!r} must be an int in [1, 65535]")
-    gluon = _gluon_form(q, kv, L, R, block_h, cfg)
+    gluon = gluon_form(q, kv, L, R, block_h, cfg)
     if gluon is not None:
         split = _gluon_split(gluon, N, H, K, dev, num_splits)
         if num_splits is not None or split[1] >= int(cfg.get("gluon_min_split_tiles", 0)) * GLUON_TILE:
@@ -245,20 +245,6 @@ def mla_sparse(
     if num_splits > 1:
         _merge_into(o_part, lse_part, out, lse)
     return out, lse
-
-
-def _gluon_form(q: torch.Tensor, kv: torch.Tensor, L: int, R: int, block_h: int,
-                cfg: dict[str, Any]) -> str | None:
-    """The Gluon decode kernel that gathers the selected rows here (``config["gluon"]`` on
-    Hopper; 16-bit KV of q's dtype, or e4m3 KV with fp16 products): "tokens" at 16 heads or
-    fewer, "heads" at more than 32 in head groups of 64; else None (the Triton kernels)."""
-    if kv.dtype != q.dtype and not V.is_fp8(kv.dtype):
-        return None
-    if tokens_gluon.usable(q, kv, L, R, kv.shape[1], cfg):
-        return "tokens"
-    if block_h == heads_gluon.BH and heads_gluon.usable(q, kv, L, R, kv.shape[1], cfg):
-        return "heads"
-    return None
 
 
 def _gluon_split(form: str, N: int, H: int, K: int, device: torch.device,
