@@ -56,7 +56,9 @@ class CUDABackend(BaseBackend):
         # 0.041, 8 x 4K 0.027 -> 0.030. Many heads, two warpgroups on 64 heads
         # (decode_heads_gluon.json): bf16 64 x 4K 0.264 -> 0.188, 64 x 32K 2.003 -> 1.406
         # (0.179 / 1.329 with p's sums deferred, decode_heads_defer_sum.json);
-        # fp8 (decode_heads_gluon_fp8.json) 64 x 4K 0.535 -> 0.454, 64 x 32K 4.08 -> 3.24.
+        # fp8 (decode_heads_gluon_fp8.json) 64 x 4K 0.535 -> 0.454, 64 x 32K 4.08 -> 3.24;
+        # then with q read in e4m3 for the scores ("fp8_query", decode_heads_fp8_scores.json)
+        # 64 x 4K 0.457 -> 0.284, 64 x 32K 3.27 -> 2.05 (bf16 in the same run 0.183 / 1.357).
         # "low_partials": 8: requests of at most 8 splits write 16-bit partials, longer ones
         # fp32 (benchmarks/results/h200/decode_low_partials.json, a layer's ms against fp32
         # partials: 16 heads bf16 64 x 4K -1.1%, 128 x 1K -2.8%, 64 x 1K -4.2%; 128 heads
@@ -78,7 +80,8 @@ class CUDABackend(BaseBackend):
                         "programs_per_sm": 2, "split_overhead_tokens": 64, "fp8_fp16": True,
                         "many_heads": {"BLOCK_N": 64, "gather_pages": False, "num_warps": 8,
                                        "num_stages": 2, "programs_per_sm": 1,
-                                       "fp8_fp16": True, "gluon_programs_per_sm": 1}},
+                                       "fp8_fp16": True, "gluon_programs_per_sm": 1,
+                                       "fp8_query": True}},
             },
         },
         # mla_sparse (benchmarks/results/h200/dsa_sweep.json, batch 16 x 2,048 selected rows):

@@ -37,6 +37,7 @@ def main() -> int:
     ap.add_argument("--error", action="store_true",
                     help="also each config's largest error against the torch reference")
     ap.add_argument("--configs", default='[{}, {"programs_per_sm": 1}, {"programs_per_sm": 3}]')
+    ap.add_argument("--shapes", help="comma-separated shape names to run (default: all)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/decode_programs.py needs a GPU")
@@ -44,7 +45,10 @@ def main() -> int:
     dev = torch.device("cuda")
     configs = json.loads(args.configs)
     rows = []
+    wanted = set(args.shapes.split(",")) if args.shapes else {name for name, _ in SHAPES}
     for name, lens in SHAPES:
+        if name not in wanted:
+            continue
         run, nbytes = paged_problem(args.heads, lens, dev, args.fp8)
         ref = run()[0].float()
         exact = run.reference().float() if args.error else None

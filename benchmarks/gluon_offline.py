@@ -30,7 +30,8 @@ from splash.kernels_triton import mla_decode_heads_gluon as heads
 from splash.kernels_triton import mla_decode_tokens_gluon as tokens
 
 OUTS = dict(bt_ptr="*i32", o_ptr="*fp32", o_low_ptr="*bf16", lse_ptr="*fp32", out_ptr="*bf16",
-            lse_out_ptr="*fp32", plan_ptr="*i32", qk_scale="fp32", scale_ptr="*fp32")
+            lse_out_ptr="*fp32", plan_ptr="*i32", qk_scale="fp32", scale_ptr="*fp32",
+            qscale_ptr="*fp32")
 
 
 def compile_sm90(fn, types: dict, constants: dict, num_warps: int, sass: str | None,
@@ -80,7 +81,7 @@ def main() -> int:
     if tokens.gluon is None:
         sys.exit("this Triton's Gluon lacks what the kernels import")
     base = dict(L=512, R=64, PS=64, LOW_SPLITS=8)
-    bf16, fp16, e4m3 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
+    bf16, e4m3 = torch.bfloat16, torch.float8_e4m3fn
     heads_fn, tma_fn = heads._mla_decode_heads_gluon_kernel, tokens._mla_decode_tokens_tma_kernel
     fp8_fn = tokens._mla_decode_fp8_gluon_kernel
     runs = []
@@ -89,7 +90,7 @@ def main() -> int:
         runs += [
             (f"heads bf16{tag}", heads_fn, {**OUTS, **descriptors(bf16, bf16, 64),
                                             "kv_ptr": "*bf16"}, {**g, "FP8": False}, 8),
-            (f"heads fp8{tag}", heads_fn, {**OUTS, **descriptors(fp16, e4m3, 64),
+            (f"heads fp8{tag}", heads_fn, {**OUTS, **descriptors(e4m3, e4m3, 64),
                                            "kv_ptr": "*fp8e4nv"}, {**g, "FP8": True}, 8),
             (f"tokens bf16{tag}", tma_fn, {**OUTS, **descriptors(bf16, bf16, 16),
                                            "kv_ptr": "*bf16"}, {**g, "BH": 16}, 4),

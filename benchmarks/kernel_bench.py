@@ -61,6 +61,7 @@ from dsa_kernels import dsa_records, merge_dsa  # noqa: E402
 from extend_kernels import extend_records  # noqa: E402
 
 import splash.kernels_triton as K
+from splash.kernels_triton.mla_decode import query_as_read
 
 DECODE_SHAPES = [(16, 64, 4096), (16, 64, 32768), (16, 16, 131072),
                  (128, 8, 32768), (128, 64, 4096), (128, 2, 131072)]  # (heads, batch, context)
@@ -122,9 +123,12 @@ def verify_config(dev, kind, heads, cfg) -> bool:
         used += n
     q = torch.randn(len(lens), heads, D, device=dev, dtype=torch.bfloat16, generator=gen)
     lens_t = torch.tensor(lens, dtype=torch.int32, device=dev)
-    ref_out, ref_lse = K.mla_decode_ref(q, kv, table, lens_t, SM_SCALE, L, kv_scale=scale)
     ok = True
     for splits in (1, 3, None):
+        # the q the kernels read (e4m3 for the many-head Hopper kernel with fp8 KV)
+        q_read = query_as_read(q, kv, L, splits, cfg or None)
+        ref_out, ref_lse = K.mla_decode_ref(q_read, kv, table, lens_t, SM_SCALE, L,
+                                            kv_scale=scale)
         try:
             out, lse = K.mla_decode(q, kv, table, lens_t, SM_SCALE, L, kv_scale=scale,
                                     num_splits=splits, config=cfg or None)

@@ -36,6 +36,7 @@ from splash.kernels_triton.kv_cache_ops import (
     kv_gather_ref,
     kv_write,
     kv_write_ref,
+    quantise_rows,
     quantise_rows_ref,
 )
 from splash.kernels_triton.lse_merge import lse_merge, lse_merge_ref
@@ -84,6 +85,7 @@ __all__ = [
     "mla_sparse_ref",
     "moe_align",
     "plan_scope",
+    "quantise_rows",
     "quantise_rows_ref",
     "scatter_layer_rows",
     "scatter_rows",

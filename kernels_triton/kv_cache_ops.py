@@ -4,6 +4,8 @@
   Into an fp8 cache it quantises each row with its own scale ``amax(|row|) / fp8_max`` (stored in
   ``kv_scale``; row = fp8 × scale; an all-zero row gets scale 0). Rows that already are fp8 of the
   cache's dtype are stored raw with the ``row_scales`` given, so a repack moves bytes exactly.
+- ``quantise_rows`` quantises rows (M, D) the same way into new fp8 rows and their scales (M,)
+  (the query of the many-head fp8 decode kernel).
 - ``kv_gather`` reads the stored rows (M, D) of slots back, raw (and their scales for fp8): with
   ``kv_write(..., row_scales=...)`` it is the page repack of a layout switch, with no
   requantisation. A -1 slot reads as a zero row (scale 0).
@@ -44,10 +46,14 @@ def _kv_write_kernel(
     BLOCK_D: tl.constexpr,
     MODE: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    DENSE: tl.constexpr = False,  # row m to slot m (no slots read)
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    slot = tl.load(slots_ptr + offs_m * stride_slot, mask=offs_m < M, other=-1).to(tl.int64)
+    if DENSE:
+        slot = tl.where(offs_m < M, offs_m, -1).to(tl.int64)
+    else:
+        slot = tl.load(slots_ptr + offs_m * stride_slot, mask=offs_m < M, other=-1).to(tl.int64)
     mask_m = slot >= 0  # (BLOCK_M,) -1 and rows past M are skipped
     page = slot // PAGE_SIZE
     in_page = slot % PAGE_SIZE
@@ -179,6 +185,27 @@ def kv_write(
         MODE=mode, FP8_MAX=V.fp8_max(kv.dtype) if fp8 else 1.0,
         num_warps=cfg["num_warps"],
     )
+
+
+def quantise_rows(rows: torch.Tensor, dtype: torch.dtype,
+                  config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row fp8 quantisation of ``rows`` (M, D) as ``kv_write`` stores them: ``(q (M, D) of
+    ``dtype``, scale (M,) fp32)`` with row ≈ q × scale (``quantise_rows_ref``, bit for bit)."""
+    V.check_tensor("rows", rows, 2, V.KV_DTYPES)
+    if not V.is_fp8(dtype) or V.is_fp8(rows.dtype):
+        raise ValueError(f"quantise_rows takes 16/32-bit rows to an fp8 dtype, got {rows.dtype} "
+                         f"-> {dtype}")
+    M, D = rows.shape
+    out = torch.empty((M, D), dtype=dtype, device=rows.device)
+    scale = torch.empty((M,), dtype=torch.float32, device=rows.device)
+    if M:
+        cfg = _config(config)
+        _kv_write_kernel[(triton.cdiv(M, cfg["BLOCK_M"]),)](
+            out, scale, rows, scale, scale, M, 0, *out.stride(), 0, scale.stride(0),
+            *rows.stride(), 0, 0, D=D, PAGE_SIZE=1 << 30, BLOCK_M=cfg["BLOCK_M"],
+            BLOCK_D=V.next_pow2(D), MODE=_MODE_QUANTISE, FP8_MAX=V.fp8_max(dtype), DENSE=True,
+            num_warps=cfg["num_warps"])
+    return out, scale
 
 
 def kv_gather(

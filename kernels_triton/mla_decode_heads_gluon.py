@@ -14,14 +14,25 @@ tile's products. Per tile:
 
 with the online softmax between them; the accumulator is 128 fp32 registers a thread, and
 each thread keeps the sums of p for its own columns, reduced across the warpgroups once
-after the last tile. The next tile's scores are issued with this tile's value product. e4m3
-tiles land in the two stages and are widened into one fp16 tile that both products read
-(fp16 products, q clamped to fp16's range). H200, a layer against the Triton kernel: 128
-heads bf16 64 x 4K 0.264 -> 0.179 ms, 64 x 32K 2.003 -> 1.329 (439 TFLOP/s); fp8 64 x 32K
-4.08 -> 3.24 (``decode_heads_gluon*.json``, ``decode_heads_defer_sum.json``); the fp8 loop
-spills the scales' per-column addresses, and loading them one address a thread removed the
-spills but not a microsecond (64 x 32K 3.24 -> 3.26 ms): the serial loop is the limit. The
-last tile of a split zeroes its rows past the range in shared memory before the value
+after the last tile. The next tile's scores are issued with this tile's value product.
+H200, a layer against the Triton kernel: 128 heads bf16 64 x 4K 0.264 -> 0.179 ms, 64 x 32K
+2.003 -> 1.329 (439 TFLOP/s) (``decode_heads_gluon.json``, ``decode_heads_defer_sum.json``).
+
+e4m3 KV: q is quantised to e4m3 with a scale a head (``quantise_rows``, as the cache's rows
+are), and the scores' product reads q and the tile as they landed (fp8 x fp8, Hopper's fp8
+accumulator: about 14 bits a partial sum); the scores take q's and the rows' scales. The
+tile's value columns widen to fp16 into one shared tile that the value product reads, p in
+fp16 times the rows' scales; that widening runs under the next tile's scores once this
+tile's value product is done with the shared tile. 64 x 32K 3.27 -> 2.05 ms (0.66 x bf16's
+speed, was 0.42 x) against the earlier form, which widened q's product operands too, to
+fp16, in one serial step a tile (``decode_heads_fp8_scores.json``). Tried and slower there:
+the next tile's scores issued before this tile's softmax (2.15 ms), and one e4m3 stage with
+two widened tiles, so the widening ran under both products (3.04 ms: the stage's copy
+waited). Without a scale q's largest entry would have to fit e4m3 (448) and its smallest
+keep some precision; a head's scale keeps the error to e4m3's (at most 1/16 an entry), on
+the order of what quantising the cache already costs.
+
+The last tile of a split zeroes its rows past the range in shared memory before the value
 product (a page's unused rows may hold anything, NaN included, and 0 x NaN is NaN).
 Outputs follow the plan as the Triton kernels' do: a request's only split writes the
 output, the others partial rows (16-bit ones for requests of at most ``LOW_SPLITS``
@@ -36,6 +47,7 @@ from __future__ import annotations
 import torch
 
 from splash.kernels_triton import _validate as V
+from splash.kernels_triton.kv_cache_ops import quantise_rows
 from splash.kernels_triton.mla_decode_gluon_tiles import BN, descriptor, tma_rows
 
 try:  # Gluon ships with Triton 3.5 and later
@@ -65,13 +77,12 @@ BH = 64  # heads a program (the MMA's M)
 
 def usable(q: torch.Tensor, kv: torch.Tensor, L: int, R: int, page_size: int,
            cfg: dict) -> bool:
-    """Whether ``config["gluon"]`` applies here: 16-bit KV of q's dtype, or e4m3 KV with fp16
-    products (``fp8_fp16``) and a 16-bit q, with DeepSeek's dims (L 512, R 64) in pages of a
-    multiple of 64 tokens laid end to end, more than 32 heads, compiled on an NVIDIA sm_90
-    GPU."""
+    """Whether ``config["gluon"]`` applies here: 16-bit KV of q's dtype, or e4m3 KV with a
+    16-bit q read in e4m3 (``config["fp8_query"]``), with DeepSeek's dims (L 512, R 64) in pages of a multiple of 64 tokens laid end
+    to end, more than 32 heads, compiled on an NVIDIA sm_90 GPU."""
     kv_ok = q.dtype == kv.dtype if kv.dtype in (torch.bfloat16, torch.float16) else \
-        kv.dtype == torch.float8_e4m3fn and bool(cfg.get("fp8_fp16")) \
-        and q.dtype in (torch.bfloat16, torch.float16)
+        kv.dtype == torch.float8_e4m3fn and q.dtype in (torch.bfloat16, torch.float16) \
+        and bool(cfg.get("fp8_query"))
     return bool(cfg.get("gluon")) and gluon is not None and kv_ok and V.compiled_hopper(q) \
         and q.shape[1] > 32 and (L, R) == (512, 64) and page_size % BN == 0 \
         and kv.stride(2) == 1 and kv.stride(0) == page_size * kv.stride(1) \
@@ -89,28 +100,28 @@ if gluon is not None:
         return warpgroup_mma(qr_s, kr.permute((1, 0)), tok, is_async=True)
 
     @gluon.jit
-    def _next_scores(qn_s, qr_s, kn_s, kr_s, bars, s, i, nxt, GATHER: gl.constexpr):
-        """Tile i + 1's scores, issued once its copy has landed; ``s`` as is past the last."""
+    def _next_scores(qn_s, qr_s, kn_s, kr_s, bars, s, i, nxt, PENDING: gl.constexpr,
+                     GATHER: gl.constexpr):
+        """Tile i + 1's scores, issued once its copy has landed (``PENDING``: the tile copies
+        issued after it); ``s`` as is past the last."""
         if nxt:
             st = (i + 1) % 2
-            _wait_tile(bars, st, ((i + 1) // 2) & 1, 0, GATHER)
+            _wait_tile(bars, st, ((i + 1) // 2) & 1, PENDING, GATHER)
             tok = _scores(qn_s, qr_s, kn_s.index(st), kr_s.index(st), s)
         else:
             tok = warpgroup_mma_init(s)
         return tok
 
     @gluon.jit
-    def _widen(k8n, k8r, wn, wr, valid, L: gl.constexpr, R: gl.constexpr,
-               num_warps: gl.constexpr):
-        """The staged fp8 tile widened to fp16 into ``wn`` / ``wr``, rows ``valid`` and on 0."""
+    def _widen_values(k8n, wv, valid, L: gl.constexpr, num_warps: gl.constexpr):
+        """The staged e4m3 tile's value columns widened to fp16 into ``wv``; rows ``valid``
+        and on as zeros (a page's unused rows may hold NaN, and 0 x NaN is NaN)."""
         CW: gl.constexpr = 64
         ld: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
         ok = (gl.arange(0, GN, layout=gl.SliceLayout(1, ld)) < valid)[:, None]
         for c in gl.static_range(L // CW):
             x = k8n.slice(c * CW, CW, dim=1).load(ld).to(gl.float16)
-            wn.slice(c * CW, CW, dim=1).store(gl.where(ok, x, gl.zeros_like(x)))
-        x = k8r.load(ld).to(gl.float16)
-        wr.store(gl.where(ok, x, gl.zeros_like(x)))
+            wv.slice(c * CW, CW, dim=1).store(gl.where(ok, x, gl.zeros_like(x)))
 
     @gluon.jit
     def _softmax(s, ok, ks, m_i, l_acc, dtype: gl.constexpr, p_layout: gl.constexpr,
@@ -138,6 +149,7 @@ if gluon is not None:
     def _mla_decode_heads_gluon_kernel(
         qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q (N * H, L + R), kv (pages * PS, L + R)
         scale_ptr,  # (pages, PS) fp32 (fp8 KV)
+        qscale_ptr,  # (N * H,) fp32: q's per-head scales (fp8 KV)
         bt_ptr,  # (N, max_pages) int
         o_ptr,  # (P, 1, H, L) fp32 partial rows
         o_low_ptr,  # (P, 1, H, L) 16-bit partial rows (o_ptr's strides)
@@ -162,9 +174,10 @@ if gluon is not None:
         pid = gl.program_id(1)
         n, count, start, end = _plan_item(plan_ptr, pid, N, splits, split_len, K, GATHER)
         if n < N:
-            dtype: gl.constexpr = qn_desc.dtype  # the products' operands
-            mma_s: gl.constexpr = gl.NVMMADistributedLayout(
-                version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, GN // 2, 16])
+            dtype: gl.constexpr = qn_desc.dtype  # the scores' operands (e4m3 with FP8)
+            mma_s: gl.constexpr = gl.NVMMADistributedLayout(  # an MMA's K: 32 bytes
+                version=[3, 0], warps_per_cta=[4, 2],
+                instr_shape=[16, GN // 2, 256 // dtype.primitive_bitwidth])
             mma_o: gl.constexpr = gl.NVMMADistributedLayout(
                 version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, L // 2, 16])
             p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o,
@@ -187,30 +200,44 @@ if gluon is not None:
             cols = gl.arange(0, GN, layout=gl.SliceLayout(0, mma_s))
             s = gl.zeros((GH, GN), gl.float32, layout=mma_s)
             if FP8:
-                # fp8 tiles land in the two stages and are widened to fp16 into one tile that
-                # both products read; a stage is refilled as soon as it is widened
-                wn = gl.allocate_shared_memory(dtype, [GN, L], qn_desc.layout)
-                wr = gl.allocate_shared_memory(dtype, [GN, R], qr_desc.layout)
-                for i in range(tiles):
+                # q (a scale a head) and the tiles in e4m3: the scores' product reads both as
+                # they landed; a tile's value columns widen to fp16 into ``wv``, under the
+                # next tile's scores once this tile's value product is done with ``wv``
+                wv = gl.allocate_shared_memory(
+                    gl.float16, [GN, L], gl.NVMMASharedLayout.get_default_for([GN, L],
+                                                                              gl.float16))
+                hs = g * GH + gl.arange(0, GH, layout=gl.SliceLayout(1, mma_s))
+                qsc = gl.load(qscale_ptr + n * H + hs, mask=hs < H, other=0.0) * qk_scale
+                if tiles > 0:  # tile 0's scores and values
+                    _wait_tile(bars, 0, 0, 1, GATHER)
+                    s_tok = _scores(qn_s, qr_s, kn_s.index(0), kr_s.index(0), s)
+                    _widen_values(kn_s.index(0), wv, end - start, L, num_warps)
+                    fence_async_shared()
+                    s = warpgroup_mma_wait(0, deps=(s_tok,))
+                for i in range(tiles):  # s: tile i's scores, wv: its values
                     st = i % 2
                     t0 = start + i * GN
-                    _wait_tile(bars, st, (i // 2) & 1, 1, GATHER)
-                    _widen(kn_s.index(st), kr_s.index(st), wn, wr, end - t0, L, R, num_warps)
-                    fence_async_shared()
-                    gl.thread_barrier()  # widened, and the stage read by every warp
+                    # stage st is read (scores) and widened (values): refill it
                     _refill(kn_desc, kr_desc, bt_row, stride_btp, t0 + 2 * GN, end,
                             kn_s.index(st), kr_s.index(st), bars.index(st), i + 2 < tiles,
                             kv_ptr, stride_kvp, stride_kvs, L, PS, GATHER, num_warps)
                     off, ok = _tile_rows(bt_row, stride_btp, t0, end, cols, stride_sp,
                                          stride_ss, PS, GATHER)
                     ks = gl.load(scale_ptr + off, mask=ok, other=0.0)
-                    s = warpgroup_mma_wait(0, deps=(_scores(qn_s, qr_s, wn, wr, s),))
-                    p_op, alpha_o, m_i, l_acc = _softmax(s * (ks * qk_scale)[None, :], ok, ks,
-                                                         m_i, l_acc, dtype, p_layout, mma_o,
-                                                         GATHER)
-                    acc = warpgroup_mma(p_op, wn, acc * alpha_o[:, None], is_async=True)
-                    acc = warpgroup_mma_wait(0, deps=(acc,))
-                    gl.thread_barrier()  # the widened tile is free again
+                    p_op, alpha_o, m_i, l_acc = _softmax(s * qsc[:, None] * ks[None, :], ok,
+                                                         ks, m_i, l_acc, gl.float16, p_layout,
+                                                         mma_o, GATHER)
+                    gl.thread_barrier()  # wv widened by every warp
+                    acc_tok = warpgroup_mma(p_op, wv, acc * alpha_o[:, None], is_async=True)
+                    s_tok = _next_scores(qn_s, qr_s, kn_s, kr_s, bars, s, i, i + 1 < tiles, 1,
+                                         GATHER)
+                    if i + 1 < tiles:  # tile i + 1's values, under its scores' product
+                        warpgroup_mma_wait(1, deps=(acc_tok,))  # this tile's values are done
+                        gl.thread_barrier()  # in both warpgroups: wv is free
+                        _widen_values(kn_s.index((i + 1) % 2), wv, end - t0 - GN, L,
+                                      num_warps)
+                        fence_async_shared()
+                    acc, s = warpgroup_mma_wait(0, deps=(acc_tok, s_tok))
             else:
                 ones = gl.full((GN,), 1.0, gl.float32, layout=gl.SliceLayout(0, mma_s))
                 if tiles > 0:  # tile 0's scores
@@ -233,7 +260,7 @@ if gluon is not None:
                     # tile i + 1's scores after this tile's value product, so its copy has
                     # had the softmax's time to land (issued before the softmax, they waited
                     # on a copy just started: 26% slower, decode_heads_gluon.json)
-                    s_tok = _next_scores(qn_s, qr_s, kn_s, kr_s, bars, s, i, i + 1 < tiles,
+                    s_tok = _next_scores(qn_s, qr_s, kn_s, kr_s, bars, s, i, i + 1 < tiles, 0,
                                          GATHER)
                     acc, s = warpgroup_mma_wait(0, deps=(acc_tok, s_tok))
                     # both warpgroups are done with this stage: refill it
@@ -271,21 +298,23 @@ def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: 
            lse: torch.Tensor, items: torch.Tensor | None, qk_scale: float, low: int,
            sparse: tuple[int, int] | None = None) -> None:
     """Head groups of 64 x one program per plan item (``_decode_plan_kernel``'s); the rest
-    as the balanced Triton launch takes them. fp8 KV: fp16 products, q clamped to fp16's
-    range (as ``config["fp8_fp16"]`` in the Triton kernels). With ``sparse`` = (splits,
+    as the balanced Triton launch takes them. e4m3 KV: q quantised to e4m3, a scale a head
+    (the module docstring). With ``sparse`` = (splits,
     split_len), ``block_table`` is ``mla_sparse``'s (N, K) slots and the programs are each
     row's splits (partial rows (splits * N, 1, H, L), split-major), without a plan."""
     N, H, D = q.shape
     L = out.shape[2]
     fp8 = kv.dtype == torch.float8_e4m3fn
-    if fp8 and q.dtype != torch.float16:
-        q = q.float().clamp(-65504.0, 65504.0).half()
+    q_scale = scale
+    if fp8:  # e4m3 q, a scale a head
+        q8, q_scale = quantise_rows(q.reshape(N * H, D), kv.dtype)
+        q = q8.view(N, H, D)
     rows_q, rows_kv = tma_rows(q, kv)
     splits, split_len = sparse or (1, 0)
     programs = items.shape[0] if items is not None else splits * N
     _mla_decode_heads_gluon_kernel[((H + BH - 1) // BH, programs)](
         descriptor(rows_q, L), descriptor(rows_q, D - L), descriptor(rows_kv, L),
-        descriptor(rows_kv, D - L), scale, block_table, o_part, o_low, lse_part, out, lse,
+        descriptor(rows_kv, D - L), scale, q_scale, block_table, o_part, o_low, lse_part, out, lse,
         block_table if items is None else items, kv, qk_scale, H, N, splits, split_len,
         block_table.shape[1], scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0,
         block_table.stride(0), block_table.stride(1), kv.stride(0), kv.stride(1),

@@ -92,6 +92,13 @@ def block_table(
     return table.to(device)
 
 
+def fp8_query(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q as the many-head fp8 decode kernel reads it: e4m3 with a scale a head, dequantised
+    (fp32), for the references."""
+    data, scale = quantise_rows_ref(q.reshape(-1, q.shape[-1]), dtype)
+    return (data.float() * scale[:, None]).view(q.shape)
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float) -> None:
     torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), atol=atol, rtol=rtol)
 
