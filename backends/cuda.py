@@ -58,7 +58,7 @@ class CUDABackend(BaseBackend):
         # (0.179 / 1.329 with p's sums deferred, decode_heads_defer_sum.json);
         # fp8 (decode_heads_gluon_fp8.json) 64 x 4K 0.535 -> 0.454, 64 x 32K 4.08 -> 3.24;
         # then with q read in e4m3 for the scores ("fp8_query", decode_heads_fp8_scores.json)
-        # 64 x 4K 0.457 -> 0.284, 64 x 32K 3.27 -> 2.05 (bf16 in the same run 0.183 / 1.357).
+        # 64 x 4K 0.458 -> 0.270, 64 x 32K 3.29 -> 1.95 (bf16 in the same run 0.181 / 1.344).
         # "low_partials": 8: requests of at most 8 splits write 16-bit partials, longer ones
         # fp32 (benchmarks/results/h200/decode_low_partials.json, a layer's ms against fp32
         # partials: 16 heads bf16 64 x 4K -1.1%, 128 x 1K -2.8%, 64 x 1K -4.2%; 128 heads

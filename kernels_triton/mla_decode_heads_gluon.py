@@ -23,12 +23,14 @@ are), and the scores' product reads q and the tile as they landed (fp8 x fp8, Ho
 accumulator: about 14 bits a partial sum); the scores take q's and the rows' scales. The
 tile's value columns widen to fp16 into one shared tile that the value product reads, p in
 fp16 times the rows' scales; that widening runs under the next tile's scores once this
-tile's value product is done with the shared tile. 64 x 32K 3.27 -> 2.05 ms (0.66 x bf16's
-speed, was 0.42 x) against the earlier form, which widened q's product operands too, to
-fp16, in one serial step a tile (``decode_heads_fp8_scores.json``). Tried and slower there:
-the next tile's scores issued before this tile's softmax (2.15 ms), and one e4m3 stage with
-two widened tiles, so the widening ran under both products (3.04 ms: the stage's copy
-waited). Without a scale q's largest entry would have to fit e4m3 (448) and its smallest
+tile's value product is done with the shared tile, and is masked on a split's partial last
+tile only. 64 x 32K 3.29 -> 1.95 ms (0.69 x bf16's speed, was 0.41 x) against the earlier
+form, which widened the whole tile to fp16 for both products in one serial step a tile
+(``decode_heads_fp8_scores.json``, which also holds what was tried: the next tile's scores
+issued before this tile's softmax, 2.15 against 2.05 ms then; one e4m3 stage with two widened
+tiles, so the widening ran under both products, 3.04 ms: the stage's copy waited; and with
+no widening at all, wrong values for timing only, 1.46 ms: the widening is the gap to bf16).
+Without a scale q's largest entry would have to fit e4m3 (448) and its smallest
 keep some precision; a head's scale keeps the error to e4m3's (at most 1/16 an entry), on
 the order of what quantising the cache already costs.
 
@@ -113,15 +115,28 @@ if gluon is not None:
         return tok
 
     @gluon.jit
-    def _widen_values(k8n, wv, valid, L: gl.constexpr, num_warps: gl.constexpr):
-        """The staged e4m3 tile's value columns widened to fp16 into ``wv``; rows ``valid``
-        and on as zeros (a page's unused rows may hold NaN, and 0 x NaN is NaN)."""
+    def _widen_rows(k8n, wv, valid, L: gl.constexpr, num_warps: gl.constexpr,
+                    MASK: gl.constexpr):
+        """The staged e4m3 tile's value columns widened to fp16 into ``wv``; with ``MASK``
+        rows ``valid`` and on as zeros."""
         CW: gl.constexpr = 64
         ld: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
         ok = (gl.arange(0, GN, layout=gl.SliceLayout(1, ld)) < valid)[:, None]
         for c in gl.static_range(L // CW):
             x = k8n.slice(c * CW, CW, dim=1).load(ld).to(gl.float16)
-            wv.slice(c * CW, CW, dim=1).store(gl.where(ok, x, gl.zeros_like(x)))
+            if MASK:
+                x = gl.where(ok, x, gl.zeros_like(x))
+            wv.slice(c * CW, CW, dim=1).store(x)
+
+    @gluon.jit
+    def _widen_values(k8n, wv, valid, L: gl.constexpr, num_warps: gl.constexpr):
+        """``_widen_rows``, masking only a split's last, partial tile (a page's unused rows
+        may hold NaN, and 0 x NaN is NaN); the mask on every tile cost 8% at 64 x 32K
+        (2.04 against 1.89 ms)."""
+        if valid < GN:
+            _widen_rows(k8n, wv, valid, L, num_warps, True)
+        else:
+            _widen_rows(k8n, wv, valid, L, num_warps, False)
 
     @gluon.jit
     def _softmax(s, ok, ks, m_i, l_acc, dtype: gl.constexpr, p_layout: gl.constexpr,
