@@ -40,19 +40,24 @@ def _check(v, i, values, k):
     return ref_v
 
 
-@pytest.mark.parametrize("k,chunk,floor_n,group,rows,survivors", [
-    (8, 32, 16, 8, 1, None), (8, 32, 16, 8, 8, None), (8, 64, 64, 4, 8, None),
-    (24, 64, 32, 2, 8, None), (4, 16, 16, 16, 8, None),
+# cols: 320 where every row takes the path it takes at 600 (half the interpreter's time);
+# 600 where fewer would change one: (8, 64, 64, 4) needs more than a chunk of survivors (else
+# a plain last pass follows the floor), (24, 64, 32, 2, 1, 32) keeps the tied row on the
+# exact fallback, and the last case needs more than 8 chunks for the constant row's k
+# survivors a chunk to pass the narrower registers
+@pytest.mark.parametrize("k,chunk,floor_n,group,rows,survivors,cols", [
+    (8, 32, 16, 8, 1, None, 320), (8, 32, 16, 8, 8, None, 320), (8, 64, 64, 4, 8, None, 600),
+    (24, 64, 32, 2, 8, None, 320), (4, 16, 16, 16, 8, None, 320),
     # the survivors searched in narrower registers first, a row a program: smooth rows fit
     # them, the tied, constant and trend rows take the chunk or the exact fallback; the last
     # case's survivors fit one chunk (the narrower search, then no second chunk)
-    (8, 32, 16, 8, 1, 16), (24, 64, 32, 2, 1, 32), (4, 64, 16, 4, 1, 16)])
-def test_floor_keeps_the_winners(device, k, chunk, floor_n, group, rows, survivors):
+    (8, 32, 16, 8, 1, 16, 320), (24, 64, 32, 2, 1, 32, 600), (4, 64, 16, 4, 1, 16, 600)])
+def test_floor_keeps_the_winners(device, k, chunk, floor_n, group, rows, survivors, cols):
     gen = torch.Generator().manual_seed(k + chunk)
-    values = _rows(gen, 600)
+    values = _rows(gen, cols)
     cfg = {"CHUNK": chunk, "ROWS": rows, "PARTS": 2, "FLOOR_N": floor_n,
            "SURVIVOR_CHUNK": survivors}
-    floor = _group_max(values, group).to(device)  # G = 600 / group > FLOOR_N: folded
+    floor = _group_max(values, group).to(device)  # G = cols / group > FLOOR_N: folded
     v, i = topk_rows(values.to(device), k, config=cfg, floor_max=floor)
     _check(v, i, values, k)
     # ties in column order even through the floor: the constant row takes its first k columns

@@ -49,12 +49,12 @@ def _stop_string(text, start):
 
 def test_stop_string_is_cut_off(setup):
     llm, prompts, base, tok = setup
-    for prompt, ids in zip(prompts, base):
-        text = _decode(tok, ids)
-        stop = _stop_string(text, 3)
-        assert stop is not None
-        out = llm.generate([prompt], SamplingParams(max_tokens=MAX, temperature=0.0,
-                                                    ignore_eos=True, stop=[stop, "\x7f\x7f\x7f"]))[0]
+    stops = [_stop_string(_decode(tok, ids), 3) for ids in base]
+    assert None not in stops
+    # the three requests in one batch, as ``base`` was drawn (each stops on its own step)
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=MAX, temperature=0.0, ignore_eos=True,
+                                                 stop=[stop, "\x7f\x7f\x7f"]) for stop in stops])
+    for out, ids, stop in zip(outs, base, stops, strict=True):
         k = _first_completion(tok, ids, stop)
         assert out.token_ids == ids[:k]
         assert out.finish_reason == "stop" and out.stop_reason == stop
@@ -66,12 +66,12 @@ def test_stop_string_is_cut_off(setup):
 def test_min_tokens_ignores_an_earlier_stop_string(setup):
     llm, prompts, base, tok = setup
     m = 10
-    for prompt, ids in zip(prompts, base):
-        early = _decode(tok, ids[:m - 1])
-        stop = _stop_string(early, 0)
-        assert stop is not None
-        out = llm.generate([prompt], SamplingParams(max_tokens=MAX, temperature=0.0,
-                                                    ignore_eos=True, stop=stop, min_tokens=m))[0]
+    stops = [_stop_string(_decode(tok, ids[:m - 1]), 0) for ids in base]
+    assert None not in stops
+    # the three requests in one batch, as ``base`` was drawn (one run of at most MAX steps)
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=MAX, temperature=0.0, ignore_eos=True,
+                                                 stop=stop, min_tokens=m) for stop in stops])
+    for out, ids, stop in zip(outs, base, stops, strict=True):
         k = _first_completion(tok, ids, stop, from_token=m)
         assert out.token_ids == ids[:k or MAX]
         assert out.finish_reason == ("stop" if k else "length")
@@ -83,11 +83,12 @@ def test_min_tokens_holds_eos_and_stop_token_ids_back(setup):
     llm, prompts, base, _ = setup
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint("v3"),
                                                               dtype=torch.float32)
-    for prompt, ids in zip(prompts, base):
-        stops = [ids[1], ids[4]]  # greedy would stop at once without min_tokens
-        for m in (0, 6):
-            out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0,
-                                                        stop_token_ids=stops, min_tokens=m))[0]
+    for m in (0, 6):  # the three requests in one batch, as ``base`` was drawn
+        outs = llm.generate(prompts, [SamplingParams(
+            max_tokens=12, temperature=0.0, stop_token_ids=[ids[1], ids[4]], min_tokens=m)
+            for ids in base])
+        for prompt, ids, out in zip(prompts, base, outs, strict=True):
+            stops = [ids[1], ids[4]]  # greedy would stop at once without min_tokens
             x = torch.tensor([prompt])
             with torch.no_grad():
                 gen = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
