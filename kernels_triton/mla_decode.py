@@ -197,6 +197,11 @@ def gluon_form(q: torch.Tensor, kv: torch.Tensor, L: int, R: int, block_h: int,
     return None
 
 
+def _balanced(num_splits: int | None, cfg: dict[str, Any]) -> bool:
+    """Whether the launch follows the balanced plan (the only one the Gluon kernels serve)."""
+    return num_splits is None and bool(cfg.get("balanced")) and not cfg.get("transposed")
+
+
 def query_as_read(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
                   num_splits: int | None = None, config: dict | None = None) -> torch.Tensor:
     """q as ``mla_decode`` reads it for this cache, split count and config: where the
@@ -206,9 +211,8 @@ def query_as_read(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
     H = q.shape[1]
     cfg = decode_config(H, q.device, config, fp8=V.is_fp8(kv_cache.dtype),
                         fp32_q=q.dtype == torch.float32)
-    balanced = num_splits is None and bool(cfg.get("balanced")) and not cfg.get("transposed")
     L, R = kv_lora_rank, q.shape[2] - kv_lora_rank
-    if not (balanced and V.is_fp8(kv_cache.dtype)
+    if not (_balanced(num_splits, cfg) and V.is_fp8(kv_cache.dtype)
             and gluon_form(q, kv_cache, L, R, cfg["BLOCK_H"], cfg) == "heads"):
         return q
     data, scale = quantise_rows(q.reshape(-1, q.shape[2]), kv_cache.dtype)
@@ -272,7 +276,7 @@ def mla_decode(
     transposed = bool(cfg.get("transposed"))
     if num_splits is None:
         num_splits = cfg.get("num_splits")
-    balanced = num_splits is None and bool(cfg.get("balanced")) and not transposed
+    balanced = _balanced(num_splits, cfg)
     if num_splits is None and not balanced:
         num_splits = choose_num_splits(N, head_groups, block_table.shape[1] * PS, q.device, cfg)
     if not balanced and (not isinstance(num_splits, int) or not 1 <= num_splits <= 65535):

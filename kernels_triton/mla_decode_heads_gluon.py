@@ -80,8 +80,9 @@ BH = 64  # heads a program (the MMA's M)
 def usable(q: torch.Tensor, kv: torch.Tensor, L: int, R: int, page_size: int,
            cfg: dict) -> bool:
     """Whether ``config["gluon"]`` applies here: 16-bit KV of q's dtype, or e4m3 KV with a
-    16-bit q read in e4m3 (``config["fp8_query"]``), with DeepSeek's dims (L 512, R 64) in pages of a multiple of 64 tokens laid end
-    to end, more than 32 heads, compiled on an NVIDIA sm_90 GPU."""
+    16-bit q read in e4m3 (``config["fp8_query"]``), with DeepSeek's dims (L 512, R 64) in
+    pages of a multiple of 64 tokens laid end to end, more than 32 heads, compiled on an
+    NVIDIA sm_90 GPU."""
     kv_ok = q.dtype == kv.dtype if kv.dtype in (torch.bfloat16, torch.float16) else \
         kv.dtype == torch.float8_e4m3fn and q.dtype in (torch.bfloat16, torch.float16) \
         and bool(cfg.get("fp8_query"))
@@ -314,9 +315,9 @@ def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: 
            sparse: tuple[int, int] | None = None) -> None:
     """Head groups of 64 x one program per plan item (``_decode_plan_kernel``'s); the rest
     as the balanced Triton launch takes them. e4m3 KV: q quantised to e4m3, a scale a head
-    (the module docstring). With ``sparse`` = (splits,
-    split_len), ``block_table`` is ``mla_sparse``'s (N, K) slots and the programs are each
-    row's splits (partial rows (splits * N, 1, H, L), split-major), without a plan."""
+    (the module docstring). With ``sparse`` = (splits, split_len), ``block_table`` is
+    ``mla_sparse``'s (N, K) slots and the programs are each row's splits (partial rows
+    (splits * N, 1, H, L), split-major), without a plan."""
     N, H, D = q.shape
     L = out.shape[2]
     fp8 = kv.dtype == torch.float8_e4m3fn
@@ -329,7 +330,8 @@ def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: 
     programs = items.shape[0] if items is not None else splits * N
     _mla_decode_heads_gluon_kernel[((H + BH - 1) // BH, programs)](
         descriptor(rows_q, L), descriptor(rows_q, D - L), descriptor(rows_kv, L),
-        descriptor(rows_kv, D - L), scale, q_scale, block_table, o_part, o_low, lse_part, out, lse,
+        descriptor(rows_kv, D - L), scale, q_scale, block_table, o_part, o_low, lse_part, out,
+        lse,
         block_table if items is None else items, kv, qk_scale, H, N, splits, split_len,
         block_table.shape[1], scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0,
         block_table.stride(0), block_table.stride(1), kv.stride(0), kv.stride(1),
