@@ -59,6 +59,11 @@ class CUDABackend(BaseBackend):
         # fp8 (decode_heads_gluon_fp8.json) 64 x 4K 0.535 -> 0.454, 64 x 32K 4.08 -> 3.24;
         # then with q read in e4m3 for the scores ("fp8_query", decode_heads_fp8_scores.json)
         # 64 x 4K 0.458 -> 0.270, 64 x 32K 3.29 -> 1.95 (bf16 in the same run 0.181 / 1.344).
+        # Few heads with "fp8_query" (mla_decode_tokens_fp8: e4m3 stages by TMA, fp8 scores,
+        # the value operand widened in registers; decode_tokens_fp8_regs.json, against the
+        # tile widened in shared memory, bf16 in the same run): 64 x 4K 0.1184 -> 0.0659
+        # (bf16 0.0784), 64 x 32K 0.759 -> 0.328 (0.546), 16 x 128K 0.759 -> 0.332 (0.548),
+        # 128 x 1K 0.0755 -> 0.0515 (0.0448), 8 x 4K 0.0297 -> 0.0270 (0.0159).
         # "low_partials": 8: requests of at most 8 splits write 16-bit partials, longer ones
         # fp32 (benchmarks/results/h200/decode_low_partials.json, a layer's ms against fp32
         # partials: 16 heads bf16 64 x 4K -1.1%, 128 x 1K -2.8%, 64 x 1K -4.2%; 128 heads
@@ -75,7 +80,7 @@ class CUDABackend(BaseBackend):
                                "num_warps": 8, "num_stages": 2, "programs_per_sm": 1,
                                "split_overhead_tokens": 64, "min_split_tokens": 64},
                 "fp8": {"transposed": False, "BLOCK_N": 64, "gather_pages": True,
-                        "gluon_programs_per_sm": 2,
+                        "gluon_programs_per_sm": 2, "fp8_query": True,
                         "num_warps": 4, "num_stages": 3,
                         "programs_per_sm": 2, "split_overhead_tokens": 64, "fp8_fp16": True,
                         "many_heads": {"BLOCK_N": 64, "gather_pages": False, "num_warps": 8,

@@ -27,6 +27,7 @@ except ImportError:
     sys.exit("benchmarks/gluon_offline.py needs a Triton with Gluon (3.5 or later)")
 
 from splash.kernels_triton import mla_decode_heads_gluon as heads
+from splash.kernels_triton import mla_decode_tokens_fp8 as tokens_fp8
 from splash.kernels_triton import mla_decode_tokens_gluon as tokens
 
 OUTS = dict(bt_ptr="*i32", o_ptr="*fp32", o_low_ptr="*bf16", lse_ptr="*fp32", out_ptr="*bf16",
@@ -97,6 +98,8 @@ def main() -> int:
             (f"tokens fp8{tag}", fp8_fn, {**OUTS, "q_ptr": "*fp16", "kv_ptr": "*fp8e4nv"},
              {**g, "BH": 16}, 4),
         ]
+    runs.append(("tokens fp8 (e4m3 q)", tokens_fp8._mla_decode_fp8_tokens_kernel,
+                 {**OUTS, **descriptors(e4m3, e4m3, 16)}, {**base, "BH": 16}, 4))
     for name, fn, types, constants, warps in runs:
         print(f"{name}: {compile_sm90(fn, types, {**constants, 'num_warps': warps}, warps, args.sass, name)}",
               flush=True)

@@ -16,7 +16,9 @@ so no operand pads 16 heads to the MMA's 64 rows. Two forms:
   0.076; 64 requests over 1K-32K 0.352 -> 0.370 and 128 over 256-2K 0.059 -> 0.064 (with
   one program an SM, splits of unequal length leave SMs idle; two programs an SM, a second
   wave, lose the uniform batches instead).
-- fp8 KV (``_mla_decode_fp8_gluon_kernel``): a program loads the fp8 rows into registers,
+- fp8 KV with q kept in 16 bits (``_mla_decode_fp8_gluon_kernel``; ``fp8_query: False``,
+  and sparse gathers; the default reads q in e4m3, ``mla_decode_tokens_fp8``, 2.3x faster at
+  64 x 32K): a program loads the fp8 rows into registers,
   widens them to fp16 (rows past its range as 0) into one swizzled shared tile that both
   products read (the Triton kernels widen in registers and keep both chunks live: 255
   registers, one program an SM); 94 KB of shared memory lets two programs share an SM, whose

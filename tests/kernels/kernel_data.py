@@ -93,7 +93,7 @@ def block_table(
 
 
 def fp8_query(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """q as the many-head fp8 decode kernel reads it: e4m3 with a scale a head, dequantised
+    """q as the Gluon fp8 decode kernels read it: e4m3 with a scale a head, dequantised
     (fp32), for the references."""
     data, scale = quantise_rows_ref(q.reshape(-1, q.shape[-1]), dtype)
     return (data.float() * scale[:, None]).view(q.shape)
