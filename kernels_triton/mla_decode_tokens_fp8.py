@@ -29,7 +29,7 @@ H200, a layer (``decode_tokens_fp8_regs.json``; the fp16-widened tile's form, th
 run): 64 x 32K 0.759 -> 0.328 ms (bf16 0.546: 1.67x its tokens a second, 88% of copy),
 16 x 128K 0.759 -> 0.332, 64 x 4K 0.118 -> 0.066 (bf16 0.078), 128 x 1K 0.076 -> 0.052
 (0.045), 8 x 4K 0.030 -> 0.027 (0.016). Each tile's products in turn measured within 3%.
-""""""
+"""
 
 from __future__ import annotations
 
