@@ -44,6 +44,7 @@ from splash.engine.plans import build_plans
 from splash.engine.sampling_plan import num_draws
 from splash.engine.scheduler import ScheduledBatch
 from splash.engine.setup import (
+    EngineSetup,
     build_scheduler,
     load_tokenizer,
     resolve_setup,
@@ -80,12 +81,19 @@ class LLMEngine:
         self.cfg = cfg
         s = resolve_setup(cfg)  # refuses what cannot fit by the estimates, before any worker
         self.executor = start_executor(s.worker_config(), cfg.worker_addr)
-        try:  # the pool from what the workers measured; then they allocate it
-            self.setup = s = size_from_profiles(s, self.executor.profiles)
-            ready = self.executor.allocate(s.num_pages)
-        except BaseException:
+        try:
+            self._start(s)
+        except BaseException:  # no worker outlives an engine that failed to start (a Ctrl-C
+            gc.unfreeze()  # during start-up included: its workers ignore SIGINT)
             self.executor.shutdown()
             raise
+
+    def _start(self, s: EngineSetup) -> None:
+        """Everything after the workers spawned: the pool from what they measured (then they
+        allocate it), the scheduler, the warm-up."""
+        cfg = self.cfg
+        self.setup = s = size_from_profiles(s, self.executor.profiles)
+        ready = self.executor.allocate(s.num_pages)
         self._graphs_at_start = {"cuda_graphs_captured": max(r.graphs for r in ready),
                                  "cuda_graph_capture_s": max(r.graph_s for r in ready),
                                  "cuda_graph_mib": max(r.graph_bytes for r in ready) / 2**20}
@@ -126,11 +134,7 @@ class LLMEngine:
         self.weight_version = 0  # in-place weight updates so far
         self._started = time.monotonic()
         if cfg.warmup if cfg.warmup is not None else s.backend_name != "cpu":
-            try:
-                self.warm_up()
-            except BaseException:  # no worker outlives an engine that failed to start
-                self.executor.shutdown()
-                raise
+            self.warm_up()
         # what start-up built lives as long as the engine: out of the collector's sight, its
         # full passes stop walking it (a pass over the weights' and pools' Python objects cost
         # up to a millisecond at random steps and switches). A Ctrl-C meanwhile waits until

@@ -79,3 +79,25 @@ def test_ctrl_c_stops_generate() -> None:
     _clean(log)
     # its last word (extensions may still report leaks at interpreter exit, after it)
     assert "splash generate: interrupted" in log.splitlines(), log[-3000:]
+
+
+def test_ctrl_c_during_start_up_stops_the_workers(monkeypatch) -> None:
+    """A Ctrl-C after the workers are up but before the engine is built (here while the
+    tokenizer loads) stops them: none outlives the interrupted start (they ignore SIGINT, so
+    one left behind would keep the process from exiting)."""
+    from splash import LLM
+    from splash.engine import llm_engine
+
+    started = []
+    spawn = llm_engine.start_executor
+    monkeypatch.setattr(llm_engine, "start_executor",
+                        lambda *a, **k: started.append(spawn(*a, **k)) or started[-1])
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(llm_engine, "load_tokenizer", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        LLM(checkpoint("v3"), tp_size=2, backend="cpu", layout="tp")
+    assert started and started[0].procs
+    assert not any(p.is_alive() for p in started[0].procs)
