@@ -54,11 +54,7 @@ if gluon is not None:
                    L: gl.constexpr, PS: gl.constexpr):
         """The tile at token ``t0`` (its page's rows) into ``kn`` / ``kr``, signalling ``bar``."""
         page = gl.load(bt_row + (t0 // PS) * stride_btp)
-        _copy_rows(kn_desc, kr_desc, page * PS + t0 % PS, kn, kr, bar, L)
-
-    @gluon.jit
-    def _copy_rows(kn_desc, kr_desc, row, kn, kr, bar, L: gl.constexpr):
-        """The tile of rows from ``row`` on into ``kn`` / ``kr`` by TMA, signalling ``bar``."""
+        row = page * PS + t0 % PS
         mbarrier.expect(bar, kn_desc.block_type.nbytes + kr_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(kn_desc, [row, 0], bar, kn)
         tma.async_copy_global_to_shared(kr_desc, [row, L], bar, kr)

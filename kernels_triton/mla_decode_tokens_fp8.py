@@ -49,9 +49,10 @@ try:  # Gluon ships with Triton 3.5 and later
     )
 
     from splash.kernels_triton.mla_decode_gluon_tiles import (
-        _copy_rows,
         _plan_item,
+        _refill,
         _start_copies,
+        _tile_rows,
     )
     from splash.kernels_triton.mla_decode_tokens_gluon import _finish, _softmax_columns
 except ImportError:  # pragma: no cover - an older Triton: the Triton kernels serve
@@ -116,26 +117,18 @@ if gluon is not None:
         return warpgroup_mma(kr_s.index(st), qr_s.permute((1, 0)), tok, is_async=True)
 
     @gluon.jit
-    def _operand(kn, t0, end, a_layout: gl.constexpr):
+    def _operand(kn, scale_ptr, bt_row, stride_btp, stride_sp, stride_ss, t0, end, rows_m,
+                 a_layout: gl.constexpr, PS: gl.constexpr):
         """The tile at ``t0``'s value operand (``_values_operand``; a partial tile's rows past
-        ``end`` as 0)."""
+        ``end`` as 0), its tokens' scales and which of its rows hold a token."""
+        off, ok = _tile_rows(bt_row, stride_btp, t0, end, rows_m, stride_sp, stride_ss, PS,
+                             False)
+        ks = gl.load(scale_ptr + off, mask=ok, other=0.0)
         if t0 + BN > end:
             v = _values_operand(kn, end - t0, a_layout, True)
         else:
             v = _values_operand(kn, end - t0, a_layout, False)
-        return v
-
-    @gluon.jit
-    def _page(bt_row, stride_btp, t, end, PS: gl.constexpr):
-        """The page holding token ``t`` (0 past ``end``)."""
-        return gl.load(bt_row + (t // PS) * stride_btp, mask=t < end, other=0)
-
-    @gluon.jit
-    def _scales(scale_ptr, page, t0, end, rows, stride_sp, stride_ss, PS: gl.constexpr):
-        """The scales of the tile at ``t0`` (in ``page``; 0 past ``end``)."""
-        ok = t0 + rows < end
-        return gl.load(scale_ptr + page.to(gl.int64) * stride_sp + (t0 % PS + rows) * stride_ss,
-                       mask=ok, other=0.0)
+        return v, ks, ok
 
     # splits stays a runtime int: one split a row compiled as a constant 1 trips an assertion
     # in Triton 3.6's lowering to LLVM
@@ -185,31 +178,22 @@ if gluon is not None:
             m_i = gl.full((BH,), float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma))
             l_i = gl.zeros((BH,), gl.float32, layout=gl.SliceLayout(0, mma))
             rows_m = gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
-            # the loop's global loads run ahead, so no warp waits on one: tile i + 1's scales
-            # were loaded during tile i - 1, tile i + 3's page (its copy) during tile i
-            ks = _scales(scale_ptr, _page(bt_row, stride_btp, start, end, PS), start, end,
-                         rows_m, stride_sp, stride_ss, PS)
-            ks_next = _scales(scale_ptr, _page(bt_row, stride_btp, start + BN, end, PS),
-                              start + BN, end, rows_m, stride_sp, stride_ss, PS)
-            page2 = _page(bt_row, stride_btp, start + 2 * BN, end, PS)
             s0 = gl.zeros((BN, BH), gl.float32, layout=mma_s)
             s = s0
             v = gl.zeros((L, BN), gl.float16, layout=a_layout)
+            ks = gl.zeros((BN,), gl.float32, layout=gl.SliceLayout(1, mma))
+            ok = rows_m < 0
             if tiles > 0:  # tile 0's scores and operand
                 s_tok = _issue_scores(qn_s, qr_s, kn_s, kr_s, bars, s0, 0)
-                v = _operand(kn_s.index(0), start, end, a_layout)
+                v, ks, ok = _operand(kn_s.index(0), scale_ptr, bt_row, stride_btp, stride_sp,
+                                     stride_ss, start, end, rows_m, a_layout, PS)
                 s = warpgroup_mma_wait(0, deps=(s_tok,))
-                if 2 < tiles:  # stage 0 is read: tile 2 into it
-                    gl.thread_barrier()
-                    _copy_rows(kn_desc, kr_desc, page2 * PS + (start + 2 * BN) % PS,
-                               kn_s.index(0), kr_s.index(0), bars.index(0), L)
-            for i in range(tiles):  # s, v, ks: tile i's
+                _refill(kn_desc, kr_desc, bt_row, stride_btp, start + 2 * BN, end,
+                        kn_s.index(0), kr_s.index(0), bars.index(0), 2 < tiles, bt_ptr, 0, 0,
+                        L, PS, False, num_warps)
+            for i in range(tiles):  # s, v, ks, ok: tile i's
                 t0 = start + i * BN
-                ks_after = _scales(scale_ptr, page2, t0 + 2 * BN, end, rows_m, stride_sp,
-                                   stride_ss, PS)
-                page3 = _page(bt_row, stride_btp, t0 + 3 * BN, end, PS)
                 sm = gl.convert_layout(s, mma, assert_trivial=True)
-                ok = t0 + rows_m < end
                 sm = gl.where(ok[:, None], sm * ks[:, None] * qsc[None, :], float("-inf"))
                 p, alpha, m_i, l_i = _softmax_columns(sm, m_i, l_i, False)
                 p_s.store((p * ks[:, None]).to(gl.float16))
@@ -219,17 +203,16 @@ if gluon is not None:
                     s_tok = _issue_scores(qn_s, qr_s, kn_s, kr_s, bars, s0, i + 1)
                     acc = warpgroup_mma_wait(1, deps=(acc_tok,))  # v is free
                     st = (i + 1) % 2
-                    v = _operand(kn_s.index(st), t0 + BN, end, a_layout)
+                    v, ks, ok = _operand(kn_s.index(st), scale_ptr, bt_row, stride_btp,
+                                         stride_sp, stride_ss, t0 + BN, end, rows_m, a_layout,
+                                         PS)
                     s = warpgroup_mma_wait(0, deps=(s_tok,))
-                    if i + 3 < tiles:  # the stage is read (scores, operand): tile i + 3 into it
-                        gl.thread_barrier()
-                        _copy_rows(kn_desc, kr_desc, page3 * PS + (t0 + 3 * BN) % PS,
-                                   kn_s.index(st), kr_s.index(st), bars.index(st), L)
+                    # the stage is read (the scores' product, the operand's loads): refill it
+                    _refill(kn_desc, kr_desc, bt_row, stride_btp, t0 + 3 * BN, end,
+                            kn_s.index(st), kr_s.index(st), bars.index(st), i + 3 < tiles,
+                            bt_ptr, 0, 0, L, PS, False, num_warps)
                 else:
                     acc = warpgroup_mma_wait(0, deps=(acc_tok,))
-                ks = ks_next
-                ks_next = ks_after
-                page2 = page3
             for i in gl.static_range(3):
                 mbarrier.invalidate(bars.index(i))
             # rows back in column order (through shared memory, once): coalesced stores
