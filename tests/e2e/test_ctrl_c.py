@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -62,10 +63,13 @@ def _interrupted_generate() -> tuple[subprocess.Popen, str, bool]:
         out, err = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:  # say which: the command, or a child holding the pipes
         still = proc.poll() is None
+        if still:  # its stacks (the command prints them on SIGUSR1) say where it was
+            os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(2)
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate(timeout=30)
         who = "the command still ran" if still else "the command exited, a child held its pipes"
-        pytest.fail(f"no exit 120 s after Ctrl-C: {who}\n" + ("".join(seen) + err)[-3000:])
+        pytest.fail(f"no exit 120 s after Ctrl-C: {who}\n" + ("".join(seen) + err)[-8000:])
     return proc, "".join(seen) + err, running
 
 
