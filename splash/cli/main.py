@@ -2,17 +2,13 @@
 
 Each subcommand only parses arguments here and delegates to the module that owns the work.
 Errors a user can act on end in one line on stderr and exit code 2; Ctrl-C exits 130.
-``kill -USR1 <pid>`` prints every thread's Python stack to stderr (as workers do), for a
-command that seems stuck.
 """
 
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import importlib
 import os
-import signal
 import sys
 
 from splash import __version__
@@ -177,8 +173,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if hasattr(signal, "SIGUSR1"):
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         module_name, func_name = args.handler.split(":")
         handler = getattr(importlib.import_module(module_name), func_name)

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -43,6 +42,19 @@ def test_ctrl_c_stops_serve_during_a_stream(tmp_path: Path) -> None:
         server.stop()
 
 
+def _sigint_default() -> None:
+    """In the child before exec: SIGINT at its default, as a terminal starts a command (a
+    test runner's worker may ignore it, and an ignored SIGINT is inherited)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _ignores_sigint(pid: int) -> bool:
+    """Whether process ``pid`` ignores SIGINT (a disposition children inherit)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
+    return bool(mask >> (signal.SIGINT - 1) & 1)
+
+
 def _interrupted_generate() -> tuple[subprocess.Popen, str, bool]:
     """Run `splash generate`, Ctrl-C it once its workers are ready; (process, its stderr,
     whether it was still running when the signal went out)."""
@@ -50,7 +62,8 @@ def _interrupted_generate() -> tuple[subprocess.Popen, str, bool]:
         [sys.executable, "-m", "splash.cli", "generate", "--model", checkpoint("v3"), *CPU_TP2,
          "--prompt-ids", "2,7", "--max-tokens", "250"],  # the model's limit is 256 tokens
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True, env={**os.environ, "SPLASH_LOG_LEVEL": "DEBUG"})
+        start_new_session=True, env={**os.environ, "SPLASH_LOG_LEVEL": "DEBUG"},
+        preexec_fn=_sigint_default)
     assert proc.stderr is not None
     seen = []
     for line in proc.stderr:  # interrupt once the workers run steps
@@ -58,17 +71,16 @@ def _interrupted_generate() -> tuple[subprocess.Popen, str, bool]:
         if "workers ready" in line:
             break
     running = proc.poll() is None
+    ignored = running and _ignores_sigint(proc.pid)
     os.killpg(proc.pid, signal.SIGINT)
     try:
         out, err = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:  # say which: the command, or a child holding the pipes
         still = proc.poll() is None
-        if still:  # its stacks (the command prints them on SIGUSR1) say where it was
-            os.kill(proc.pid, signal.SIGUSR1)
-            time.sleep(2)
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate(timeout=30)
         who = "the command still ran" if still else "the command exited, a child held its pipes"
+        who += f" (SIGINT ignored: the command {ignored}, this test {_ignores_sigint(os.getpid())})"
         pytest.fail(f"no exit 120 s after Ctrl-C: {who}\n" + ("".join(seen) + err)[-8000:])
     return proc, "".join(seen) + err, running
 
