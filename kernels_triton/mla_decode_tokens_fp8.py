@@ -130,9 +130,7 @@ if gluon is not None:
             v = _values_operand(kn, end - t0, a_layout, False)
         return v, ks, ok
 
-    # splits stays a runtime int: one split a row compiled as a constant 1 trips an assertion
-    # in Triton 3.6's lowering to LLVM
-    @gluon.jit(do_not_specialize=["splits"])
+    @gluon.jit
     def _mla_decode_fp8_tokens_kernel(
         qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q8 (N * H, L + R), kv (pages * PS, L + R)
         scale_ptr,  # (pages, PS) fp32
