@@ -56,10 +56,10 @@ Design:
   (``config["fp8_query"]``, the CUDA default) read q in e4m3 too, with a scale a head, for
   an fp8 scores' product: 1.7x faster at 128 heads, 2.3x at 16 (where the value operand
   widens in registers, ``mla_decode_tokens_fp8``), at e4m3's rounding of q (``query_as_read``
-  gives the q they read; ``fp8_query: False`` keeps fp16 products). With fp16 products on an NVIDIA
-  GPU of sm_89 or newer (``config["fp8_ptx"]``, default on there) the e4m3 tile widens once,
-  through PTX's conversion, before both products (``_widen_kv``): 16 heads, 64 x 32K 13% faster
-  than the cast that the compiler repeats in each product's operand layout.
+  gives the q they read; ``fp8_query: False`` keeps fp16 products). With fp16 products on an
+  NVIDIA GPU of sm_89 or newer (``config["fp8_ptx"]``, default on there) the e4m3 tile widens
+  once, through PTX's conversion, before both products (``_widen_kv``): 16 heads, 64 x 32K
+  13% faster than the cast that the compiler repeats in each product's operand layout.
 - Tokens on M (``config["transposed"]``, a tuning option): a second kernel puts the tokens on
   the MMA's M side (scoresᵀ = kv·qᵀ, accᵀ += kv_nopeᵀ·pᵀ), so a 64-token tile fills a Hopper
   MMA with only 16 heads. Measured on an H200 it reads 16 heads at 76-78% of the copy
