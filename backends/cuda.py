@@ -58,7 +58,11 @@ class CUDABackend(BaseBackend):
         # (0.179 / 1.329 with p's sums deferred, decode_heads_defer_sum.json);
         # fp8 (decode_heads_gluon_fp8.json) 64 x 4K 0.535 -> 0.454, 64 x 32K 4.08 -> 3.24;
         # then with q read in e4m3 for the scores ("fp8_query", decode_heads_fp8_scores.json)
-        # 64 x 4K 0.458 -> 0.270, 64 x 32K 3.29 -> 1.95 (bf16 in the same run 0.181 / 1.344).
+        # 64 x 4K 0.458 -> 0.270, 64 x 32K 3.29 -> 1.95 (bf16 in the same run 0.181 / 1.344);
+        # then the value product turned around with its e4m3 operand widened in registers
+        # ("fp8_register_values", mla_decode_heads_fp8, decode_heads_fp8_registers.json):
+        # 64 x 4K 0.269 -> 0.225, 64 x 32K 1.93 -> 1.52, 128 x 1K 0.158 -> 0.147 (bf16 0.181 /
+        # 1.352 / 0.106).
         # Few heads with "fp8_query" (mla_decode_tokens_fp8: e4m3 stages by TMA, fp8 scores,
         # the value operand widened in registers; decode_tokens_fp8_regs.json, against the
         # tile widened in shared memory, bf16 in the same run): 64 x 4K 0.1184 -> 0.0659
@@ -86,7 +90,7 @@ class CUDABackend(BaseBackend):
                         "many_heads": {"BLOCK_N": 64, "gather_pages": False, "num_warps": 8,
                                        "num_stages": 2, "programs_per_sm": 1,
                                        "fp8_fp16": True, "gluon_programs_per_sm": 1,
-                                       "fp8_query": True}},
+                                       "fp8_query": True, "fp8_register_values": True}},
             },
         },
         # mla_sparse (benchmarks/results/h200/dsa_sweep.json, batch 16 x 2,048 selected rows):
@@ -138,12 +142,14 @@ class CUDABackend(BaseBackend):
         # of the sweep: 1.10 ms, 52% of the matmul peak (BLOCK_M 64 / 4 warps: 1.31 ms).
         # "tma": weight tiles and down's rows through tensor descriptors, down with 4 stages
         # (benchmarks/results/h200/moe_tma_ab.json, interleaved with the pointer loads: graph
-        # 0.944 vs 1.009 ms at 4K tokens, 3.38 vs 3.63 at 16K; moe_kernel.json eager 0.865 ms,
-        # 63% of that run's matmul peak, graph 56%); off in the decode entries (not measured).
+        # 0.944 vs 1.009 ms at 4K tokens, 3.38 vs 3.63 at 16K). moe_kernel.json: graph 0.967 ms,
+        # 65% of the same matmul replayed in a graph (678 TFLOP/s sustained; 56% of its eager,
+        # L2-flushed 783); eager runs measured 0.865-0.959 ms. Off in the decode entries.
         # Decode batches (benchmarks/results/h200/moe_decode.json, V3 experts, graph-timed,
         # % of the bytes roofline vs the prefill tiles): up to 16 tokens, 16-row blocks and
         # narrow gate_up tiles (enough programs when each rank holds half of every expert:
-        # 1 token, I 1,024: 82% vs 59%); up to 64 tokens, 64-row blocks (96% vs 86%).
+        # 1 token, I 1,024: 82% vs 59%); up to 64 tokens, 64-row blocks (96% vs 86%). This
+        # table re-measured (moe_decode_table.json): 86-102% at every point (1-64 tokens).
         "fused_moe": {
             "default": {"BLOCK_M": 128, "BLOCK_K": 64, "num_warps": 8, "tma": True,
                         "gate_up": {"BLOCK_N": 128, "GROUP_M": 16, "num_stages": 4},

@@ -26,6 +26,7 @@ try:
 except ImportError:
     sys.exit("benchmarks/gluon_offline.py needs a Triton with Gluon (3.5 or later)")
 
+from splash.kernels_triton import mla_decode_heads_fp8 as heads_fp8
 from splash.kernels_triton import mla_decode_heads_gluon as heads
 from splash.kernels_triton import mla_decode_tokens_fp8 as tokens_fp8
 from splash.kernels_triton import mla_decode_tokens_gluon as tokens
@@ -60,7 +61,7 @@ def compile_sm90(fn, types: dict, constants: dict, num_warps: int, sass: str | N
             with open(os.path.join(sass, name.replace(" ", "_") + ".sass"), "w") as f:
                 f.write(dump)
     lines = [x.split(":", 1)[-1].strip() for x in info.splitlines()
-             if "registers" in x or "spill" in x]
+             if "registers" in x or "spill" in x or "wgmma" in x]
     return f"shared {kernel.metadata.shared} B; " + "; ".join(lines)
 
 
@@ -76,6 +77,7 @@ def descriptors(q_dtype: torch.dtype, kv_dtype: torch.dtype, q_rows: int) -> dic
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sass", help="a folder for each kernel's SASS")
+    ap.add_argument("--only", help="the kernels whose name holds this")
     args = ap.parse_args()
     if args.sass:
         os.makedirs(args.sass, exist_ok=True)
@@ -100,6 +102,10 @@ def main() -> int:
         ]
     runs.append(("tokens fp8 (e4m3 q)", tokens_fp8._mla_decode_fp8_tokens_kernel,
                  {**OUTS, **descriptors(e4m3, e4m3, 16)}, {**base, "BH": 16}, 4))
+    runs.append(("heads fp8 (values in registers)", heads_fp8._mla_decode_fp8_heads_kernel,
+                 {**OUTS, **descriptors(e4m3, e4m3, 64)}, base, 8))
+    only = [r for r in runs if args.only and args.only in r[0]]
+    runs = only or runs
     for name, fn, types, constants, warps in runs:
         print(f"{name}: {compile_sm90(fn, types, {**constants, 'num_warps': warps}, warps, args.sass, name)}",
               flush=True)

@@ -11,7 +11,8 @@ tensor parallelism), top-8 of 32 experts (the benchmark checkpoint) and of 256 (
 Per shape and GEMM, a sweep of tiles (BLOCK_M 16/64 for the alignment, BLOCK_N, BLOCK_K,
 warps, stages), each GEMM timed alone inside a CUDA graph (as a decode step replays it); then the
 best gate_up and down of one BLOCK_M combined and timed end to end beside the backend's current
-table ("table"). Results are checked against ``fused_moe_ref`` first.
+table ("table"; ``--table-only`` measures that alone). Results are checked against
+``fused_moe_ref`` first.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def as_config(best: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "down": {k: d[k] for k in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")}}
 
 
-def measure_shape(E: int, I: int, n: int, copy_gbps: float, dev) -> dict[str, Any]:
+def measure_shape(E: int, I: int, n: int, copy_gbps: float, dev, sweep_tiles: bool = True
+                  ) -> dict[str, Any]:
     args = problem(E, I, n, dev)
     hit = int(torch.unique(args[4]).numel())
     nbytes = hit * 3 * HIDDEN * I * 2
@@ -94,7 +96,7 @@ def measure_shape(E: int, I: int, n: int, copy_gbps: float, dev) -> dict[str, An
     rec: dict[str, Any] = {"experts": E, "I": I, "tokens": n, "experts_hit": hit,
                            "bytes": nbytes, "roofline_ms": roof_ms}
     per_bm: dict[int, dict[str, dict[str, Any]]] = {}
-    for cfg in sweep():
+    for cfg in sweep() if sweep_tiles else ():
         for gemm in ("gate_up", "down"):
             try:
                 ms = gemm_ms(args, cfg, gemm)
@@ -127,13 +129,15 @@ def measure_shape(E: int, I: int, n: int, copy_gbps: float, dev) -> dict[str, An
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--table-only", action="store_true",
+                    help="the backend's current table only (no tile sweep)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     ceil = ceilings(dev)
     copy = ceil["copy_GBps"]
     records = []
     for E, I, n in POINTS:  # saved after every point: a cut run keeps what it measured
-        records.append(measure_shape(E, I, n, copy, dev))
+        records.append(measure_shape(E, I, n, copy, dev, not args.table_only))
         with open(args.out, "w") as f:
             json.dump({"benchmark": "moe_decode", "partial": True, **ceil, "records": records},
                       f, indent=1)

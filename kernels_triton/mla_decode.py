@@ -54,9 +54,10 @@ Design:
   overflowing to inf / NaN; the references dequantise the same fp8 values with the unclamped q.
   Without it (CPU default) the tile is widened to q's dtype. The Hopper Gluon kernels
   (``config["fp8_query"]``, the CUDA default) read q in e4m3 too, with a scale a head, for
-  an fp8 scores' product: 1.7x faster at 128 heads, 2.3x at 16 (where the value operand
-  widens in registers, ``mla_decode_tokens_fp8``), at e4m3's rounding of q (``query_as_read``
-  gives the q they read; ``fp8_query: False`` keeps fp16 products). With fp16 products on an
+  an fp8 scores' product: 2.1x faster at 128 heads, 2.3x at 16 (both with the value operand
+  widened in registers: ``mla_decode_heads_fp8``, ``mla_decode_tokens_fp8``), at e4m3's
+  rounding of q (``query_as_read`` gives the q they read; ``fp8_query: False`` keeps fp16
+  products). With fp16 products on an
   NVIDIA GPU of sm_89 or newer (``config["fp8_ptx"]``, default on there) the e4m3 tile widens
   once, through PTX's conversion, before both products (``_widen_kv``): 16 heads, 64 x 32K
   13% faster than the cast that the compiler repeats in each product's operand layout.
@@ -97,7 +98,9 @@ Design:
   only; ``gluon_programs_per_sm`` their occupancy): at many heads
   (``mla_decode_heads_gluon.py``, 16-bit or e4m3 KV) two warpgroups hold 64 heads, the query
   and two KV tiles come in by TMA and both products are warpgroup MMAs (128 heads bf16
-  400-439 TFLOP/s a layer, 1.5x the Triton kernel); at few heads (``mla_decode_tokens_gluon.py``)
+  400-439 TFLOP/s a layer, 1.5x the Triton kernel; e4m3 KV with the value product turned
+  around, ``mla_decode_heads_fp8.py``, 0.8-0.9x bf16's tokens a second); at few heads
+  (``mla_decode_tokens_gluon.py``)
   the tokens sit on the MMA's M side, 16-bit tiles by TMA (16 heads bf16 64 x 4K 90% of
   copy a layer); e4m3 tiles by TMA too, read as they landed by the scores' product and
   widened in registers for the values' (``mla_decode_tokens_fp8.py``, 16 heads 64 x 32K 87%
@@ -116,6 +119,7 @@ import triton
 
 from splash.backends import device_tuning
 from splash.kernels_triton import _validate as V
+from splash.kernels_triton import mla_decode_heads_fp8 as heads_fp8
 from splash.kernels_triton import mla_decode_heads_gluon as heads_gluon
 from splash.kernels_triton import mla_decode_tokens_fp8 as tokens_fp8
 from splash.kernels_triton import mla_decode_tokens_gluon as tokens_gluon
@@ -349,6 +353,9 @@ def mla_decode(
         elif gluon == "tokens":
             tokens_gluon.launch(q, kv, scale, block_table, o_part, o_low, lse_part, out, lse,
                                 items, float(sm_scale) * _LOG2E, low)
+        elif gluon == "heads" and heads_fp8.serves(kv, cfg):
+            heads_fp8.launch(q, kv, scale, block_table, o_part, o_low, lse_part, out, lse,
+                             items, float(sm_scale) * _LOG2E, low)
         elif gluon == "heads":
             heads_gluon.launch(q, kv, scale, block_table, o_part, o_low, lse_part, out, lse,
                                items, float(sm_scale) * _LOG2E, low)

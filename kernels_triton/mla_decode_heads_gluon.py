@@ -18,9 +18,11 @@ after the last tile. The next tile's scores are issued with this tile's value pr
 H200, a layer against the Triton kernel: 128 heads bf16 64 x 4K 0.264 -> 0.179 ms, 64 x 32K
 2.003 -> 1.329 (439 TFLOP/s) (``decode_heads_gluon.json``, ``decode_heads_defer_sum.json``).
 
-e4m3 KV: q is quantised to e4m3 with a scale a head (``quantise_rows``, as the cache's rows
-are), and the scores' product reads q and the tile as they landed (fp8 x fp8, Hopper's fp8
-accumulator: about 14 bits a partial sum); the scores take q's and the rows' scales. The
+e4m3 KV (``config["fp8_register_values"]`` off; on, the CUDA default, ``mla_decode_heads_fp8``
+serves it, 1.1-1.3x faster): q is quantised to e4m3 with a scale a head (``quantise_rows``, as
+the cache's rows are), and the scores' product reads q and the tile as they landed (fp8 x
+fp8, Hopper's fp8 accumulator: about 14 bits a partial sum); the scores take q's and the
+rows' scales. The
 tile's value columns widen to fp16 into one shared tile that the value product reads, p in
 fp16 times the rows' scales; that widening runs under the next tile's scores once this
 tile's value product is done with the shared tile, and is masked on a split's partial last
