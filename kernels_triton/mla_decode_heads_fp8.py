@@ -19,7 +19,7 @@ from the stage in 8-byte loads: a thread reads 8 latent columns of its tokens, e
 elements its A fragments hold once the rows of outᵀ are ordered so: row
 ``r = 128 j + 16 w + 8 h + g`` (j the MMA's M repetition, w the warp of eight, g the lane's
 group, h its upper half) holds latent column ``64 w + 8 g + 2 j + h``. The bytes then need only
-pairing across two tokens and PTX's e4m3x2 -> f16x2 conversion (``_widen_pairs`` of the
+pairing across two tokens and PTX's e4m3x2 -> f16x2 conversion (``_widened`` of the
 few-head fp8 kernel, whose module explains the relabelling). The rows go back to column order
 once, through shared memory, before the output stores.
 
@@ -57,7 +57,7 @@ try:  # Gluon ships with Triton 3.5 and later
         _start_copies,
         _tile_rows,
     )
-    from splash.kernels_triton.mla_decode_tokens_fp8 import _issue_scores, _widen_pairs
+    from splash.kernels_triton.mla_decode_tokens_fp8 import _issue_scores, _widened
     from splash.kernels_triton.mla_decode_tokens_gluon import _finish, _softmax_columns
 except ImportError:  # pragma: no cover - an older Triton: the Triton kernels serve
     gluon = None
@@ -81,12 +81,7 @@ if gluon is not None:
             reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [8, 0]],
             lane_bases=[[2, 0], [4, 0], [0, 8], [0, 16], [0, 32]],
             warp_bases=[[0, 64], [0, 128], [0, 256]], block_bases=[], shape=[16, 512])
-        x = kn.slice(t_lo, 16, dim=0).load(ld).to(gl.int8, bitcast=True)
-        even, odd = gl.split(gl.permute(gl.reshape(x, [8, 2, 512]), (0, 2, 1)))
-        lo, hi = _widen_pairs(even, odd)
-        # lo / hi at (pair e, column 4 a + 2 b + i): column 4 a + 2 (0 / 1) + b, token 2 e + i
-        y = gl.reshape(gl.join(lo, hi), [8, 128, 2, 2, 2])  # (e, a, b, i, lo/hi)
-        y = gl.reshape(gl.permute(y, (0, 3, 1, 4, 2)), [16, 512])  # (token, column)
+        y = _widened(kn.slice(t_lo, 16, dim=0).load(ld).to(gl.int8, bitcast=True))
         # column 64 w + 8 g + 2 j + h -> row 128 j + 16 w + 8 h + g
         y = gl.reshape(y, [16, 8, 8, 4, 2])  # (token, w, g, j, h)
         y = gl.permute(y, (3, 1, 4, 2, 0))  # (j, w, h, g, token)

@@ -83,6 +83,20 @@ if gluon is not None:
             is_pure=True, pack=4)
 
     @gluon.jit
+    def _widened(x):
+        """e4m3 bytes ``x`` (tokens x columns; a thread's columns four a register, its tokens
+        in pairs) as fp16 in the same (token, column) order: a byte permute for two tokens'
+        four columns and PTX's conversions (``_widen_pairs``); the reshapes and permutes
+        relabel the registers, no data moves."""
+        T: gl.constexpr = x.shape[0]
+        C: gl.constexpr = x.shape[1]
+        even, odd = gl.split(gl.permute(gl.reshape(x, [T // 2, 2, C]), (0, 2, 1)))
+        lo, hi = _widen_pairs(even, odd)
+        # lo / hi at (pair e, column 4 a + 2 b + i): column 4 a + 2 (0 / 1) + b, token 2 e + i
+        y = gl.reshape(gl.join(lo, hi), [T // 2, C // 4, 2, 2, 2])  # (e, a, b, i, lo/hi)
+        return gl.reshape(gl.permute(y, (0, 3, 1, 4, 2)), [T, C])  # (token, column)
+
+    @gluon.jit
     def _values_operand(kn, valid, a_layout: gl.constexpr, MASK: gl.constexpr):
         """The tile's value columns (BN tokens x 512, e4m3 in shared memory) as the value
         product's A operand Vᵀ (512 rows in the module's order x BN tokens), fp16 in
@@ -92,12 +106,7 @@ if gluon is not None:
             reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [8, 0], [16, 0], [32, 0]],
             lane_bases=[[2, 0], [4, 0], [0, 16], [0, 32], [0, 64]],
             warp_bases=[[0, 128], [0, 256]], block_bases=[], shape=[64, 512])
-        x = kn.load(ld).to(gl.int8, bitcast=True)
-        even, odd = gl.split(gl.permute(gl.reshape(x, [32, 2, 512]), (0, 2, 1)))
-        lo, hi = _widen_pairs(even, odd)
-        # lo / hi at (pair e, column 4 a + 2 b + i): column 4 a + 2 (0 / 1) + b, token 2 e + i
-        y = gl.reshape(gl.join(lo, hi), [32, 128, 2, 2, 2])  # (e, a, b, i, lo/hi)
-        y = gl.reshape(gl.permute(y, (0, 3, 1, 4, 2)), [64, 512])  # (token, column)
+        y = _widened(kn.load(ld).to(gl.int8, bitcast=True))  # (token, column)
         # column 128 w + 16 g + 2 j + h -> row 64 j + 16 w + 8 h + g
         y = gl.reshape(y, [64, 4, 8, 8, 2])  # (token, w, g, j, h)
         y = gl.permute(y, (3, 1, 4, 2, 0))  # (j, w, h, g, token)
