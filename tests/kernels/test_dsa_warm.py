@@ -87,7 +87,8 @@ def _select(store, q_lens: list[int], kv_lens: list[int], gen, pieces: bool) -> 
     topk_indexed(torch.randn((n, HI, I), generator=gen).to(keys.device),
                  torch.rand((n, HI), generator=gen).to(keys.device), keys, None, args,
                  I ** -0.5, K, CONFIGS,
-                 lens=(q_lens, kv_lens) if pieces else None, budget=n * MAX_LEN // 3 + 1)
+                 lens=(q_lens, kv_lens) if pieces else None,
+                 budget=2 * width * PS + 1)  # (in pieces: two rows a piece)
 
 
 def test_warm_up_launches_every_variant_later_steps_launch(variants, device):
@@ -98,11 +99,14 @@ def test_warm_up_launches_every_variant_later_steps_launch(variants, device):
     warmed = set(variants)
     variants.clear()
     # (decode rows at the limit: two rows record the very variants 17 did, the row count
-    # specialising nothing, in an eighth of the interpreter's time)
+    # specialising nothing, in an eighth of the interpreter's time; likewise two prefill rows
+    # a request at the limit record what 5 + 2 did)
     for q_lens, kv_lens in [([1], [17]), ([1, 1, 1], [20, 64, 130]), ([1] * 2, [MAX_LEN] * 2),
-                            ([3], [40]), ([5, 2], [MAX_LEN, 33]), ([1], [K])]:
+                            ([3], [40]), ([2, 2], [MAX_LEN, 33]), ([1], [K])]:
         _select(store, q_lens, kv_lens, gen, pieces=False)
-    _select(store, [7, 1], [MAX_LEN, 90], gen, pieces=True)  # long prefills run in pieces
+    # long prefills run in pieces (one cutting the first request, one spanning both: the
+    # variants that seven rows of it in four pieces record)
+    _select(store, [3, 1], [MAX_LEN, 90], gen, pieces=True)
     cands = torch.randn((3, 2 * K), generator=gen).to(device)
     topk_rows(cands, K, index=torch.zeros((3, 2 * K), dtype=torch.int32, device=device),
               config=CONFIGS["topk"])  # CP's merge of two ranks' candidates

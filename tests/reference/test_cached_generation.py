@@ -41,19 +41,20 @@ def test_multi_turn_reuses_cached_pages(pages):
 def test_n_samples_from_one_prefill_each_with_its_own_seed():
     path = checkpoint("v3")
     prompt = mixed_prompts(seed=2, lengths=(10,))[0]  # 2.5 pages: the samples copy page 3
-    sampled = SamplingParams(max_tokens=6, temperature=1.0, seed=3, n=8, logprobs=1)
+    n = 4  # samples (four distinct draws show what eight did, in half the rows a step)
+    sampled = SamplingParams(max_tokens=6, temperature=1.0, seed=3, n=n, logprobs=1)
     with LLM(path, enable_prefix_caching=False, **KW) as llm:
         out = llm.generate([prompt], sampled)[0]
         stats = llm.stats()
-        singles = llm.generate([prompt] * 8, [
+        singles = llm.generate([prompt] * n, [
             SamplingParams(max_tokens=6, temperature=1.0, seed=sample_seed(3, i))
-            for i in range(8)])
+            for i in range(n)])
         # min_tokens = max_tokens holds EOS back as transformers' min_new_tokens does
         greedy = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, n=4,
                                                        min_tokens=6))[0]
-    assert stats["prompt_tokens_computed"] == len(prompt)  # one prefill for all 8
-    assert [c.index for c in out.outputs] == list(range(8))
-    assert len({tuple(c.token_ids) for c in out.outputs}) == 8
+    assert stats["prompt_tokens_computed"] == len(prompt)  # one prefill for all n
+    assert [c.index for c in out.outputs] == list(range(n))
+    assert len({tuple(c.token_ids) for c in out.outputs}) == n
     assert [c.token_ids for c in out.outputs] == [s.token_ids for s in singles]
     assert out.token_ids == out.outputs[0].token_ids and out.finished
     assert all(len(c.logprobs) == 6 for c in out.outputs)
