@@ -37,6 +37,7 @@ CASES: dict[str, tuple[str, int, str]] = {
     "decode_fp8_16h_64x32k_bf16prod": ("^_mla_decode", 1,
                                        "mla_decode 16 heads, 64 x 32K, fp8 KV, fp8_fp16 off"),
     "decode_bf16_128h_8x32k": ("^_mla_decode", 1, "mla_decode 128 heads, 8 x 32K, bf16 KV"),
+    "decode_fp8_128h_8x32k": ("^_mla_decode", 1, "mla_decode 128 heads, 8 x 32K, fp8 KV"),
     "extend_bf16_128h_4k_p0": ("^_mla_extend", 1,
                                "mla_extend 4096 rows x 128 heads, prefix 0, bf16"),
     "moe_bf16_v2lite_4k": ("^_moe_gemm", 2,
@@ -79,10 +80,13 @@ def build(case: str) -> Callable[[], Any]:
             "decode_fp8_16h_64x32k_bf16prod": (16, 64, 32768),
             "decode_fp8_16h_64x32k_ids": (16, 64, 32768),
             "decode_bf16_128h_8x32k": (128, 8, 32768),
+            "decode_fp8_128h_8x32k": (128, 8, 32768),
         }[case]
         cfg = {"fp8_fp16": False} if case.endswith("_bf16prod") else None
         if case.endswith("_ids"):
             cfg = {"gather_pages": False, "BLOCK_N": 32}
+        # SPLASH_PROFILE_CONFIG (a JSON object): config entries over the case's, for A/Bs
+        cfg = {**(cfg or {}), **json.loads(os.environ.get("SPLASH_PROFILE_CONFIG", "{}"))} or None
         kv, scale, table = _paged(batch, context, fp8, dev, gen)
         q = torch.randn(batch, heads, D, device=dev, dtype=torch.bfloat16, generator=gen)
         lens = torch.full((batch,), context, dtype=torch.int32, device=dev)

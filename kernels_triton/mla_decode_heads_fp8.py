@@ -31,7 +31,13 @@ kernel (``mla_decode_heads_gluon``) and bf16 in the same run (``decode_heads_fp8
 64 x 4K 0.269 -> 0.225 ms (bf16 0.181), 64 x 32K 1.93 -> 1.52 (1.35), 8 x 32K 0.264 -> 0.234
 (0.180), 128 x 1K 0.158 -> 0.147 (0.106). The whole tile's operand at once spilled (0.32 ms at
 64 x 4K), halves made ptxas serialise every wgmma for want of registers (0.234); 32-head
-groups fit without spills but lose (0.28).
+groups fit without spills but lose (0.28). Later tries, all correct and all slower
+(``decode_heads_fp8_tried_s29.json``): the next tile's softmax under this tile's last quarter
+(+10%), a lazy rescale (+1%), each quarter's operand widened before the wait (+20%), the scales
+by TMA with the tile (+5%), and the value product in e4m3 too (p scaled to e4m3, Vᵀ an fp8
+register operand from a 4 x 4 byte transpose: +10%, 35% more instructions). Nsight Compute puts
+the tensor pipe at 26% busy and issue at 28%: a latency chain at one program an SM, the
+products idle while both warpgroups run the softmax.
 """
 
 from __future__ import annotations
