@@ -62,7 +62,9 @@ class CUDABackend(BaseBackend):
         # then the value product turned around with its e4m3 operand widened in registers
         # ("fp8_register_values", mla_decode_heads_fp8, decode_heads_fp8_registers.json):
         # 64 x 4K 0.269 -> 0.225, 64 x 32K 1.93 -> 1.52, 128 x 1K 0.158 -> 0.147 (bf16 0.181 /
-        # 1.352 / 0.106).
+        # 1.352 / 0.106); then as one-warpgroup programs of 32 heads, two an SM
+        # (decode_heads_fp8_tried_s29.json): 8 x 32K 0.232 -> 0.214, 128 x 1K 0.147 -> 0.131,
+        # 64 x 32K 1.526 either way.
         # Few heads with "fp8_query" (mla_decode_tokens_fp8: e4m3 stages by TMA, fp8 scores,
         # the value operand widened in registers; decode_tokens_fp8_regs.json, against the
         # tile widened in shared memory, bf16 in the same run): 64 x 4K 0.1184 -> 0.0659

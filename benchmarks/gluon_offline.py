@@ -103,7 +103,7 @@ def main() -> int:
     runs.append(("tokens fp8 (e4m3 q)", tokens_fp8._mla_decode_fp8_tokens_kernel,
                  {**OUTS, **descriptors(e4m3, e4m3, 16)}, {**base, "BH": 16}, 4))
     runs.append(("heads fp8 (values in registers)", heads_fp8._mla_decode_fp8_heads_kernel,
-                 {**OUTS, **descriptors(e4m3, e4m3, 64)}, base, 8))
+                 {**OUTS, **descriptors(e4m3, e4m3, heads_fp8.BH)}, base, 4))
     only = [r for r in runs if args.only and args.only in r[0]]
     runs = only or runs
     for name, fn, types, constants, warps in runs:

@@ -3,41 +3,40 @@ around (``outᵀ = Vᵀ · pᵀ``) so that the fp8 tile feeds both products as i
 widened copy of it in shared memory (``config["fp8_register_values"]``, the CUDA default
 above 32 heads; q read in e4m3, ``config["fp8_query"]``).
 
-A program of two warpgroups holds 64 heads of one request over one split of the balanced
-plan. Per 64-token tile, staged by TMA two tiles ahead (e4m3, 36 KB a stage):
+A program is one warpgroup holding 32 heads of one request over one split of the balanced
+plan, two programs an SM (101 KB of shared memory, 255 registers each), so that one's softmax
+runs under the other's products. Per 64-token tile, staged by TMA two tiles ahead (e4m3, 36 KB
+a stage):
 
-    scoresᵀ (64 tokens, 64 heads) = tile · q8ᵀ     fp8 x fp8, each warpgroup 32 of the heads;
-                                                   q quantised to e4m3 with a scale a head
-    outᵀ    (512, 64 heads)      += Vᵀ · pᵀ         each warpgroup 256 of the latent rows: Vᵀ
+    scoresᵀ (64 tokens, 32 heads) = tile · q8ᵀ     fp8 x fp8; q quantised to e4m3 with a
+                                                   scale a head
+    outᵀ    (512, 32 heads)      += Vᵀ · pᵀ         two accumulators of 256 latent rows; Vᵀ
                                                    widened to fp16 in registers (the product's
                                                    A operand), pᵀ fp16 in shared memory
 
-The softmax runs down each head's column of tokens inside the warpgroup that scored it; p
-(times the rows' scales) goes to shared memory, where both warpgroups' value products read all
-64 heads (p double-buffered: one barrier a tile, after its stores). The value operand comes
-from the stage in 8-byte loads: a thread reads 8 latent columns of its tokens, exactly the
-elements its A fragments hold once the rows of outᵀ are ordered so: row
-``r = 128 j + 16 w + 8 h + g`` (j the MMA's M repetition, w the warp of eight, g the lane's
-group, h its upper half) holds latent column ``64 w + 8 g + 2 j + h``. The bytes then need only
-pairing across two tokens and PTX's e4m3x2 -> f16x2 conversion (``_widened`` of the
-few-head fp8 kernel, whose module explains the relabelling). The rows go back to column order
-once, through shared memory, before the output stores.
+The softmax runs down each head's column of tokens; p (times the rows' scales) goes to shared
+memory (double-buffered: one barrier a tile, after its stores). The value operand comes from
+the stage in 8-byte loads: a thread reads 8 latent columns of its tokens, exactly the elements
+its A fragments hold once the rows of an accumulator half are ordered so: row
+``r = 64 j + 16 w + 8 h + g`` (j the MMA's M repetition, w the warp, g the lane's group, h its
+upper half) holds latent column ``c0 + 64 w + 8 g + 2 j + h``. The bytes then need only pairing
+across two tokens and PTX's e4m3x2 -> f16x2 conversion (``_widened`` of the few-head fp8
+kernel, whose module explains the relabelling). The rows go back to column order once, through
+shared memory, before the output stores.
 
-The accumulator takes 128 of a thread's registers, so the operand is widened a quarter tile
-(16 tokens) at a time, each quarter while the one before is multiplied; tile i + 1's scores
-are issued among tile i's quarters. A split's last partial tile zeroes its operand's columns
-past the range (a page's unused rows may hold NaN). H200, a layer against the widened-tile
-kernel (``mla_decode_heads_gluon``) and bf16 in the same run (``decode_heads_fp8_registers.json``):
-64 x 4K 0.269 -> 0.225 ms (bf16 0.181), 64 x 32K 1.93 -> 1.52 (1.35), 8 x 32K 0.264 -> 0.234
-(0.180), 128 x 1K 0.158 -> 0.147 (0.106). The whole tile's operand at once spilled (0.32 ms at
-64 x 4K), halves made ptxas serialise every wgmma for want of registers (0.234); 32-head
-groups fit without spills but lose (0.28). Later tries, all correct and all slower
-(``decode_heads_fp8_tried_s29.json``): the next tile's softmax under this tile's last quarter
-(+10%), a lazy rescale (+1%), each quarter's operand widened before the wait (+20%), the scales
-by TMA with the tile (+5%), and the value product in e4m3 too (p scaled to e4m3, Vᵀ an fp8
-register operand from a 4 x 4 byte transpose: +10%, 35% more instructions). Nsight Compute puts
-the tensor pipe at 26% busy and issue at 28%: a latency chain at one program an SM, the
-products idle while both warpgroups run the softmax.
+The accumulators take 128 of a thread's registers, so the operand is widened a quarter tile
+(16 tokens) and half the rows at a time, each piece multiplied before the next is widened
+(the other program on the SM fills the gaps; keeping a piece in flight while widening the next
+spills and is 7-12% slower); tile i + 1's scores are issued behind tile i's first pieces. A
+split's last partial tile zeroes its operand's columns past the range (a page's unused rows may
+hold NaN). H200, a layer against the previous form (two warpgroups on 64 heads, one program an
+SM) in the same run (``decode_heads_fp8_tried_s29.json``): 64 x 4K 0.224 -> 0.221 ms, 64 x 32K
+1.526 -> 1.526, 8 x 32K 0.232 -> 0.214, 2 x 128K 0.230 -> 0.216, 128 x 1K 0.147 -> 0.131,
+64 over 1K-32K 1.530 -> 1.453, one 128K among 63 of 1K 2.05 -> 1.80. That form ran both
+warpgroups through the softmax and then the products in lockstep: Nsight Compute put its
+tensor pipe at 26% busy and issue at 28%, and five changes to it were each slower (its softmax
+under the last quarter, a lazy rescale, operands widened a quarter early, the scales by TMA,
+the value product in e4m3 with a 4 x 4 byte transpose; the same JSON).
 """
 
 from __future__ import annotations
@@ -68,44 +67,48 @@ try:  # Gluon ships with Triton 3.5 and later
 except ImportError:  # pragma: no cover - an older Triton: the Triton kernels serve
     gluon = None
 
-BH = 64  # heads a program
+BH = 32  # heads a program
 
 
 if gluon is not None:
     BN = gl.constexpr(tiles.BN)
-    GH = gl.constexpr(BH)
+    GQ = gl.constexpr(BH)
+    LH = gl.constexpr(256)  # latent rows an accumulator half
 
     @gluon.jit
-    def _values_quarter(kn, t_lo: gl.constexpr, valid, a_layout: gl.constexpr,
-                        MASK: gl.constexpr):
-        """Tokens [t_lo, t_lo + 16) of the tile's value columns (e4m3 in shared memory) as
-        the value product's A operand Vᵀ (512 rows in the module's order x 16 tokens, both
-        warpgroups' rows), fp16 in registers; with ``MASK`` the tile's tokens from ``valid``
-        on are 0."""
-        # a thread's 8-byte rows: lanes (t, g) -> tokens 2t (+1, +8), columns 8 g (+64 w)
+    def _half_quarter(kn, pb, acc, valid, a_layout: gl.constexpr, T_LO: gl.constexpr,
+                      C_LO: gl.constexpr):
+        """outᵀ rows of latent columns [C_LO, C_LO + 256) += Vᵀ · pᵀ over the tile's tokens
+        [T_LO, T_LO + 16), issued; rows ``64 j + 16 w + 8 h + g`` <-> column
+        ``C_LO + 64 w + 8 g + 2 j + h`` (a partial tile's tokens past ``valid`` as 0)."""
         ld: gl.constexpr = gl.DistributedLinearLayout(
             reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [8, 0]],
             lane_bases=[[2, 0], [4, 0], [0, 8], [0, 16], [0, 32]],
-            warp_bases=[[0, 64], [0, 128], [0, 256]], block_bases=[], shape=[16, 512])
-        y = _widened(kn.slice(t_lo, 16, dim=0).load(ld).to(gl.int8, bitcast=True))
-        # column 64 w + 8 g + 2 j + h -> row 128 j + 16 w + 8 h + g
-        y = gl.reshape(y, [16, 8, 8, 4, 2])  # (token, w, g, j, h)
-        y = gl.permute(y, (3, 1, 4, 2, 0))  # (j, w, h, g, token)
-        v = gl.convert_layout(gl.reshape(y, [512, 16]), a_layout, assert_trivial=True)
-        if MASK:
-            tok = t_lo + gl.arange(0, 16, layout=gl.SliceLayout(0, a_layout))
+            warp_bases=[[0, 64], [0, 128]], block_bases=[], shape=[16, 256])
+        x = kn.slice(T_LO, 16, dim=0).slice(C_LO, 256, dim=1).load(ld)
+        y = _widened(x.to(gl.int8, bitcast=True))
+        y = gl.permute(gl.reshape(y, [16, 4, 8, 4, 2]), (3, 1, 4, 2, 0))  # (j, w, h, g, token)
+        v = gl.convert_layout(gl.reshape(y, [256, 16]), a_layout, assert_trivial=True)
+        if valid < BN:
+            tok = T_LO + gl.arange(0, 16, layout=gl.SliceLayout(0, a_layout))
             v = gl.where((tok < valid)[None, :], v, gl.zeros_like(v))
-        return v
+        return warpgroup_mma(v, pb.slice(T_LO, 16, dim=0), acc, is_async=True)
 
     @gluon.jit
-    def _values(kn, pb, acc, valid, a_layout: gl.constexpr, T_LO: gl.constexpr):
-        """The value product of the tile's tokens [T_LO, T_LO + 16), issued (a partial tile's
-        tokens past ``valid`` as 0)."""
-        if valid < BN:
-            v = _values_quarter(kn, T_LO, valid, a_layout, True)
-        else:
-            v = _values_quarter(kn, T_LO, valid, a_layout, False)
-        return warpgroup_mma(v, pb.slice(T_LO, 16, dim=0), acc, is_async=True)
+    def _later_quarters(kn, pb, tok_a, tok_b, valid, a_layout: gl.constexpr):
+        """Quarters 1-3 of both halves, a piece widened once the one before is done."""
+        for qt in gl.static_range(1, 4):
+            acc_a = warpgroup_mma_wait(0, deps=(tok_a,))
+            tok_a = _half_quarter(kn, pb, acc_a, valid, a_layout, 16 * qt, 0)
+            acc_b = warpgroup_mma_wait(0, deps=(tok_b,))
+            tok_b = _half_quarter(kn, pb, acc_b, valid, a_layout, 16 * qt, LH)
+        return tok_a, tok_b
+
+    @gluon.jit
+    def _columns_back(acc, mma: gl.constexpr):
+        """An accumulator half's rows back in column order."""
+        acc = gl.permute(gl.reshape(acc, [4, 4, 2, 8, GQ]), (1, 3, 0, 2, 4))  # (w, g, j, h)
+        return gl.convert_layout(gl.reshape(acc, [LH, GQ]), mma)
 
     @gluon.jit
     def _mla_decode_fp8_heads_kernel(
@@ -128,44 +131,45 @@ if gluon is not None:
         pid = gl.program_id(1)
         n, count, start, end = _plan_item(plan_ptr, pid, N, 1, 0, 0, False)
         if n < N:
-            mma_s: gl.constexpr = gl.NVMMADistributedLayout(  # fp8: an MMA's K is 32
-                version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, GH // 2, 32])
+            mma_s: gl.constexpr = gl.NVMMADistributedLayout(
+                version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, GQ, 32])
             mma: gl.constexpr = gl.NVMMADistributedLayout(
-                version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, GH, 16])
+                version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, GQ, 16])
             a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma,
                                                          k_width=2)
-            qn_s = gl.allocate_shared_memory(qn_desc.dtype, [GH, L], qn_desc.layout)
-            qr_s = gl.allocate_shared_memory(qr_desc.dtype, [GH, R], qr_desc.layout)
+            qn_s = gl.allocate_shared_memory(qn_desc.dtype, [GQ, L], qn_desc.layout)
+            qr_s = gl.allocate_shared_memory(qr_desc.dtype, [GQ, R], qr_desc.layout)
             kn_s = gl.allocate_shared_memory(kn_desc.dtype, [2, BN, L], kn_desc.layout)
             kr_s = gl.allocate_shared_memory(kr_desc.dtype, [2, BN, R], kr_desc.layout)
             p_s = gl.allocate_shared_memory(
-                gl.float16, [2, BN, GH],
-                gl.NVMMASharedLayout.get_default_for([BN, GH], gl.float16))
+                gl.float16, [2, BN, GQ],
+                gl.NVMMASharedLayout.get_default_for([BN, GQ], gl.float16))
             bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
             bt_row = bt_ptr + n.to(gl.int64) * stride_btn
-            h0 = hg * GH
+            h0 = hg * GQ
             tiles = (end - start + BN - 1) // BN
             _start_copies(qn_desc, qr_desc, kn_desc, kr_desc, n * H + h0, bt_row, stride_btp,
                           start, tiles, qn_s, qr_s, kn_s, kr_s, bars, bt_ptr, 0, 0, end, L,
                           PS, False, num_warps)
-            hs = h0 + gl.arange(0, GH, layout=gl.SliceLayout(0, mma_s))
+            hs = h0 + gl.arange(0, GQ, layout=gl.SliceLayout(0, mma_s))
             qsc = gl.load(qscale_ptr + n * H + hs, mask=hs < H, other=0.0) * qk_scale
             mbarrier.wait(bars.index(2), 0)
 
-            acc = gl.zeros((L, GH), gl.float32, layout=mma)  # outᵀ, rows in the module's order
-            m_i = gl.full((GH,), float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma_s))
-            l_i = gl.zeros((GH,), gl.float32, layout=gl.SliceLayout(0, mma_s))
+            acc_a = gl.zeros((LH, GQ), gl.float32, layout=mma)
+            acc_b = gl.zeros((LH, GQ), gl.float32, layout=mma)
+            m_i = gl.full((GQ,), float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma_s))
+            l_i = gl.zeros((GQ,), gl.float32, layout=gl.SliceLayout(0, mma_s))
             rows_m = gl.arange(0, BN, layout=gl.SliceLayout(1, mma_s))
-            s = gl.zeros((BN, GH), gl.float32, layout=mma_s)
+            s = gl.zeros((BN, GQ), gl.float32, layout=mma_s)
             ks = gl.zeros((BN,), gl.float32, layout=gl.SliceLayout(1, mma_s))
             ok = rows_m < 0
-            if tiles > 0:  # tile 0's scores
+            if tiles > 0:
                 s = warpgroup_mma_wait(0, deps=(_issue_scores(qn_s, qr_s, kn_s, kr_s, bars, s,
                                                               0),))
                 off, ok = _tile_rows(bt_row, stride_btp, start, end, rows_m, stride_sp,
                                      stride_ss, PS, False)
                 ks = gl.load(scale_ptr + off, mask=ok, other=0.0)
-            for i in range(tiles):  # s, ks, ok: tile i's
+            for i in range(tiles):
                 st = i % 2
                 t0 = start + i * BN
                 kn = kn_s.index(st)
@@ -174,43 +178,39 @@ if gluon is not None:
                 pb = p_s.index(st)
                 pb.store((p * ks[:, None]).to(gl.float16))
                 fence_async_shared()
-                gl.thread_barrier()  # both warpgroups' heads are in
+                gl.thread_barrier()
                 alpha_o = gl.convert_layout(alpha, gl.SliceLayout(0, mma))
-                # the value product a quarter of the tokens at a time: one quarter's operand
-                # widening while the one before is multiplied
-                acc_tok = _values(kn, pb, acc * alpha_o[None, :], end - t0, a_layout, 0)
+                tok_a = _half_quarter(kn, pb, acc_a * alpha_o[None, :], end - t0, a_layout, 0, 0)
+                acc_b = acc_b * alpha_o[None, :]
+                acc_a = warpgroup_mma_wait(0, deps=(tok_a,))
+                tok_b = _half_quarter(kn, pb, acc_b, end - t0, a_layout, 0, LH)
                 if i + 1 < tiles:
-                    acc = warpgroup_mma_wait(0, deps=(acc_tok,))
-                    acc_tok = _values(kn, pb, acc, end - t0, a_layout, 16)
-                    # tile i + 1's scores among the quarters (into tile i's spent registers)
                     s_tok = _issue_scores(qn_s, qr_s, kn_s, kr_s, bars, s, i + 1)
-                    for qt in gl.static_range(2, 4):
-                        acc = warpgroup_mma_wait(1, deps=(acc_tok,))
-                        acc_tok = _values(kn, pb, acc, end - t0, a_layout, 16 * qt)
-                    s = warpgroup_mma_wait(1, deps=(s_tok,))
+                    tok_a, tok_b = _later_quarters(kn, pb, tok_a, tok_b, end - t0, a_layout)
+                    s = warpgroup_mma_wait(0, deps=(s_tok,))
                     off, ok = _tile_rows(bt_row, stride_btp, t0 + BN, end, rows_m, stride_sp,
                                          stride_ss, PS, False)
                     ks = gl.load(scale_ptr + off, mask=ok, other=0.0)
-                    # this tile's stage is read (scores, operands): refill it
-                    _refill(kn_desc, kr_desc, bt_row, stride_btp, t0 + 2 * BN, end, kn,
-                            kr_s.index(st), bars.index(st), i + 2 < tiles, bt_ptr, 0, 0, L, PS,
-                            False, num_warps)
                 else:
-                    for qt in gl.static_range(1, 4):
-                        acc = warpgroup_mma_wait(0, deps=(acc_tok,))
-                        acc_tok = _values(kn, pb, acc, end - t0, a_layout, 16 * qt)
-                acc = warpgroup_mma_wait(0, deps=(acc_tok,))
+                    tok_a, tok_b = _later_quarters(kn, pb, tok_a, tok_b, end - t0, a_layout)
+                acc_a = warpgroup_mma_wait(0, deps=(tok_a,))
+                acc_b = warpgroup_mma_wait(0, deps=(tok_b,))
+                _refill(kn_desc, kr_desc, bt_row, stride_btp, t0 + 2 * BN, end, kn,
+                        kr_s.index(st), bars.index(st), i + 2 < tiles, bt_ptr, 0, 0, L, PS,
+                        False, num_warps)
             for i in gl.static_range(3):
                 mbarrier.invalidate(bars.index(i))
-            # rows back in column order (through shared memory, once): coalesced stores
-            acc = gl.permute(gl.reshape(acc, [4, 8, 2, 8, GH]), (1, 3, 0, 2, 4))  # (w, g, j, h)
-            acc = gl.convert_layout(gl.reshape(acc, [L, GH]), mma)
             m_o = gl.convert_layout(m_i, gl.SliceLayout(0, mma))
             l_o = gl.convert_layout(l_i, gl.SliceLayout(0, mma))
-            _finish(acc, m_o, l_o, n, pid, count, H - h0, o_ptr + h0 * stride_oh,
-                    o_low_ptr + h0 * stride_oh, lse_ptr + h0, out_ptr + h0 * stride_outh,
-                    lse_out_ptr + h0, stride_os, stride_oh, stride_ls, stride_outn,
-                    stride_outh, stride_lon, L, GH, LOW_SPLITS, mma)
+            _finish(_columns_back(acc_a, mma), m_o, l_o, n, pid, count, H - h0,
+                    o_ptr + h0 * stride_oh, o_low_ptr + h0 * stride_oh, lse_ptr + h0,
+                    out_ptr + h0 * stride_outh, lse_out_ptr + h0, stride_os, stride_oh,
+                    stride_ls, stride_outn, stride_outh, stride_lon, LH, GQ, LOW_SPLITS, mma)
+            _finish(_columns_back(acc_b, mma), m_o, l_o, n, pid, count, H - h0,
+                    o_ptr + h0 * stride_oh + LH, o_low_ptr + h0 * stride_oh + LH,
+                    lse_ptr + h0, out_ptr + h0 * stride_outh + LH, lse_out_ptr + h0,
+                    stride_os, stride_oh, stride_ls, stride_outn, stride_outh, stride_lon, LH,
+                    GQ, LOW_SPLITS, mma)
 
 
 def serves(kv: torch.Tensor, cfg: dict) -> bool:
@@ -223,17 +223,18 @@ def serves(kv: torch.Tensor, cfg: dict) -> bool:
 def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
            o_part: torch.Tensor, o_low: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
            lse: torch.Tensor, items: torch.Tensor, qk_scale: float, low: int) -> None:
-    """Head groups of 64 x one program per plan item (``mla_decode``'s balanced plan), q
-    quantised to e4m3 with a scale a head first."""
+    """Head groups of 32 x one program per plan item (``mla_decode``'s balanced plan, made for
+    64-head groups at one program an SM: two 32-head programs an SM), q quantised to e4m3 with
+    a scale a head first."""
     N, H, D = q.shape
     L = out.shape[2]
     q8, q_scale = quantise_rows(q.reshape(N * H, D), kv.dtype)
     rows_q, rows_kv = tiles.tma_rows(q8.view(N, H, D), kv)
     _mla_decode_fp8_heads_kernel[((H + BH - 1) // BH, items.shape[0])](
-        tiles.descriptor(rows_q, L), tiles.descriptor(rows_q, D - L),
+        tiles.descriptor(rows_q, L, BH), tiles.descriptor(rows_q, D - L, BH),
         tiles.descriptor(rows_kv, L), tiles.descriptor(rows_kv, D - L),
         scale, q_scale, block_table, o_part, o_low, lse_part, out, lse, items, qk_scale, H, N,
         scale.stride(0), scale.stride(1), block_table.stride(0), block_table.stride(1),
         o_part.stride(0), o_part.stride(2), lse_part.stride(0), out.stride(0), out.stride(1),
-        lse.stride(0), L=L, R=D - L, PS=kv.shape[1], LOW_SPLITS=low, num_warps=8,
+        lse.stride(0), L=L, R=D - L, PS=kv.shape[1], LOW_SPLITS=low, num_warps=4,
     )
