@@ -100,8 +100,10 @@ def main() -> int:
             (f"tokens fp8{tag}", fp8_fn, {**OUTS, "q_ptr": "*fp16", "kv_ptr": "*fp8e4nv"},
              {**g, "BH": 16}, 4),
         ]
-    runs.append(("tokens fp8 (e4m3 q)", tokens_fp8._mla_decode_fp8_tokens_kernel,
-                 {**OUTS, **descriptors(e4m3, e4m3, 16)}, {**base, "BH": 16}, 4))
+    runs.append(("tokens fp8 (e4m3 q quantised in the kernel)",
+                 tokens_fp8._mla_decode_fp8_tokens_kernel,
+                 {**OUTS, **descriptors(e4m3, e4m3, 16), "q_ptr": "*bf16"}, {**base, "BH": 16},
+                 4))
     runs.append(("heads fp8 (values in registers)", heads_fp8._mla_decode_fp8_heads_kernel,
                  {**OUTS, **descriptors(e4m3, e4m3, heads_fp8.BH)}, base, 4))
     only = [r for r in runs if args.only and args.only in r[0]]

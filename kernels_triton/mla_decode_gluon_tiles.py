@@ -92,14 +92,15 @@ if gluon is not None:
                       tiles, qn_s, qr_s, kn_s, kr_s, bars, kv_ptr, stride_kvp, stride_kvs,
                       end, L: gl.constexpr, PS: gl.constexpr, GATHER: gl.constexpr,
                       num_warps: gl.constexpr):
-        """Barriers 0 and 1 for the two tile stages, 2 for the query; the query's copy and the
-        first two tiles' issued (with ``GATHER``, ``bt_row`` is the row's slot list and each
+        """Barriers 0 and 1 for the two tile stages, 2 for the query; the query's copy (unless
+        ``qn_desc`` is None) and the first two tiles' issued (with ``GATHER``, ``bt_row`` is the row's slot list and each
         tile one cp.async group, committed even when empty)."""
         for i in gl.static_range(3):
             mbarrier.init(bars.index(i), count=1)
-        mbarrier.expect(bars.index(2), qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(qn_desc, [row_q, 0], bars.index(2), qn_s)
-        tma.async_copy_global_to_shared(qr_desc, [row_q, L], bars.index(2), qr_s)
+        if qn_desc is not None:  # (None: the caller writes the query itself)
+            mbarrier.expect(bars.index(2), qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(qn_desc, [row_q, 0], bars.index(2), qn_s)
+            tma.async_copy_global_to_shared(qr_desc, [row_q, L], bars.index(2), qr_s)
         for j in gl.static_range(2):
             if GATHER:
                 if j < tiles:

@@ -5,7 +5,8 @@ widened copy of the tile passes through shared memory (``config["fp8_query"]``).
 Per 64-token tile, staged by TMA two tiles ahead (e4m3, 36 KB a stage):
 
     scoresᵀ (64 tokens, 16 heads) = tile · q8ᵀ            fp8 x fp8, q quantised to e4m3 with
-                                                          a scale a head (``quantise_rows``)
+                                                          a scale a head by the program, as
+                                                          ``quantise_rows`` does
     outᵀ (512, 16 heads)         += Vᵀ · pᵀ               Vᵀ widened to fp16 in registers
                                                           (the product's A operand), p fp16
 
@@ -24,6 +25,10 @@ Tile i + 1's scores are issued behind tile i's value product, and its operand wi
 them. Scale columns multiply the scores (the token's scale x the head's x softmax scale) and
 p (the token's). A split's last partial tile zeroes its operand's columns past the range (a
 page's unused rows may hold NaN). Two programs an SM (83 KB of shared memory, 255 registers).
+Each program quantises its request's q rows itself (the same operations as ``quantise_rows``,
+which ``query_as_read`` runs for references) instead of a launch before: 64 x 4K 0.0661 ->
+0.0636 ms, 8 x 4K 0.0266 -> 0.0259, 64 x 32K 0.344 either way
+(``decode_tokens_fp8_query_in_kernel.json``).
 
 H200, a layer (``decode_tokens_fp8_regs.json``; the fp16-widened tile's form, then bf16, same
 run): 64 x 32K 0.759 -> 0.328 ms (bf16 0.546: 1.67x its tokens a second, 88% of copy),
@@ -36,7 +41,6 @@ from __future__ import annotations
 import torch
 
 from splash.kernels_triton import mla_decode_gluon_tiles as tiles
-from splash.kernels_triton.kv_cache_ops import quantise_rows
 
 try:  # Gluon ships with Triton 3.5 and later
     from triton.experimental import gluon
@@ -140,12 +144,41 @@ if gluon is not None:
         return v, ks, ok
 
     @gluon.jit
+    def _quantised_query(q_ptr, stride_qh, H, qn_s, qr_s, L: gl.constexpr, R: gl.constexpr,
+                         BH: gl.constexpr, num_warps: gl.constexpr):
+        """The request's q rows (heads past ``H`` as 0) quantised to e4m3 with a scale a head,
+        as ``quantise_rows`` does (amax / 448, the same operations), into ``qn_s`` / ``qr_s``;
+        returns the scales."""
+        ln: gl.constexpr = gl.BlockedLayout([1, L // 32], [1, 32], [num_warps, 1], [1, 0])
+        lr: gl.constexpr = gl.BlockedLayout([1, R // 32], [1, 32], [num_warps, 1], [1, 0])
+        hn = gl.arange(0, BH, layout=gl.SliceLayout(1, ln))
+        hr = gl.arange(0, BH, layout=gl.SliceLayout(1, lr))
+        cn = gl.arange(0, L, layout=gl.SliceLayout(0, ln))
+        cr = gl.arange(0, R, layout=gl.SliceLayout(0, lr))
+        xn = gl.load(q_ptr + hn[:, None] * stride_qh + cn[None, :], mask=(hn < H)[:, None],
+                     other=0.0).to(gl.float32)
+        xr = gl.load(q_ptr + hr[:, None] * stride_qh + L + cr[None, :], mask=(hr < H)[:, None],
+                     other=0.0).to(gl.float32)
+        amax = gl.maximum(gl.max(gl.abs(xn), axis=1),
+                          gl.convert_layout(gl.max(gl.abs(xr), axis=1), gl.SliceLayout(1, ln)))
+        scale = amax / 448.0
+        inv = gl.where(scale > 0.0, 1.0 / gl.where(scale > 0.0, scale, 1.0), 0.0)
+        qn = gl.minimum(gl.maximum(xn * inv[:, None], -448.0), 448.0)
+        inv_r = gl.convert_layout(inv, gl.SliceLayout(1, lr))
+        qr = gl.minimum(gl.maximum(xr * inv_r[:, None], -448.0), 448.0)
+        qn_s.store(qn.to(gl.float8e4nv))
+        qr_s.store(qr.to(gl.float8e4nv))
+        fence_async_shared()
+        gl.thread_barrier()
+        return scale
+
+    @gluon.jit
     def _mla_decode_fp8_tokens_kernel(
-        qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q8 (N * H, L + R), kv (pages * PS, L + R)
+        kn_desc, kr_desc,  # TMA: kv (pages * PS, L + R)
         scale_ptr,  # (pages, PS) fp32
-        qscale_ptr,  # (N * H,) fp32: q8's scales
         bt_ptr,  # (N, max_pages) int
         o_ptr, o_low_ptr, lse_ptr, out_ptr, lse_out_ptr, plan_ptr,  # as the tokens kernels'
+        q_ptr, stride_qn, stride_qh,  # q (N, H, L + R), 16-bit, quantised here
         qk_scale, H, N,
         stride_sp, stride_ss,
         stride_btn, stride_btp,
@@ -165,8 +198,12 @@ if gluon is not None:
                 version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BH, 16])
             a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma,
                                                          k_width=2)
-            qn_s = gl.allocate_shared_memory(qn_desc.dtype, [BH, L], qn_desc.layout)
-            qr_s = gl.allocate_shared_memory(qr_desc.dtype, [BH, R], qr_desc.layout)
+            qn_s = gl.allocate_shared_memory(
+                gl.float8e4nv, [BH, L],
+                gl.NVMMASharedLayout.get_default_for([BH, L], gl.float8e4nv))
+            qr_s = gl.allocate_shared_memory(
+                gl.float8e4nv, [BH, R],
+                gl.NVMMASharedLayout.get_default_for([BH, R], gl.float8e4nv))
             kn_s = gl.allocate_shared_memory(kn_desc.dtype, [2, BN, L], kn_desc.layout)
             kr_s = gl.allocate_shared_memory(kr_desc.dtype, [2, BN, R], kr_desc.layout)
             p_s = gl.allocate_shared_memory(
@@ -174,12 +211,12 @@ if gluon is not None:
             bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
             bt_row = bt_ptr + n.to(gl.int64) * stride_btn
             tiles = (end - start + BN - 1) // BN
-            _start_copies(qn_desc, qr_desc, kn_desc, kr_desc, n * H, bt_row, stride_btp, start,
+            _start_copies(None, None, kn_desc, kr_desc, n * H, bt_row, stride_btp, start,
                           tiles, qn_s, qr_s, kn_s, kr_s, bars, bt_ptr, 0, 0, end, L, PS, False,
                           num_warps)
-            hs = gl.arange(0, BH, layout=gl.SliceLayout(0, mma))
-            qsc = gl.load(qscale_ptr + n * H + hs, mask=hs < H, other=0.0) * qk_scale
-            mbarrier.wait(bars.index(2), 0)
+            qs = _quantised_query(q_ptr + n.to(gl.int64) * stride_qn, stride_qh, H, qn_s, qr_s,
+                                  L, R, BH, num_warps)
+            qsc = gl.convert_layout(qs, gl.SliceLayout(0, mma)) * qk_scale
 
             acc = gl.zeros((L, BH), gl.float32, layout=mma)  # outᵀ, rows in the module's order
             m_i = gl.full((BH,), float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma))
@@ -233,16 +270,16 @@ if gluon is not None:
 def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
            o_part: torch.Tensor, o_low: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
            lse: torch.Tensor, items: torch.Tensor, qk_scale: float, low: int) -> None:
-    """One program per plan item (``mla_decode``'s balanced plan), q quantised to e4m3 with a
-    scale a head first."""
+    """One program per plan item (``mla_decode``'s balanced plan), each quantising its
+    request's q to e4m3 with a scale a head."""
     N, H, D = q.shape
     L = out.shape[2]
-    q8, q_scale = quantise_rows(q.reshape(N * H, D), kv.dtype)
-    rows_q, rows_kv = tiles.tma_rows(q8.view(N, H, D), kv)
+    q = q if q.stride(2) == 1 else q.contiguous()
+    _, rows_kv = tiles.tma_rows(q, kv)
     _mla_decode_fp8_tokens_kernel[(items.shape[0],)](
-        tiles.descriptor(rows_q, L, 16), tiles.descriptor(rows_q, D - L, 16),
         tiles.descriptor(rows_kv, L), tiles.descriptor(rows_kv, D - L),
-        scale, q_scale, block_table, o_part, o_low, lse_part, out, lse, items, qk_scale, H, N,
+        scale, block_table, o_part, o_low, lse_part, out, lse, items,
+        q, q.stride(0), q.stride(1), qk_scale, H, N,
         scale.stride(0), scale.stride(1), block_table.stride(0), block_table.stride(1),
         o_part.stride(0), o_part.stride(2), lse_part.stride(0), out.stride(0), out.stride(1),
         lse.stride(0), L=L, R=D - L, PS=kv.shape[1], BH=16, LOW_SPLITS=low, num_warps=4,
