@@ -12,7 +12,7 @@ under this tile's products:
 ``_start_copies`` issues the query's copy and the first two tiles, ``_wait_tile`` waits for a
 stage, ``_refill`` issues the tile two ahead into a stage every warp is done with, and
 ``_tile_rows`` gives a tile's columns that hold a token (and, for the fp8 scales, their
-offsets). TMA descriptors: ``descriptor`` over the rows ``tma_rows`` views.
+offsets). TMA descriptors: ``descriptor`` over the rows ``tma_rows`` and ``kv_rows`` view.
 """
 
 from __future__ import annotations
@@ -93,8 +93,8 @@ if gluon is not None:
                       end, L: gl.constexpr, PS: gl.constexpr, GATHER: gl.constexpr,
                       num_warps: gl.constexpr):
         """Barriers 0 and 1 for the two tile stages, 2 for the query; the query's copy (unless
-        ``qn_desc`` is None) and the first two tiles' issued (with ``GATHER``, ``bt_row`` is the row's slot list and each
-        tile one cp.async group, committed even when empty)."""
+        ``qn_desc`` is None) and the first two tiles' issued (with ``GATHER``, ``bt_row`` is
+        the row's slot list and each tile one cp.async group, committed even when empty)."""
         for i in gl.static_range(3):
             mbarrier.init(bars.index(i), count=1)
         if qn_desc is not None:  # (None: the caller writes the query itself)
@@ -177,13 +177,18 @@ def descriptor(t: torch.Tensor, cols: int, rows: int = BN) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, [rows, cols], layout)
 
 
+def kv_rows(kv: torch.Tensor) -> torch.Tensor:
+    """The paged cache (pages, PS, D) as (pages * PS, D) rows, as a TMA descriptor takes them."""
+    D = kv.shape[2]
+    return kv.view(kv.shape[0] * kv.shape[1], D) if kv.is_contiguous() else \
+        kv.as_strided((kv.shape[0] * kv.shape[1], D), (kv.stride(1), 1))
+
+
 def tma_rows(q: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (N, H, D) as (N * H, D) rows and the paged cache as (pages * PS, D) rows, as TMA
-    descriptors take them (16-byte aligned, unit stride last)."""
+    """q (N, H, D) as (N * H, D) rows and the paged cache as ``kv_rows``, as TMA descriptors
+    take them (16-byte aligned, unit stride last)."""
     N, H, D = q.shape
     rows_q = q.reshape(N * H, D)
     if rows_q.stride(1) != 1 or rows_q.stride(0) % 8 or rows_q.data_ptr() % 16:
         rows_q = rows_q.contiguous()
-    rows_kv = kv.view(kv.shape[0] * kv.shape[1], D) if kv.is_contiguous() else \
-        kv.as_strided((kv.shape[0] * kv.shape[1], D), (kv.stride(1), 1))
-    return rows_q, rows_kv
+    return rows_q, kv_rows(kv)

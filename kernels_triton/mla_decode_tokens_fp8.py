@@ -275,7 +275,7 @@ def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: 
     N, H, D = q.shape
     L = out.shape[2]
     q = q if q.stride(2) == 1 else q.contiguous()
-    _, rows_kv = tiles.tma_rows(q, kv)
+    rows_kv = tiles.kv_rows(kv)
     _mla_decode_fp8_tokens_kernel[(items.shape[0],)](
         tiles.descriptor(rows_kv, L), tiles.descriptor(rows_kv, D - L),
         scale, block_table, o_part, o_low, lse_part, out, lse, items,
