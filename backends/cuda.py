@@ -69,7 +69,9 @@ class CUDABackend(BaseBackend):
         # the value operand widened in registers; decode_tokens_fp8_regs.json, against the
         # tile widened in shared memory, bf16 in the same run): 64 x 4K 0.1184 -> 0.0659
         # (bf16 0.0784), 64 x 32K 0.759 -> 0.328 (0.546), 16 x 128K 0.759 -> 0.332 (0.548),
-        # 128 x 1K 0.0755 -> 0.0515 (0.0448), 8 x 4K 0.0297 -> 0.0270 (0.0159).
+        # 128 x 1K 0.0755 -> 0.0515 (0.0448), 8 x 4K 0.0297 -> 0.0270 (0.0159); then without
+        # the fp16 cast of q the Triton kernels need (decode_fp8_query_cast.json): 64 x 4K
+        # 0.0619 -> 0.0545, 128 x 1K 0.0483 -> 0.0363, 8 x 4K 0.0261 -> 0.0204.
         # "low_partials": 8: requests of at most 8 splits write 16-bit partials, longer ones
         # fp32 (benchmarks/results/h200/decode_low_partials.json, a layer's ms against fp32
         # partials: 16 heads bf16 64 x 4K -1.1%, 128 x 1K -2.8%, 64 x 1K -4.2%; 128 heads

@@ -19,6 +19,7 @@ from _resources import compiled_resources  # noqa: E402  (benchmarks/ is on sys.
 from _results import save_json
 from decode_configs import D, L, paged_problem
 from decode_layers import layer_ms
+from dsa_timeline import timeline
 
 from splash import kernels_triton as K
 
@@ -39,13 +40,15 @@ def main() -> int:
                     help="also each config's largest error against the torch reference")
     ap.add_argument("--configs", default='[{}, {"programs_per_sm": 1}, {"programs_per_sm": 3}]')
     ap.add_argument("--shapes", help="comma-separated shape names to run (default: all)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also each shape's per-kernel timeline of one layer (first config)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/decode_programs.py needs a GPU")
     K.set_value_checks(False)
     dev = torch.device("cuda")
     configs = json.loads(args.configs)
-    rows = []
+    rows, timelines = [], {}
     wanted = set(args.shapes.split(",")) if args.shapes else {name for name, _ in SHAPES}
     for name, lens in SHAPES:
         if name not in wanted:
@@ -79,10 +82,14 @@ def main() -> int:
             if exact is not None:  # against the reference (fp64 math, in the output's dtype)
                 rows[-1]["max_abs_err"] = float((got - exact).abs().max())
             print(rows[-1], flush=True)
+        if args.timeline:  # the plan, the attention kernel, the merge: where the layer goes
+            timelines[name] = timeline(lambda run=run: run(configs[0]))
+            print(name, timelines[name], flush=True)
         run = ref = None
         torch.cuda.empty_cache()
     save_json(args.out, {"benchmark": "decode_programs", "heads": args.heads,
                          "kv": "fp8" if args.fp8 else "bf16", "rows": rows,
+                         **({"timelines": timelines} if timelines else {}),
                          "kernels": compiled_resources(dev)})
     return 0
 

@@ -104,8 +104,9 @@ def main() -> int:
                  tokens_fp8._mla_decode_fp8_tokens_kernel,
                  {**OUTS, **descriptors(e4m3, e4m3, 16), "q_ptr": "*bf16"}, {**base, "BH": 16},
                  4))
-    runs.append(("heads fp8 (values in registers)", heads_fp8._mla_decode_fp8_heads_kernel,
-                 {**OUTS, **descriptors(e4m3, e4m3, heads_fp8.BH)}, base, 4))
+    runs.append(("heads fp8 (values in registers, q quantised in the kernel)",
+                 heads_fp8._mla_decode_fp8_heads_kernel,
+                 {**OUTS, **descriptors(e4m3, e4m3, heads_fp8.BH), "q_ptr": "*bf16"}, base, 4))
     only = [r for r in runs if args.only and args.only in r[0]]
     runs = only or runs
     for name, fn, types, constants, warps in runs:

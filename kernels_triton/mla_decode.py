@@ -317,15 +317,18 @@ def mla_decode(
             raise ValueError(f"config gather_pages={pages!r}: a power of two of pages holding "
                              f"at least a tile ({BLOCK_N} tokens, page {PS})")
         consts["PAGES"] = pages
+    gluon = gluon_form(q, kv, L, R, BLOCK_H, cfg) if balanced else None
     # dim_chunks is a form of the heads-on-M kernel for latents of at least 16 columns a chunk
     if cfg.get("dim_chunks") and not transposed and consts["BLOCK_L"] >= 16 * CHUNKS.value:
         kernel = _mla_decode_chunked_kernel
-        if fp16_products:  # re-read every tile: cast once, as _q_operand would
+        # the Triton kernel re-reads q every tile: cast once, as _q_operand would (the Gluon
+        # kernels read the 16-bit q themselves: the cast's three launches cost a 16-head fp8
+        # layer 6-12 us, decode_fp8_query_cast.json)
+        if fp16_products and not gluon:
             q = q.float().clamp_(-65504.0, 65504.0).to(torch.float16)
     inputs = (*q.stride(), *kv.stride(), *(scale.stride() if kv_scale is not None else (0, 0)),
               *block_table.stride(), seq_lens.stride(0))
     if balanced:
-        gluon = gluon_form(q, kv, L, R, BLOCK_H, cfg)
         if gluon and "gluon_programs_per_sm" in cfg:  # its own occupancy (shared memory)
             cfg = {**cfg, "programs_per_sm": cfg["gluon_programs_per_sm"]}
         programs = balanced_programs(head_groups, q.device, cfg)

@@ -5,8 +5,12 @@ above 32 heads; q read in e4m3, ``config["fp8_query"]``).
 
 A program is one warpgroup holding 32 heads of one request over one split of the balanced
 plan, two programs an SM (101 KB of shared memory, 255 registers each), so that one's softmax
-runs under the other's products. Per 64-token tile, staged by TMA two tiles ahead (e4m3, 36 KB
-a stage):
+runs under the other's products. Each program first quantises its 32 heads of the 16-bit q to
+e4m3 with a scale a head into shared memory (the few-head fp8 kernel's ``_quantised_query``,
+``quantise_rows``' operations) instead of a launch before the kernel (H200, same run: 64 x 4K
+0.219 -> 0.217 ms, 128 x 1K 0.130 -> 0.123, 8 x 32K and 2 x 128K -0.6%, 64 x 32K and one 128K
+among 63 of 1K +0.7%; ``decode_heads_fp8_query_in_kernel.json``). Per 64-token tile, staged by
+TMA two tiles ahead (e4m3, 36 KB a stage):
 
     scoresᵀ (64 tokens, 32 heads) = tile · q8ᵀ     fp8 x fp8; q quantised to e4m3 with a
                                                    scale a head
@@ -44,7 +48,6 @@ from __future__ import annotations
 import torch
 
 from splash.kernels_triton import mla_decode_gluon_tiles as tiles
-from splash.kernels_triton.kv_cache_ops import quantise_rows
 
 try:  # Gluon ships with Triton 3.5 and later
     from triton.experimental import gluon
@@ -62,7 +65,11 @@ try:  # Gluon ships with Triton 3.5 and later
         _start_copies,
         _tile_rows,
     )
-    from splash.kernels_triton.mla_decode_tokens_fp8 import _issue_scores, _widened
+    from splash.kernels_triton.mla_decode_tokens_fp8 import (
+        _issue_scores,
+        _quantised_query,
+        _widened,
+    )
     from splash.kernels_triton.mla_decode_tokens_gluon import _finish, _softmax_columns
 except ImportError:  # pragma: no cover - an older Triton: the Triton kernels serve
     gluon = None
@@ -112,11 +119,11 @@ if gluon is not None:
 
     @gluon.jit
     def _mla_decode_fp8_heads_kernel(
-        qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q8 (N * H, L + R), kv (pages * PS, L + R)
+        kn_desc, kr_desc,  # TMA: kv (pages * PS, L + R)
         scale_ptr,  # (pages, PS) fp32
-        qscale_ptr,  # (N * H,) fp32: q8's scales
         bt_ptr,  # (N, max_pages) int
         o_ptr, o_low_ptr, lse_ptr, out_ptr, lse_out_ptr, plan_ptr,  # as the tokens kernels'
+        q_ptr, stride_qn, stride_qh,  # q (N, H, L + R), 16-bit, quantised here
         qk_scale, H, N,
         stride_sp, stride_ss,
         stride_btn, stride_btp,
@@ -137,8 +144,12 @@ if gluon is not None:
                 version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, GQ, 16])
             a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma,
                                                          k_width=2)
-            qn_s = gl.allocate_shared_memory(qn_desc.dtype, [GQ, L], qn_desc.layout)
-            qr_s = gl.allocate_shared_memory(qr_desc.dtype, [GQ, R], qr_desc.layout)
+            qn_s = gl.allocate_shared_memory(
+                gl.float8e4nv, [GQ, L],
+                gl.NVMMASharedLayout.get_default_for([GQ, L], gl.float8e4nv))
+            qr_s = gl.allocate_shared_memory(
+                gl.float8e4nv, [GQ, R],
+                gl.NVMMASharedLayout.get_default_for([GQ, R], gl.float8e4nv))
             kn_s = gl.allocate_shared_memory(kn_desc.dtype, [2, BN, L], kn_desc.layout)
             kr_s = gl.allocate_shared_memory(kr_desc.dtype, [2, BN, R], kr_desc.layout)
             p_s = gl.allocate_shared_memory(
@@ -148,12 +159,12 @@ if gluon is not None:
             bt_row = bt_ptr + n.to(gl.int64) * stride_btn
             h0 = hg * GQ
             tiles = (end - start + BN - 1) // BN
-            _start_copies(qn_desc, qr_desc, kn_desc, kr_desc, n * H + h0, bt_row, stride_btp,
-                          start, tiles, qn_s, qr_s, kn_s, kr_s, bars, bt_ptr, 0, 0, end, L,
-                          PS, False, num_warps)
-            hs = h0 + gl.arange(0, GQ, layout=gl.SliceLayout(0, mma_s))
-            qsc = gl.load(qscale_ptr + n * H + hs, mask=hs < H, other=0.0) * qk_scale
-            mbarrier.wait(bars.index(2), 0)
+            _start_copies(None, None, kn_desc, kr_desc, 0, bt_row, stride_btp, start, tiles,
+                          qn_s, qr_s, kn_s, kr_s, bars, bt_ptr, 0, 0, end, L, PS, False,
+                          num_warps)
+            qs = _quantised_query(q_ptr + n.to(gl.int64) * stride_qn + h0 * stride_qh,
+                                  stride_qh, H - h0, qn_s, qr_s, L, R, GQ, num_warps)
+            qsc = gl.convert_layout(qs, gl.SliceLayout(0, mma_s)) * qk_scale
 
             acc_a = gl.zeros((LH, GQ), gl.float32, layout=mma)
             acc_b = gl.zeros((LH, GQ), gl.float32, layout=mma)
@@ -224,16 +235,16 @@ def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: 
            o_part: torch.Tensor, o_low: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
            lse: torch.Tensor, items: torch.Tensor, qk_scale: float, low: int) -> None:
     """Head groups of 32 x one program per plan item (``mla_decode``'s balanced plan, made for
-    64-head groups at one program an SM: two 32-head programs an SM), q quantised to e4m3 with
-    a scale a head first."""
+    64-head groups at one program an SM: two 32-head programs an SM), each program quantising
+    its 32 heads of q to e4m3 with a scale a head."""
     N, H, D = q.shape
     L = out.shape[2]
-    q8, q_scale = quantise_rows(q.reshape(N * H, D), kv.dtype)
-    rows_q, rows_kv = tiles.tma_rows(q8.view(N, H, D), kv)
+    q = q if q.stride(2) == 1 else q.contiguous()
+    rows_kv = tiles.kv_rows(kv)
     _mla_decode_fp8_heads_kernel[((H + BH - 1) // BH, items.shape[0])](
-        tiles.descriptor(rows_q, L, BH), tiles.descriptor(rows_q, D - L, BH),
         tiles.descriptor(rows_kv, L), tiles.descriptor(rows_kv, D - L),
-        scale, q_scale, block_table, o_part, o_low, lse_part, out, lse, items, qk_scale, H, N,
+        scale, block_table, o_part, o_low, lse_part, out, lse, items,
+        q, q.stride(0), q.stride(1), qk_scale, H, N,
         scale.stride(0), scale.stride(1), block_table.stride(0), block_table.stride(1),
         o_part.stride(0), o_part.stride(2), lse_part.stride(0), out.stride(0), out.stride(1),
         lse.stride(0), L=L, R=D - L, PS=kv.shape[1], LOW_SPLITS=low, num_warps=4,
