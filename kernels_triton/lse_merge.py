@@ -9,9 +9,15 @@ that subset and the natural log of its softmax denominator. S partials over disj
 A partial with ``lse_s = -inf`` covered no keys and contributes nothing (its ``o_s`` is never
 read into the sum); when every partial is ``-inf`` the merged output is 0 and its lse ``-inf``.
 The same kernel finishes split-KV decode (``mla_decode``), reading its fp32 partial buffer.
-A program folds one partial at a time; loading eight a round (their lse and rows in one 2-D
-load) was tried on an H200 and not kept: mixed, +-3% by batch, 64 x 4K and the DSA layer
-unchanged (``benchmarks/results/h200/lse_merge_rounds.json``).
+A program folds one partial at a time, a dependent chain of loads: loading eight a round
+(their lse and rows in one 2-D load) was mixed on an H200, +-3% by batch, 64 x 4K and the DSA
+layer unchanged (``benchmarks/results/h200/lse_merge_rounds.json``). Where one request is split
+many ways, though (a 128K request among 63 of 1K: 137 partials at 16 heads), the chain is
+the merge's whole time: a request of more than ``MANY`` partials folds ``ROUND`` a round, in a
+binary built with that path only when the caller's bound says some request may need it (the
+path's registers slow every other launch): 16 heads, that batch's layer 0.0675 -> 0.0626 ms
+(fp8 KV), 8 x 4K 0.0204 -> 0.0197, uniform batches unchanged
+(``benchmarks/results/h200/lse_merge_rounds_many.json``).
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import triton.language as tl
 
 from splash.kernels_triton import _validate as V
 from splash.kernels_triton.pdl import pdl, pdl_enter
+
+MANY, ROUND = 8, 16  # a request of more than MANY partials folds ROUND a round
 
 
 @triton.jit
@@ -45,6 +53,33 @@ def _fold(o_base, lse_base, S, stride_os, stride_ls, mask_l, BLOCK_L: tl.constex
     return acc, denom, m
 
 
+@triton.jit
+def _fold_rounds(o_base, lse_base, S, stride_os, stride_ls, mask_l, BLOCK_L: tl.constexpr,
+                 ROUND: tl.constexpr):
+    """``_fold`` over ``ROUND`` partials a round (their lse and rows in one load each): a
+    request split many ways (one long request among short ones) waits S / ROUND dependent
+    rounds instead of S."""
+    m = tl.full((), float("-inf"), tl.float32)
+    denom = tl.zeros((), tl.float32)
+    acc = tl.zeros((BLOCK_L,), tl.float32)
+    for s0 in range(0, S, ROUND):
+        rows = s0 + tl.arange(0, ROUND)
+        lse_r = tl.load(lse_base + rows * stride_ls, mask=rows < S,
+                        other=float("-inf")).to(tl.float32)
+        o_r = tl.load(o_base + rows[:, None] * stride_os,
+                      mask=(rows < S)[:, None] & mask_l[None, :], other=0.0).to(tl.float32)
+        has_keys = lse_r > float("-inf")
+        o_r = tl.where(has_keys[:, None], o_r, 0.0)  # an empty partial's o (maybe nan) stays out
+        m_new = tl.maximum(m, tl.max(lse_r, 0))
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.exp(m - m_safe)
+        w = tl.where(has_keys, tl.exp(lse_r - m_safe), 0.0)
+        acc = acc * alpha + tl.sum(w[:, None] * o_r, 0)
+        denom = denom * alpha + tl.sum(w, 0)
+        m = m_new
+    return acc, denom, m
+
+
 @triton.jit(do_not_specialize=["S"])  # ints that vary by step: one binary for all
 def _lse_merge_kernel(
     o_ptr,  # (S, N, H, L) partial outputs; RANGES: (rows, 1, H, L)
@@ -62,6 +97,8 @@ def _lse_merge_kernel(
     BLOCK_L: tl.constexpr,
     RANGES: tl.constexpr,  # each request's own run of partial rows (a request of one wrote out)
     LOW_SPLITS: tl.constexpr,  # RANGES: a request of at most this many rows reads o_low_ptr
+    MANY: tl.constexpr,  # more partials than this (0: none has) fold ROUND at a time
+    ROUND: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
@@ -82,6 +119,9 @@ def _lse_merge_kernel(
     if S <= LOW_SPLITS:  # (o_low_ptr shares o_ptr's strides)
         acc, denom, m = _fold(o_low_ptr + o_off, lse_base, S, stride_os, stride_ls, mask_l,
                               BLOCK_L)
+    elif MANY and S > MANY:
+        acc, denom, m = _fold_rounds(o_ptr + o_off, lse_base, S, stride_os, stride_ls, mask_l,
+                                     BLOCK_L, ROUND)
     else:
         acc, denom, m = _fold(o_ptr + o_off, lse_base, S, stride_os, stride_ls, mask_l, BLOCK_L)
 
@@ -99,23 +139,26 @@ def _lse_merge_kernel(
 def _merge_into(
     outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     ranges: torch.Tensor | None = None, num_warps: int = 4,
-    low: tuple[torch.Tensor, int] | None = None,
+    low: tuple[torch.Tensor, int] | None = None, max_rows: int | None = None,
 ) -> None:
     """Launch the merge of ``outs`` (S, N, H, L) / ``lses`` (S, N, H) into preallocated tensors.
     With ``ranges`` (N + 1,) int32, request n's partials are instead the rows
     ``outs[ranges[n]:ranges[n + 1], 0]`` of (rows, 1, H, L) partials, and a request with a
     single row (which already wrote its output) is skipped; with ``low`` = (rows, n) as well,
-    a request of at most n rows has them in ``rows`` (16-bit, ``outs``' shape and strides)."""
+    a request of at most n rows has them in ``rows`` (16-bit, ``outs``' shape and strides);
+    ``max_rows``: the most rows any request can have, when the caller knows a bound (the
+    binary then holds ``_fold_rounds`` only where some request may need it)."""
     N, H, L = out.shape
     if N == 0 or H == 0:
         return
     o_low, low_splits = low if ranges is not None and low is not None and low[1] else (outs, 0)
+    most = outs.shape[0] if ranges is None or max_rows is None else max_rows
     _lse_merge_kernel[(H, N)](
         outs, o_low, lses, out, lse, lse if ranges is None else ranges,
         outs.shape[0] if ranges is None else 0,
         *outs.stride(), *lses.stride(), *out.stride(), *lse.stride(),
         L=L, BLOCK_L=V.next_pow2(L, 16), RANGES=ranges is not None, LOW_SPLITS=low_splits,
-        num_warps=num_warps, PDL=(on := pdl(out.device)), launch_pdl=on,
+        MANY=MANY if most > MANY else 0, ROUND=ROUND, num_warps=num_warps, PDL=(on := pdl(out.device)), launch_pdl=on,
     )
 
 

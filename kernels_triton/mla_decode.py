@@ -371,7 +371,8 @@ def mla_decode(
                 BALANCED=True, LOW_SPLITS=low, **consts,
             )
         if split:
-            _merge_into(o_part, lse_part, out, lse, ranges=meta, low=(o_low, low))
+            _merge_into(o_part, lse_part, out, lse, ranges=meta, low=(o_low, low),
+                        max_rows=programs - N + 1)
         return out, lse
 
     assert isinstance(num_splits, int)  # checked above

@@ -9,10 +9,12 @@ from kernel_data import assert_close, assert_lse, block_table, paged_cache
 from splash.kernels_triton import lse_merge, lse_merge_ref, mla_decode, mla_decode_ref
 
 
-@pytest.mark.parametrize("num_parts", [1, 3, 19])
-def test_merge_matches_reference(setting, num_parts):
+# 19 partials: two rounds of the many-partials fold, the second part past the last partial;
+# 40 over 200 columns: three rounds on a row wider than any earlier case
+@pytest.mark.parametrize("num_parts, L", [(1, 24), (3, 24), (19, 24), (40, 200)])
+def test_merge_matches_reference(setting, num_parts, L):
     gen = torch.Generator().manual_seed(0)
-    S, N, H, L = num_parts, 3, 5, 24
+    S, N, H = num_parts, 3, 5
     outs = torch.randn(S, N, H, L, generator=gen).to(setting.q_dtype)
     lses = torch.randn(S, N, H, generator=gen) * 3
     lses[0, 0, 0] = float("-inf")  # one empty partial
