@@ -40,8 +40,9 @@ from splash.kernels_triton.kv_cache_ops import (
     quantise_rows_ref,
 )
 from splash.kernels_triton.lse_merge import lse_merge, lse_merge_ref
-from splash.kernels_triton.mla_decode import choose_num_splits, mla_decode, mla_decode_ref
+from splash.kernels_triton.mla_decode import choose_num_splits, mla_decode
 from splash.kernels_triton.mla_decode_plan import plan_scope
+from splash.kernels_triton.mla_decode_ref import mla_decode_ref
 from splash.kernels_triton.mla_extend import mla_extend, mla_extend_ref
 from splash.kernels_triton.mla_sparse import mla_sparse, mla_sparse_ref
 from splash.kernels_triton.moe_align import moe_align

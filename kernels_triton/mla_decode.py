@@ -100,12 +100,13 @@ Design:
   and two KV tiles come in by TMA and both products are warpgroup MMAs (128 heads bf16
   400-439 TFLOP/s a layer, 1.5x the Triton kernel; e4m3 KV: ``mla_decode_heads_fp8.py``, the
   value product turned around, one warpgroup on 32 heads, two programs an SM, 0.83-0.84x
-  bf16's tokens a second); at few heads
-  (``mla_decode_tokens_gluon.py``)
-  the tokens sit on the MMA's M side, 16-bit tiles by TMA (16 heads bf16 64 x 4K 90% of
-  copy a layer); e4m3 tiles by TMA too, read as they landed by the scores' product and
-  widened in registers for the values' (``mla_decode_tokens_fp8.py``, 16 heads 64 x 32K 87%
-  of copy, 1.68x bf16's tokens a second). The Triton kernels serve everything else.
+  bf16's tokens a second); at few heads (``mla_decode_tokens_gluon.py``) the tokens sit on
+  the MMA's M side, 16-bit tiles by TMA (16 heads bf16 64 x 4K 88-90% of copy a layer);
+  e4m3 tiles by TMA too, read as they landed by the scores' product and widened in
+  registers for the values' (``mla_decode_tokens_fp8.py``, 16 heads: 1.45 / 1.74 / 1.70x
+  bf16's tokens a second at 64 x 4K / 64 x 32K / 16 x 128K). The Gluon kernels read the
+  16-bit q as given (the fp8 forms quantise it themselves); the Triton kernels serve
+  everything else. References: ``mla_decode_ref.py``.
 - Full tiles load without a token mask; only a split's last partial tile is masked. When the
   page size is a multiple of ``BLOCK_N`` a tile lies in one page and its page id is one load.
 """
@@ -405,45 +406,3 @@ def mla_decode(
     if num_splits > 1:
         _merge_into(o_part, lse_part, out, lse)
     return out, lse
-
-
-# ---------------------------------------------------------------------------------------------
-# reference
-
-
-def paged_rows_ref(
-    kv_cache: torch.Tensor, kv_scale: torch.Tensor | None, pages: torch.Tensor, length: int
-) -> torch.Tensor:
-    """The first ``length`` latent rows of one request, dequantised, in fp64: (length, D)."""
-    PS = kv_cache.shape[1]
-    num_pages = -(-length // PS)
-    idx = pages[:num_pages].long()
-    rows = kv_cache[idx].double()  # (num_pages, PS, D)
-    if kv_scale is not None:
-        rows = rows * kv_scale[idx].double()[..., None]
-    return rows.reshape(-1, kv_cache.shape[2])[:length]
-
-
-def mla_decode_ref(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    sm_scale: float,
-    kv_lora_rank: int,
-    kv_scale: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference of ``mla_decode`` (fp64 math, one request at a time)."""
-    N, H, _ = q.shape
-    L = kv_lora_rank
-    out = torch.zeros((N, H, L), dtype=torch.float64, device=q.device)
-    lse = torch.full((N, H), float("-inf"), dtype=torch.float64, device=q.device)
-    for n in range(N):
-        length = int(seq_lens[n])
-        if length == 0:
-            continue
-        rows = paged_rows_ref(kv_cache, kv_scale, block_table[n], length)  # (len, D)
-        scores = (q[n].double() @ rows.T) * sm_scale  # (H, len)
-        lse[n] = torch.logsumexp(scores, dim=-1)
-        out[n] = torch.softmax(scores, dim=-1) @ rows[:, :L]  # (H, L)
-    return out.to(q.dtype), lse.float()

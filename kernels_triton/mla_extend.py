@@ -31,8 +31,8 @@ import triton.language as tl
 
 from splash.backends import device_tuning
 from splash.kernels_triton import _validate as V
-from splash.kernels_triton.mla_decode import paged_rows_ref
 from splash.kernels_triton.mla_decode_kernels import _LOG2E, _attend_tile, _q_operand
+from splash.kernels_triton.mla_decode_ref import paged_rows_ref
 
 
 @triton.jit(do_not_specialize=["num_m_blocks", "stride_btn"])  # ints that vary by step: one binary for all
