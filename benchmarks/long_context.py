@@ -94,9 +94,12 @@ def main() -> int:
         f = os.path.join(prof_dir, phase, "profile_rank0.json")
         if os.path.exists(f):
             d = json.load(open(f))
-            out["profiles"][phase] = {"ms_per_step": round(d["ms_per_step"], 3), "kernels": [
-                {"kernel": k["kernel"][:60], "ms_per_step": round(k["ms_per_step"], 3)}
-                for k in d["kernels"][:8]]}
+            out["profiles"][phase] = {
+                "ms_per_step": round(d["ms_per_step"], 3),
+                "calls_per_step": d.get("calls_per_step"),
+                "kernels": [{"kernel": k["kernel"][:60], "ms_per_step": round(k["ms_per_step"], 3),
+                             "calls_per_step": k.get("calls_per_step")}
+                            for k in d["kernels"][:12]]}
     print({k: v for k, v in out.items() if k not in ("first", "prefix_hit")}, flush=True)
     for k in ("first", "prefix_hit"):
         print(k, {x: y for x, y in out[k].items() if x != "step_ms"}, flush=True)

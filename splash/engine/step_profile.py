@@ -1,8 +1,9 @@
 """Profiles of a few steps (`LLMEngine.profile_steps`): the controller marks the plans
 (`ProfileMarks`); on every worker torch's profiler runs from the plan marked "start" to the
 plan marked "stop" (or shutdown), and the worker writes where its time went to
-``<profile_dir>/profile_rank<r>.json``: device time per kernel (kernels replayed inside CUDA
-graphs included) or, on the CPU, host time per operator, per step (`StepProfiler`); with
+``<profile_dir>/profile_rank<r>.json``: device time and launches per kernel (kernels replayed
+inside CUDA graphs included) or, on the CPU, host time and calls per operator, per step
+(`StepProfiler`); with
 SPLASH_PROFILE_TRACE=1 also the timeline, ``trace_rank<r>.json`` (steps and switch phases are
 labelled: ``step N launch``, ``switch ...``)."""
 
@@ -83,19 +84,24 @@ class StepProfiler:
         cuda = self.device.type == "cuda"
         kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
         totals: dict[str, float] = {}
+        calls: dict[str, int] = {}
         for ev in prof.events():
             # labelled ranges (steps, switch phases) are not time of their own
             if ev.device_type == kind and not getattr(ev, "is_user_annotation", False) \
                     and not ev.name.startswith(("step ", "switch ")):
                 us = ev.device_time if cuda else ev.self_cpu_time_total
                 totals[ev.name] = totals.get(ev.name, 0.0) + us
+                calls[ev.name] = calls.get(ev.name, 0) + 1
         steps = max(self.steps, 1)
         total = sum(totals.values()) or 1.0
         top = sorted(totals.items(), key=lambda kv: -kv[1])[:TOP]
         out = {"rank": self.rank, "first_step": self.first, "steps": self.steps,
                "time": "device" if cuda else "host (CPU operators, self time)",
                "ms_per_step": total / 1e3 / steps,
+               # every launch counts: a step's glue (casts, copies) shows as calls, not time
+               "calls_per_step": sum(calls.values()) / steps,
                "kernels": [{"kernel": name[:160], "ms_per_step": us / 1e3 / steps,
+                            "calls_per_step": calls[name] / steps,
                             "pct": 100 * us / total} for name, us in top]}
         os.makedirs(self.out_dir or ".", exist_ok=True)
         if envs.get("SPLASH_PROFILE_TRACE") == "1":

@@ -29,3 +29,5 @@ def test_every_rank_writes_where_its_steps_went(tmp_path):
         assert prof["rank"] == rank and prof["steps"] == 2 and prof["first_step"] >= 2
         assert prof["ms_per_step"] > 0 and prof["kernels"]
         assert sum(k["pct"] for k in prof["kernels"]) <= 100.0 + 1e-6
+        calls = [k["calls_per_step"] for k in prof["kernels"]]
+        assert all(c > 0 for c in calls) and sum(calls) <= prof["calls_per_step"] + 1e-9
