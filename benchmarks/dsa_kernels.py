@@ -96,7 +96,8 @@ def decode_layer(dev, gen, kind: str, heads: int, batch: int, context: int,
                             config=configs.get("mla_sparse"))
 
     return SimpleNamespace(scores=scores, topk=topk, sparse=sparse, kv=kv, scale=scale,
-                           table=table, gmax=gmax, group=group)
+                           table=table, gmax=gmax, group=group, keys=keys, key_scale=key_scale,
+                           iq=iq, w=w, q=q, lens=lens, width=width)
 
 
 def _shape_records(dev, gen, ceil, kind: str, heads: int, batch: int,

@@ -22,25 +22,18 @@ import torch
 from _paged import PAGE, SM_SCALE, D, L  # noqa: E402  (benchmarks/ is on sys.path)
 from _results import save_json
 from _timing import bench_both, ceilings
-from dsa_kernels import INDEX_DIM, INDEX_HEADS, SHAPES, TOPK, _pools
+from dsa_kernels import INDEX_DIM, SHAPES, TOPK, decode_layer
 from dsa_timeline import timeline
 
 import splash.kernels_triton as K
-from splash.kernels_triton.topk import floor_group
 
 
 def grouped_layer(dev, gen, kind: str, heads: int, batch: int, context: int, groups: int):
     """``run() -> [(out, lse) of each group]``: one DSA decode layer over ``batch`` rows in
     ``groups`` contiguous row groups, each group's selection on its own forked stream."""
-    kv, scale, keys, key_scale, table = _pools(batch, context, kind, dev, gen)
-    iq = torch.randn(batch, INDEX_HEADS, INDEX_DIM, device=dev, dtype=torch.bfloat16,
-                     generator=gen)
-    w = torch.randn(batch, INDEX_HEADS, device=dev, generator=gen) * INDEX_HEADS ** -0.5
-    q = torch.randn(batch, heads, D, device=dev, dtype=torch.bfloat16, generator=gen)
-    lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
-    width = table.shape[1] * PAGE
-    group = floor_group(dev, TOPK, width, None)
-    gmax = torch.empty((batch, -(-width // group)), device=dev) if group else None
+    t = decode_layer(dev, gen, kind, heads, batch, context)
+    kv, scale, keys, key_scale, table, gmax = t.kv, t.scale, t.keys, t.key_scale, t.table, t.gmax
+    iq, w, q, lens, width, group = t.iq, t.w, t.q, t.lens, t.width, t.group
     size = -(-batch // groups)
     bounds = [(a, min(a + size, batch)) for a in range(0, batch, size)]
     starts = {n: torch.arange(n + 1, dtype=torch.int32, device=dev) for n in {b - a for a, b in
