@@ -158,7 +158,8 @@ def _merge_into(
         outs.shape[0] if ranges is None else 0,
         *outs.stride(), *lses.stride(), *out.stride(), *lse.stride(),
         L=L, BLOCK_L=V.next_pow2(L, 16), RANGES=ranges is not None, LOW_SPLITS=low_splits,
-        MANY=MANY if most > MANY else 0, ROUND=ROUND, num_warps=num_warps, PDL=(on := pdl(out.device)), launch_pdl=on,
+        MANY=MANY if most > MANY else 0, ROUND=ROUND, num_warps=num_warps,
+        PDL=(on := pdl(out.device)), launch_pdl=on,
     )
 
 
