@@ -99,7 +99,7 @@ Design:
   (``mla_decode_heads_gluon.py``, 16-bit or e4m3 KV) two warpgroups hold 64 heads, the query
   and two KV tiles come in by TMA and both products are warpgroup MMAs (128 heads bf16
   400-439 TFLOP/s a layer, 1.5x the Triton kernel; e4m3 KV: ``mla_decode_heads_fp8.py``, the
-  value product turned around, one warpgroup on 32 heads, two programs an SM, 0.83-0.84x
+  value product turned around, one warpgroup on 32 heads, two programs an SM, 0.83-0.85x
   bf16's tokens a second); at few heads (``mla_decode_tokens_gluon.py``) the tokens sit on
   the MMA's M side, 16-bit tiles by TMA (16 heads bf16 64 x 4K 88-90% of copy a layer);
   e4m3 tiles by TMA too, read as they landed by the scores' product and widened in
