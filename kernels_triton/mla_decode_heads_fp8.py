@@ -68,6 +68,7 @@ try:  # Gluon ships with Triton 3.5 and later
     from splash.kernels_triton.mla_decode_tokens_fp8 import (
         _issue_scores,
         _quantised_query,
+        _query_buffers,
         _widened,
     )
     from splash.kernels_triton.mla_decode_tokens_gluon import _finish, _softmax_columns
@@ -144,12 +145,7 @@ if gluon is not None:
                 version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, GQ, 16])
             a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma,
                                                          k_width=2)
-            qn_s = gl.allocate_shared_memory(
-                gl.float8e4nv, [GQ, L],
-                gl.NVMMASharedLayout.get_default_for([GQ, L], gl.float8e4nv))
-            qr_s = gl.allocate_shared_memory(
-                gl.float8e4nv, [GQ, R],
-                gl.NVMMASharedLayout.get_default_for([GQ, R], gl.float8e4nv))
+            qn_s, qr_s = _query_buffers(GQ, L, R)
             kn_s = gl.allocate_shared_memory(kn_desc.dtype, [2, BN, L], kn_desc.layout)
             kr_s = gl.allocate_shared_memory(kr_desc.dtype, [2, BN, R], kr_desc.layout)
             p_s = gl.allocate_shared_memory(

@@ -144,6 +144,15 @@ if gluon is not None:
         return v, ks, ok
 
     @gluon.jit
+    def _query_buffers(BH: gl.constexpr, L: gl.constexpr, R: gl.constexpr):
+        """Shared memory for the e4m3 query rows ``_quantised_query`` writes: (latent, rope)."""
+        qn_s = gl.allocate_shared_memory(
+            gl.float8e4nv, [BH, L], gl.NVMMASharedLayout.get_default_for([BH, L], gl.float8e4nv))
+        qr_s = gl.allocate_shared_memory(
+            gl.float8e4nv, [BH, R], gl.NVMMASharedLayout.get_default_for([BH, R], gl.float8e4nv))
+        return qn_s, qr_s
+
+    @gluon.jit
     def _quantised_query(q_ptr, stride_qh, H, qn_s, qr_s, L: gl.constexpr, R: gl.constexpr,
                          BH: gl.constexpr, num_warps: gl.constexpr):
         """The request's q rows (heads past ``H`` as 0) quantised to e4m3 with a scale a head,
@@ -198,12 +207,7 @@ if gluon is not None:
                 version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BH, 16])
             a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma,
                                                          k_width=2)
-            qn_s = gl.allocate_shared_memory(
-                gl.float8e4nv, [BH, L],
-                gl.NVMMASharedLayout.get_default_for([BH, L], gl.float8e4nv))
-            qr_s = gl.allocate_shared_memory(
-                gl.float8e4nv, [BH, R],
-                gl.NVMMASharedLayout.get_default_for([BH, R], gl.float8e4nv))
+            qn_s, qr_s = _query_buffers(BH, L, R)
             kn_s = gl.allocate_shared_memory(kn_desc.dtype, [2, BN, L], kn_desc.layout)
             kr_s = gl.allocate_shared_memory(kr_desc.dtype, [2, BN, R], kr_desc.layout)
             p_s = gl.allocate_shared_memory(
