@@ -98,12 +98,12 @@ Design:
   only; ``gluon_programs_per_sm`` their occupancy): at many heads
   (``mla_decode_heads_gluon.py``, 16-bit or e4m3 KV) two warpgroups hold 64 heads, the query
   and two KV tiles come in by TMA and both products are warpgroup MMAs (128 heads bf16
-  400-439 TFLOP/s a layer, 1.5x the Triton kernel; e4m3 KV: ``mla_decode_heads_fp8.py``, the
-  value product turned around, one warpgroup on 32 heads, two programs an SM, 0.83-0.85x
+  407-439 TFLOP/s a layer, 1.5x the Triton kernel; e4m3 KV: ``mla_decode_heads_fp8.py``, the
+  value product turned around, one warpgroup on 32 heads, two programs an SM, 0.84-0.86x
   bf16's tokens a second); at few heads (``mla_decode_tokens_gluon.py``) the tokens sit on
   the MMA's M side, 16-bit tiles by TMA (16 heads bf16 64 x 4K 88-90% of copy a layer);
   e4m3 tiles by TMA too, read as they landed by the scores' product and widened in
-  registers for the values' (``mla_decode_tokens_fp8.py``, 16 heads: 1.45 / 1.74 / 1.70x
+  registers for the values' (``mla_decode_tokens_fp8.py``, 16 heads: 1.51 / 1.77 / 1.72x
   bf16's tokens a second at 64 x 4K / 64 x 32K / 16 x 128K). The Gluon kernels read the
   16-bit q as given (the fp8 forms quantise it themselves); the Triton kernels serve
   everything else. References: ``mla_decode_ref.py``.

@@ -69,9 +69,14 @@ try:  # Gluon ships with Triton 3.5 and later
         _issue_scores,
         _quantised_query,
         _query_buffers,
+        _query_rows,
         _widened,
     )
-    from splash.kernels_triton.mla_decode_tokens_gluon import _finish, _softmax_columns
+    from splash.kernels_triton.mla_decode_tokens_gluon import (
+        _finish,
+        _normalised,
+        _softmax_columns,
+    )
 except ImportError:  # pragma: no cover - an older Triton: the Triton kernels serve
     gluon = None
 
@@ -113,10 +118,11 @@ if gluon is not None:
         return tok_a, tok_b
 
     @gluon.jit
-    def _columns_back(acc, mma: gl.constexpr):
-        """An accumulator half's rows back in column order."""
+    def _columns_back(acc):
+        """An accumulator half's rows back in column order (relabelled: ``_finish`` converts
+        them once for its stores)."""
         acc = gl.permute(gl.reshape(acc, [4, 4, 2, 8, GQ]), (1, 3, 0, 2, 4))  # (w, g, j, h)
-        return gl.convert_layout(gl.reshape(acc, [LH, GQ]), mma)
+        return gl.reshape(acc, [LH, GQ])
 
     @gluon.jit
     def _mla_decode_fp8_heads_kernel(
@@ -155,11 +161,12 @@ if gluon is not None:
             bt_row = bt_ptr + n.to(gl.int64) * stride_btn
             h0 = hg * GQ
             tiles = (end - start + BN - 1) // BN
+            xn, xr = _query_rows(q_ptr + n.to(gl.int64) * stride_qn + h0 * stride_qh,
+                                 stride_qh, H - h0, L, R, GQ, num_warps)
             _start_copies(None, None, kn_desc, kr_desc, 0, bt_row, stride_btp, start, tiles,
                           qn_s, qr_s, kn_s, kr_s, bars, bt_ptr, 0, 0, end, L, PS, False,
                           num_warps)
-            qs = _quantised_query(q_ptr + n.to(gl.int64) * stride_qn + h0 * stride_qh,
-                                  stride_qh, H - h0, qn_s, qr_s, L, R, GQ, num_warps)
+            qs = _quantised_query(xn, xr, qn_s, qr_s, L, R, num_warps)
             qsc = gl.convert_layout(qs, gl.SliceLayout(0, mma_s)) * qk_scale
 
             acc_a = gl.zeros((LH, GQ), gl.float32, layout=mma)
@@ -209,15 +216,18 @@ if gluon is not None:
                 mbarrier.invalidate(bars.index(i))
             m_o = gl.convert_layout(m_i, gl.SliceLayout(0, mma))
             l_o = gl.convert_layout(l_i, gl.SliceLayout(0, mma))
-            _finish(_columns_back(acc_a, mma), m_o, l_o, n, pid, count, H - h0,
+            res_a, lse = _normalised(acc_a, m_o, l_o)
+            res_b = _normalised(acc_b, m_o, l_o)[0]
+            _finish(_columns_back(res_a), lse, n, pid, count, H - h0,
                     o_ptr + h0 * stride_oh, o_low_ptr + h0 * stride_oh, lse_ptr + h0,
                     out_ptr + h0 * stride_outh, lse_out_ptr + h0, stride_os, stride_oh,
-                    stride_ls, stride_outn, stride_outh, stride_lon, LH, GQ, LOW_SPLITS, mma)
-            _finish(_columns_back(acc_b, mma), m_o, l_o, n, pid, count, H - h0,
+                    stride_ls, stride_outn, stride_outh, stride_lon, LH, GQ, LOW_SPLITS, mma,
+                    num_warps)
+            _finish(_columns_back(res_b), lse, n, pid, count, H - h0,
                     o_ptr + h0 * stride_oh + LH, o_low_ptr + h0 * stride_oh + LH,
                     lse_ptr + h0, out_ptr + h0 * stride_outh + LH, lse_out_ptr + h0,
                     stride_os, stride_oh, stride_ls, stride_outn, stride_outh, stride_lon, LH,
-                    GQ, LOW_SPLITS, mma)
+                    GQ, LOW_SPLITS, mma, num_warps)
 
 
 def serves(kv: torch.Tensor, cfg: dict) -> bool:

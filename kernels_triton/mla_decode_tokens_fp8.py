@@ -28,7 +28,11 @@ page's unused rows may hold NaN). Two programs an SM (83 KB of shared memory, 25
 Each program quantises its request's q rows itself (the same operations as ``quantise_rows``,
 which ``query_as_read`` runs for references) instead of a launch before: 64 x 4K 0.0661 ->
 0.0636 ms, 8 x 4K 0.0266 -> 0.0259, 64 x 32K 0.344 either way
-(``decode_tokens_fp8_query_in_kernel.json``).
+(``decode_tokens_fp8_query_in_kernel.json``); its q loads are issued ahead of the first
+tiles' copies (``_query_rows``; after them they queued behind every program's copies: 6.3 us
+from a program's start to its quantised q at 64 x 4K; 128 x 1K 0.0370 -> 0.0361 ms a layer,
+8 x 4K 0.0194 -> 0.0183, ``decode_query_first.json``). The rows go back in column order as
+``_finish`` converts them for 16-byte stores (``decode_store_layout.json``).
 
 H200, a layer (``decode_tokens_fp8_regs.json``; the fp16-widened tile's form, then bf16, same
 run): 64 x 32K 0.759 -> 0.328 ms (bf16 0.546: 1.67x its tokens a second, 88% of copy),
@@ -58,7 +62,11 @@ try:  # Gluon ships with Triton 3.5 and later
         _start_copies,
         _tile_rows,
     )
-    from splash.kernels_triton.mla_decode_tokens_gluon import _finish, _softmax_columns
+    from splash.kernels_triton.mla_decode_tokens_gluon import (
+        _finish,
+        _normalised,
+        _softmax_columns,
+    )
 except ImportError:  # pragma: no cover - an older Triton: the Triton kernels serve
     gluon = None
 
@@ -153,11 +161,12 @@ if gluon is not None:
         return qn_s, qr_s
 
     @gluon.jit
-    def _quantised_query(q_ptr, stride_qh, H, qn_s, qr_s, L: gl.constexpr, R: gl.constexpr,
-                         BH: gl.constexpr, num_warps: gl.constexpr):
-        """The request's q rows (heads past ``H`` as 0) quantised to e4m3 with a scale a head,
-        as ``quantise_rows`` does (amax / 448, the same operations), into ``qn_s`` / ``qr_s``;
-        returns the scales."""
+    def _query_rows(q_ptr, stride_qh, H, L: gl.constexpr, R: gl.constexpr, BH: gl.constexpr,
+                    num_warps: gl.constexpr):
+        """The request's 16-bit q rows (latent, rope; heads past ``H`` as 0) loaded into
+        registers: issued ahead of the first tiles' copies, so they do not queue behind every
+        program's (16 heads, 64 x 4K: from the program's start to its quantised query 6.3 us
+        loaded after the copies, ~2.6 where L2 held q)."""
         ln: gl.constexpr = gl.BlockedLayout([1, L // 32], [1, 32], [num_warps, 1], [1, 0])
         lr: gl.constexpr = gl.BlockedLayout([1, R // 32], [1, 32], [num_warps, 1], [1, 0])
         hn = gl.arange(0, BH, layout=gl.SliceLayout(1, ln))
@@ -165,9 +174,21 @@ if gluon is not None:
         cn = gl.arange(0, L, layout=gl.SliceLayout(0, ln))
         cr = gl.arange(0, R, layout=gl.SliceLayout(0, lr))
         xn = gl.load(q_ptr + hn[:, None] * stride_qh + cn[None, :], mask=(hn < H)[:, None],
-                     other=0.0).to(gl.float32)
+                     other=0.0)
         xr = gl.load(q_ptr + hr[:, None] * stride_qh + L + cr[None, :], mask=(hr < H)[:, None],
-                     other=0.0).to(gl.float32)
+                     other=0.0)
+        return xn, xr
+
+    @gluon.jit
+    def _quantised_query(xn, xr, qn_s, qr_s, L: gl.constexpr, R: gl.constexpr,
+                         num_warps: gl.constexpr):
+        """q rows ``xn`` / ``xr`` (``_query_rows``) quantised to e4m3 with a scale a head, as
+        ``quantise_rows`` does (amax / 448, the same operations), into ``qn_s`` / ``qr_s``;
+        returns the scales."""
+        ln: gl.constexpr = gl.BlockedLayout([1, L // 32], [1, 32], [num_warps, 1], [1, 0])
+        lr: gl.constexpr = gl.BlockedLayout([1, R // 32], [1, 32], [num_warps, 1], [1, 0])
+        xn = xn.to(gl.float32)
+        xr = xr.to(gl.float32)
         amax = gl.maximum(gl.max(gl.abs(xn), axis=1),
                           gl.convert_layout(gl.max(gl.abs(xr), axis=1), gl.SliceLayout(1, ln)))
         scale = amax / 448.0
@@ -215,11 +236,12 @@ if gluon is not None:
             bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
             bt_row = bt_ptr + n.to(gl.int64) * stride_btn
             tiles = (end - start + BN - 1) // BN
+            xn, xr = _query_rows(q_ptr + n.to(gl.int64) * stride_qn, stride_qh, H, L, R, BH,
+                                 num_warps)
             _start_copies(None, None, kn_desc, kr_desc, n * H, bt_row, stride_btp, start,
                           tiles, qn_s, qr_s, kn_s, kr_s, bars, bt_ptr, 0, 0, end, L, PS, False,
                           num_warps)
-            qs = _quantised_query(q_ptr + n.to(gl.int64) * stride_qn, stride_qh, H, qn_s, qr_s,
-                                  L, R, BH, num_warps)
+            qs = _quantised_query(xn, xr, qn_s, qr_s, L, R, num_warps)
             qsc = gl.convert_layout(qs, gl.SliceLayout(0, mma)) * qk_scale
 
             acc = gl.zeros((L, BH), gl.float32, layout=mma)  # outᵀ, rows in the module's order
@@ -263,12 +285,13 @@ if gluon is not None:
                     acc = warpgroup_mma_wait(0, deps=(acc_tok,))
             for i in gl.static_range(3):
                 mbarrier.invalidate(bars.index(i))
-            # rows back in column order (through shared memory, once): coalesced stores
-            acc = gl.permute(gl.reshape(acc, [8, 4, 2, 8, BH]), (1, 3, 0, 2, 4))  # (w, g, j, h)
-            acc = gl.convert_layout(gl.reshape(acc, [L, BH]), mma)
-            _finish(acc, m_i, l_i, n, pid, count, H, o_ptr, o_low_ptr, lse_ptr, out_ptr,
+            res, lse = _normalised(acc, m_i, l_i)
+            # rows back in column order (relabelled here; _finish's stores convert them once)
+            res = gl.reshape(gl.permute(gl.reshape(res, [8, 4, 2, 8, BH]), (1, 3, 0, 2, 4)),
+                             [L, BH])  # (w, g, j, h)
+            _finish(res, lse, n, pid, count, H, o_ptr, o_low_ptr, lse_ptr, out_ptr,
                     lse_out_ptr, stride_os, stride_oh, stride_ls, stride_outn, stride_outh,
-                    stride_lon, L, BH, LOW_SPLITS, mma)
+                    stride_lon, L, BH, LOW_SPLITS, mma, num_warps)
 
 
 def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
