@@ -303,12 +303,12 @@ if gluon is not None:
                 # pieces (128 x 1K 0.1054 -> 0.0966 ms a layer, 64 x 4K 0.1805 -> 0.1785); the
                 # partial rows keep the MMA's stores (through it: 2 x 128K, fp32 rows, 0.1777
                 # -> 0.184; the sparse form's 16-bit rows 2-3% slower)
-                st: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
-                h_st = g * GH + gl.arange(0, GH, layout=gl.SliceLayout(1, st))
-                c_st = gl.arange(0, L, layout=gl.SliceLayout(0, st))
+                row8: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+                h_st = g * GH + gl.arange(0, GH, layout=gl.SliceLayout(1, row8))
+                c_st = gl.arange(0, L, layout=gl.SliceLayout(0, row8))
                 o = out_ptr + n.to(gl.int64) * stride_outn + h_st[:, None] * stride_outh
                 gl.store(o + c_st[None, :],
-                         gl.convert_layout(res.to(out_ptr.dtype.element_ty), st),
+                         gl.convert_layout(res.to(out_ptr.dtype.element_ty), row8),
                          mask=(h_st < H)[:, None])
                 gl.store(lse_out_ptr + n * stride_lon + lh, lse, mask=lh < H)
             else:
