@@ -160,6 +160,12 @@ if gluon is not None:
             gl.float8e4nv, [BH, R], gl.NVMMASharedLayout.get_default_for([BH, R], gl.float8e4nv))
         return qn_s, qr_s
 
+    @gluon.constexpr_function
+    def _query_layout(cols, num_warps):
+        """q rows (heads x ``cols``) for their loads and quantisation: a warp a head, a
+        thread's ``cols`` / 32 consecutive columns."""
+        return gl.BlockedLayout([1, cols // 32], [1, 32], [num_warps, 1], [1, 0])
+
     @gluon.jit
     def _query_rows(q_ptr, stride_qh, H, L: gl.constexpr, R: gl.constexpr, BH: gl.constexpr,
                     num_warps: gl.constexpr):
@@ -167,8 +173,8 @@ if gluon is not None:
         registers: issued ahead of the first tiles' copies, so they do not queue behind every
         program's (16 heads, 64 x 4K: from the program's start to its quantised query 6.3 us
         loaded after the copies, ~2.6 where L2 held q)."""
-        ln: gl.constexpr = gl.BlockedLayout([1, L // 32], [1, 32], [num_warps, 1], [1, 0])
-        lr: gl.constexpr = gl.BlockedLayout([1, R // 32], [1, 32], [num_warps, 1], [1, 0])
+        ln: gl.constexpr = _query_layout(L, num_warps)
+        lr: gl.constexpr = _query_layout(R, num_warps)
         hn = gl.arange(0, BH, layout=gl.SliceLayout(1, ln))
         hr = gl.arange(0, BH, layout=gl.SliceLayout(1, lr))
         cn = gl.arange(0, L, layout=gl.SliceLayout(0, ln))
@@ -185,8 +191,8 @@ if gluon is not None:
         """q rows ``xn`` / ``xr`` (``_query_rows``) quantised to e4m3 with a scale a head, as
         ``quantise_rows`` does (amax / 448, the same operations), into ``qn_s`` / ``qr_s``;
         returns the scales."""
-        ln: gl.constexpr = gl.BlockedLayout([1, L // 32], [1, 32], [num_warps, 1], [1, 0])
-        lr: gl.constexpr = gl.BlockedLayout([1, R // 32], [1, 32], [num_warps, 1], [1, 0])
+        ln: gl.constexpr = _query_layout(L, num_warps)
+        lr: gl.constexpr = _query_layout(R, num_warps)
         xn = xn.to(gl.float32)
         xr = xr.to(gl.float32)
         amax = gl.maximum(gl.max(gl.abs(xn), axis=1),

@@ -3,9 +3,8 @@
 plan marked "stop" (or shutdown), and the worker writes where its time went to
 ``<profile_dir>/profile_rank<r>.json``: device time and launches per kernel (kernels replayed
 inside CUDA graphs included) or, on the CPU, host time and calls per operator, per step
-(`StepProfiler`); with
-SPLASH_PROFILE_TRACE=1 also the timeline, ``trace_rank<r>.json`` (steps and switch phases are
-labelled: ``step N launch``, ``switch ...``)."""
+(`StepProfiler`); with SPLASH_PROFILE_TRACE=1 also the timeline, ``trace_rank<r>.json``
+(steps and switch phases are labelled: ``step N launch``, ``switch ...``)."""
 
 from __future__ import annotations
 
