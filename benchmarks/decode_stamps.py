@@ -63,8 +63,8 @@ KERNELS = {
         ("s = warpgroup_mma_wait(0, deps=(s_tok,))", 0, 2, "after"),
         ("for i in gl.static_range(3):", 0, 3, "before"),
         ("stride_lon, L, BH, LOW_SPLITS, mma, num_warps)", 0, 4, "after"),
-    ], ("scale, block_table, o_part, o_low, lse_part, out, lse, items,",
-        "scale, block_table, o_part, o_low, lse_part, out, lse, items, _stamp_buffer(),"),
+    ], ("block_table, o_part, o_low, lse_part, out, lse, items,",
+        "block_table, o_part, o_low, lse_part, out, lse, items, _stamp_buffer(),"),
         ("plan_ptr,  # as the tokens kernels'", "plan_ptr, stamp_ptr,")),
     "heads_gluon": ("mla_decode_heads_gluon.py", "_mla_decode_heads_gluon_kernel",
                     "pid * gl.num_programs(0) + g", [

@@ -26,6 +26,7 @@ try:
 except ImportError:
     sys.exit("benchmarks/gluon_offline.py needs a Triton with Gluon (3.5 or later)")
 
+from splash.kernels_triton import mla_decode_gluon_tiles as tiles
 from splash.kernels_triton import mla_decode_heads_fp8 as heads_fp8
 from splash.kernels_triton import mla_decode_heads_gluon as heads
 from splash.kernels_triton import mla_decode_tokens_fp8 as tokens_fp8
@@ -71,7 +72,8 @@ def descriptors(q_dtype: torch.dtype, kv_dtype: torch.dtype, q_rows: int) -> dic
     return {"qn_desc": mangle_type(heads.descriptor(q, 512, q_rows)),
             "qr_desc": mangle_type(heads.descriptor(q, 64, q_rows)),
             "kn_desc": mangle_type(heads.descriptor(kv, 512)),
-            "kr_desc": mangle_type(heads.descriptor(kv, 64))}
+            "kr_desc": mangle_type(heads.descriptor(kv, 64)),
+            "ks_desc": mangle_type(tiles.scale_descriptor(torch.empty(16, 64)))}
 
 
 def main() -> int:

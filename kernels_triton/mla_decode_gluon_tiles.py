@@ -6,13 +6,17 @@ its block table), or with ``GATHER`` a split of one row's slot list for ``mla_sp
 64-token tiles come into shared memory in stages, asynchronously, so the next tile's copy runs
 under this tile's products:
 - paged (dense decode): one TMA copy of a page's 64 rows for the latent and one for the rope
-  columns, signalling the stage's mbarrier (``_load_tile``);
+  columns (with fp8 KV in the few-head kernel, one more of their 64 scales: a row of the
+  scales' (pages, PS) array, ``scale_descriptor``), signalling the stage's mbarrier
+  (``_load_tile``);
 - gathered (sparse): each of the tile's 64 selected rows by cp.async, 16 bytes a copy, one
   commit group a tile (``_gather_tile``); a slot of -1 or past the list is a row of zeros.
 ``_start_copies`` issues the query's copy and the first two tiles, ``_wait_tile`` waits for a
 stage, ``_refill`` issues the tile two ahead into a stage every warp is done with, and
 ``_tile_rows`` gives a tile's columns that hold a token (and, for the fp8 scales, their
-offsets). TMA descriptors: ``descriptor`` over the rows ``tma_rows`` and ``kv_rows`` view.
+offsets), ``_tile_scales`` the scales a copy brought. TMA descriptors: ``descriptor`` over the
+rows ``tma_rows`` and ``kv_rows`` view. Every kernel starts with ``_plan_item``, whose first
+step waits for the kernel before (programmatic dependent launch, ``_pdl_wait``).
 """
 
 from __future__ import annotations
@@ -39,9 +43,31 @@ if gluon is not None:
     GN = gl.constexpr(BN)
 
     @gluon.jit
+    def _pdl_wait():
+        """Until the kernel before this one in the stream has finished and its writes are
+        visible: a kernel launched with ``launch_pdl`` (programmatic dependent launch) has its
+        programs dispatched as soon as that kernel's have exited; without it, a no-op."""
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
+    def _pdl_trigger():
+        """Lets the next kernel in the stream (launched with ``launch_pdl``: the merge) have its
+        programs dispatched once every program of this one has called this or exited. The
+        few-head kernels call it once a program's loop is done, so the merge's programs take
+        SM slots only during the output stores, and wait there until this kernel has finished
+        (H200, 16 heads, a layer: fp8 128 x 1K -1.5%, 8 x 4K -1%, 64 x 4K within noise; the
+        many-head kernels 2-3% slower with it, so they do not)."""
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
     def _plan_item(plan_ptr, pid, N, splits, split_len, K, GATHER: gl.constexpr):
         """Program ``pid``'s (request, or N past the last split; its splits; start; end): plan
-        item ``pid``, or with ``GATHER`` split ``pid // N`` of row ``pid % N``'s slot list."""
+        item ``pid``, or with ``GATHER`` split ``pid // N`` of row ``pid % N``'s slot list.
+        Every Gluon decode kernel starts here, so this is where it waits for the kernel before
+        (``_pdl_wait``): nothing is read before."""
+        _pdl_wait()
         if GATHER:
             start = (pid // N) * split_len
             return pid % N, splits, start, gl.minimum(start + split_len, K)
@@ -50,12 +76,18 @@ if gluon is not None:
             return gl.load(item), gl.load(item + 1), gl.load(item + 2), gl.load(item + 3)
 
     @gluon.jit
-    def _load_tile(kn_desc, kr_desc, bt_row, stride_btp, t0, kn, kr, bar,
+    def _load_tile(kn_desc, kr_desc, ks_desc, bt_row, stride_btp, t0, kn, kr, ks, bar,
                    L: gl.constexpr, PS: gl.constexpr):
-        """The tile at token ``t0`` (its page's rows) into ``kn`` / ``kr``, signalling ``bar``."""
+        """The tile at token ``t0`` (its page's rows) into ``kn`` / ``kr`` (and its rows' fp8
+        scales into ``ks`` unless ``ks_desc`` is None), signalling ``bar``."""
         page = gl.load(bt_row + (t0 // PS) * stride_btp)
         row = page * PS + t0 % PS
-        mbarrier.expect(bar, kn_desc.block_type.nbytes + kr_desc.block_type.nbytes)
+        if ks_desc is None:
+            mbarrier.expect(bar, kn_desc.block_type.nbytes + kr_desc.block_type.nbytes)
+        else:
+            mbarrier.expect(bar, kn_desc.block_type.nbytes + kr_desc.block_type.nbytes
+                            + ks_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(ks_desc, [page, t0 % PS], bar, ks)
         tma.async_copy_global_to_shared(kn_desc, [row, 0], bar, kn)
         tma.async_copy_global_to_shared(kr_desc, [row, L], bar, kr)
 
@@ -88,13 +120,14 @@ if gluon is not None:
                      ldr)
 
     @gluon.jit
-    def _start_copies(qn_desc, qr_desc, kn_desc, kr_desc, row_q, bt_row, stride_btp, start,
-                      tiles, qn_s, qr_s, kn_s, kr_s, bars, kv_ptr, stride_kvp, stride_kvs,
-                      end, L: gl.constexpr, PS: gl.constexpr, GATHER: gl.constexpr,
+    def _start_copies(qn_desc, qr_desc, kn_desc, kr_desc, ks_desc, row_q, bt_row, stride_btp,
+                      start, tiles, qn_s, qr_s, kn_s, kr_s, ks_s, bars, kv_ptr, stride_kvp,
+                      stride_kvs, end, L: gl.constexpr, PS: gl.constexpr, GATHER: gl.constexpr,
                       num_warps: gl.constexpr):
         """Barriers 0 and 1 for the two tile stages, 2 for the query; the query's copy (unless
-        ``qn_desc`` is None) and the first two tiles' issued (with ``GATHER``, ``bt_row`` is
-        the row's slot list and each tile one cp.async group, committed even when empty)."""
+        ``qn_desc`` is None) and the first two tiles' issued, with their scales by ``ks_desc``
+        into ``ks_s`` unless None (with ``GATHER``, ``bt_row`` is the row's slot list and each
+        tile one cp.async group, committed even when empty)."""
         for i in gl.static_range(3):
             mbarrier.init(bars.index(i), count=1)
         if qn_desc is not None:  # (None: the caller writes the query itself)
@@ -110,22 +143,27 @@ if gluon is not None:
                 async_copy.commit_group()
             else:
                 if j < tiles:
-                    _load_tile(kn_desc, kr_desc, bt_row, stride_btp, start + j * GN,
-                               kn_s.index(j), kr_s.index(j), bars.index(j), L, PS)
+                    ks = ks_s
+                    if ks_desc is not None:
+                        ks = ks_s.index(j)
+                    _load_tile(kn_desc, kr_desc, ks_desc, bt_row, stride_btp, start + j * GN,
+                               kn_s.index(j), kr_s.index(j), ks, bars.index(j), L, PS)
 
     @gluon.jit
-    def _refill(kn_desc, kr_desc, bt_row, stride_btp, t0, end, kn, kr, bar, more, kv_ptr,
-                stride_kvp, stride_kvs, L: gl.constexpr, PS: gl.constexpr,
+    def _refill(kn_desc, kr_desc, ks_desc, bt_row, stride_btp, t0, end, kn, kr, ks, bar, more,
+                kv_ptr, stride_kvp, stride_kvs, L: gl.constexpr, PS: gl.constexpr,
                 GATHER: gl.constexpr, num_warps: gl.constexpr):
-        """A stage every warp is done with refilled with the tile at ``t0`` when ``more``
-        (with ``GATHER`` a cp.async group is committed either way)."""
+        """A stage every warp is done with refilled with the tile at ``t0`` (and its scales
+        unless ``ks_desc`` is None) when ``more`` (with ``GATHER`` a cp.async group is
+        committed either way)."""
         if more:
             gl.thread_barrier()
             if GATHER:
                 _gather_tile(kv_ptr, bt_row, stride_btp, stride_kvp, stride_kvs, t0, end, kn,
                              kr, L, PS, num_warps)
             else:
-                _load_tile(kn_desc, kr_desc, bt_row, stride_btp, t0, kn, kr, bar, L, PS)
+                _load_tile(kn_desc, kr_desc, ks_desc, bt_row, stride_btp, t0, kn, kr, ks, bar, L,
+                           PS)
         if GATHER:
             async_copy.commit_group()
 
@@ -158,6 +196,16 @@ if gluon is not None:
         return off, ok
 
     @gluon.jit
+    def _tile_scales(ks, t0, end, rows):
+        """The tile at ``t0``'s fp8 scales as its copy brought them (``ks``, a (1, BN) row in
+        shared memory) for its ``rows`` (any layout; 0 from ``end`` on, where a page's unused
+        rows may hold anything), and which of the rows hold a token."""
+        ok = t0 + rows < end
+        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        s = ks._reinterpret(gl.float32, [GN], flat).load(rows.type.layout)
+        return gl.where(ok, s, gl.zeros_like(s)), ok
+
+    @gluon.jit
     def _zero_rows_past(kn, valid, L: gl.constexpr, num_warps: gl.constexpr):
         """Rows ``valid`` and on of the tile's value columns set to 0 in shared memory."""
         CW: gl.constexpr = 64
@@ -175,6 +223,15 @@ def descriptor(t: torch.Tensor, cols: int, rows: int = BN) -> TensorDescriptor:
              torch.float8_e4m3fn: gl.float8e4nv}[t.dtype]
     layout = gl.NVMMASharedLayout.get_default_for([rows, cols], dtype)
     return TensorDescriptor.from_tensor(t, [rows, cols], layout)
+
+
+def scale_descriptor(scale: torch.Tensor) -> TensorDescriptor:
+    """A TMA descriptor over the fp8 scales (pages, PS) fp32 that copies a tile's row (1, BN),
+    unswizzled (a copy of the scales where their strides do not suit TMA)."""
+    if scale.stride(1) != 1 or scale.stride(0) % 4 or scale.data_ptr() % 16:
+        scale = scale.contiguous()
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return TensorDescriptor.from_tensor(scale, [1, BN], layout)
 
 
 def kv_rows(kv: torch.Tensor) -> torch.Tensor:

@@ -48,6 +48,7 @@ from __future__ import annotations
 import torch
 
 from splash.kernels_triton import mla_decode_gluon_tiles as tiles
+from splash.kernels_triton.pdl import pdl
 
 try:  # Gluon ships with Triton 3.5 and later
     from triton.experimental import gluon
@@ -163,9 +164,9 @@ if gluon is not None:
             tiles = (end - start + BN - 1) // BN
             xn, xr = _query_rows(q_ptr + n.to(gl.int64) * stride_qn + h0 * stride_qh,
                                  stride_qh, H - h0, L, R, GQ, num_warps)
-            _start_copies(None, None, kn_desc, kr_desc, 0, bt_row, stride_btp, start, tiles,
-                          qn_s, qr_s, kn_s, kr_s, bars, bt_ptr, 0, 0, end, L, PS, False,
-                          num_warps)
+            _start_copies(None, None, kn_desc, kr_desc, None, 0, bt_row, stride_btp, start,
+                          tiles, qn_s, qr_s, kn_s, kr_s, None, bars, bt_ptr, 0, 0, end, L, PS,
+                          False, num_warps)
             qs = _quantised_query(xn, xr, qn_s, qr_s, L, R, num_warps)
             qsc = gl.convert_layout(qs, gl.SliceLayout(0, mma_s)) * qk_scale
 
@@ -209,9 +210,9 @@ if gluon is not None:
                     tok_a, tok_b = _later_quarters(kn, pb, tok_a, tok_b, end - t0, a_layout)
                 acc_a = warpgroup_mma_wait(0, deps=(tok_a,))
                 acc_b = warpgroup_mma_wait(0, deps=(tok_b,))
-                _refill(kn_desc, kr_desc, bt_row, stride_btp, t0 + 2 * BN, end, kn,
-                        kr_s.index(st), bars.index(st), i + 2 < tiles, bt_ptr, 0, 0, L, PS,
-                        False, num_warps)
+                _refill(kn_desc, kr_desc, None, bt_row, stride_btp, t0 + 2 * BN, end, kn,
+                        kr_s.index(st), None, bars.index(st), i + 2 < tiles, bt_ptr, 0, 0, L,
+                        PS, False, num_warps)
             for i in gl.static_range(3):
                 mbarrier.invalidate(bars.index(i))
             m_o = gl.convert_layout(m_i, gl.SliceLayout(0, mma))
@@ -254,4 +255,5 @@ def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: 
         scale.stride(0), scale.stride(1), block_table.stride(0), block_table.stride(1),
         o_part.stride(0), o_part.stride(2), lse_part.stride(0), out.stride(0), out.stride(1),
         lse.stride(0), L=L, R=D - L, PS=kv.shape[1], LOW_SPLITS=low, num_warps=4,
+        launch_pdl=pdl(q.device),
     )

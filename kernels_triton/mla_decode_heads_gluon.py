@@ -53,6 +53,7 @@ import torch
 from splash.kernels_triton import _validate as V
 from splash.kernels_triton.kv_cache_ops import quantise_rows
 from splash.kernels_triton.mla_decode_gluon_tiles import BN, descriptor, tma_rows
+from splash.kernels_triton.pdl import pdl
 
 try:  # Gluon ships with Triton 3.5 and later
     from triton.experimental import gluon
@@ -207,8 +208,8 @@ if gluon is not None:
             bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
             bt_row = bt_ptr + n.to(gl.int64) * stride_btn
             tiles = (end - start + GN - 1) // GN
-            _start_copies(qn_desc, qr_desc, kn_desc, kr_desc, n * H + g * GH, bt_row,
-                          stride_btp, start, tiles, qn_s, qr_s, kn_s, kr_s, bars, kv_ptr,
+            _start_copies(qn_desc, qr_desc, kn_desc, kr_desc, None, n * H + g * GH, bt_row,
+                          stride_btp, start, tiles, qn_s, qr_s, kn_s, kr_s, None, bars, kv_ptr,
                           stride_kvp, stride_kvs, end, L, PS, GATHER, num_warps)
             mbarrier.wait(bars.index(2), 0)
 
@@ -236,8 +237,8 @@ if gluon is not None:
                     st = i % 2
                     t0 = start + i * GN
                     # stage st is read (scores) and widened (values): refill it
-                    _refill(kn_desc, kr_desc, bt_row, stride_btp, t0 + 2 * GN, end,
-                            kn_s.index(st), kr_s.index(st), bars.index(st), i + 2 < tiles,
+                    _refill(kn_desc, kr_desc, None, bt_row, stride_btp, t0 + 2 * GN, end,
+                            kn_s.index(st), kr_s.index(st), None, bars.index(st), i + 2 < tiles,
                             kv_ptr, stride_kvp, stride_kvs, L, PS, GATHER, num_warps)
                     off, ok = _tile_rows(bt_row, stride_btp, t0, end, cols, stride_sp,
                                          stride_ss, PS, GATHER)
@@ -282,8 +283,8 @@ if gluon is not None:
                                          GATHER)
                     acc, s = warpgroup_mma_wait(0, deps=(acc_tok, s_tok))
                     # both warpgroups are done with this stage: refill it
-                    _refill(kn_desc, kr_desc, bt_row, stride_btp, t0 + 2 * GN, end, kn,
-                            kr_s.index(st), bars.index(st), i + 2 < tiles, kv_ptr,
+                    _refill(kn_desc, kr_desc, None, bt_row, stride_btp, t0 + 2 * GN, end, kn,
+                            kr_s.index(st), None, bars.index(st), i + 2 < tiles, kv_ptr,
                             stride_kvp, stride_kvs, L, PS, GATHER, num_warps)
             for i in gl.static_range(3):
                 mbarrier.invalidate(bars.index(i))
@@ -349,5 +350,5 @@ def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: 
         block_table.stride(0), block_table.stride(1), kv.stride(0), kv.stride(1),
         o_part.stride(0), o_part.stride(2), lse_part.stride(0), out.stride(0), out.stride(1),
         lse.stride(0), L=L, R=D - L, PS=kv.shape[1], FP8=fp8, LOW_SPLITS=low,
-        GATHER=sparse is not None, num_warps=8,
+        GATHER=sparse is not None, num_warps=8, launch_pdl=pdl(q.device),
     )

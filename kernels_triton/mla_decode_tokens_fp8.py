@@ -23,8 +23,12 @@ pair, and stored the rows in the permuted order, 4-byte stores 64 bytes apart: 6
 
 Tile i + 1's scores are issued behind tile i's value product, and its operand widens under
 them. Scale columns multiply the scores (the token's scale x the head's x softmax scale) and
-p (the token's). A split's last partial tile zeroes its operand's columns past the range (a
-page's unused rows may hold NaN). Two programs an SM (83 KB of shared memory, 255 registers).
+p (the token's); a tile's scales come by TMA with it, a 256-byte row on the stage's barrier
+(they were a block-table and a scale load a tile, in the loop: 64 x 32K 0.3164 -> 0.3073 ms
+a layer, 16 x 128K 0.3207 -> 0.3126, 64 x 4K 0.0506 -> 0.0497 with the launch changes,
+``decode_pdl_scales.json``). A split's last partial tile zeroes its operand's columns past the
+range (a page's unused rows may hold NaN). Two programs an SM (84 KB of shared memory, 255
+registers).
 Each program quantises its request's q rows itself (the same operations as ``quantise_rows``,
 which ``query_as_read`` runs for references) instead of a launch before: 64 x 4K 0.0661 ->
 0.0636 ms, 8 x 4K 0.0266 -> 0.0259, 64 x 32K 0.344 either way
@@ -45,6 +49,7 @@ from __future__ import annotations
 import torch
 
 from splash.kernels_triton import mla_decode_gluon_tiles as tiles
+from splash.kernels_triton.pdl import pdl
 
 try:  # Gluon ships with Triton 3.5 and later
     from triton.experimental import gluon
@@ -57,10 +62,11 @@ try:  # Gluon ships with Triton 3.5 and later
     )
 
     from splash.kernels_triton.mla_decode_gluon_tiles import (
+        _pdl_trigger,
         _plan_item,
         _refill,
         _start_copies,
-        _tile_rows,
+        _tile_scales,
     )
     from splash.kernels_triton.mla_decode_tokens_gluon import (
         _finish,
@@ -138,13 +144,11 @@ if gluon is not None:
         return warpgroup_mma(kr_s.index(st), qr_s.permute((1, 0)), tok, is_async=True)
 
     @gluon.jit
-    def _operand(kn, scale_ptr, bt_row, stride_btp, stride_sp, stride_ss, t0, end, rows_m,
-                 a_layout: gl.constexpr, PS: gl.constexpr):
+    def _operand(kn, ks_s, t0, end, rows_m, a_layout: gl.constexpr):
         """The tile at ``t0``'s value operand (``_values_operand``; a partial tile's rows past
-        ``end`` as 0), its tokens' scales and which of its rows hold a token."""
-        off, ok = _tile_rows(bt_row, stride_btp, t0, end, rows_m, stride_sp, stride_ss, PS,
-                             False)
-        ks = gl.load(scale_ptr + off, mask=ok, other=0.0)
+        ``end`` as 0), its tokens' scales (``_tile_scales``) and which of its rows hold a
+        token."""
+        ks, ok = _tile_scales(ks_s, t0, end, rows_m)
         if t0 + BN > end:
             v = _values_operand(kn, end - t0, a_layout, True)
         else:
@@ -211,12 +215,11 @@ if gluon is not None:
     @gluon.jit
     def _mla_decode_fp8_tokens_kernel(
         kn_desc, kr_desc,  # TMA: kv (pages * PS, L + R)
-        scale_ptr,  # (pages, PS) fp32
+        ks_desc,  # TMA: the scales (pages, PS) fp32, a tile's row
         bt_ptr,  # (N, max_pages) int
         o_ptr, o_low_ptr, lse_ptr, out_ptr, lse_out_ptr, plan_ptr,  # as the tokens kernels'
         q_ptr, stride_qn, stride_qh,  # q (N, H, L + R), 16-bit, quantised here
         qk_scale, H, N,
-        stride_sp, stride_ss,
         stride_btn, stride_btp,
         stride_os, stride_oh,
         stride_ls,
@@ -237,6 +240,7 @@ if gluon is not None:
             qn_s, qr_s = _query_buffers(BH, L, R)
             kn_s = gl.allocate_shared_memory(kn_desc.dtype, [2, BN, L], kn_desc.layout)
             kr_s = gl.allocate_shared_memory(kr_desc.dtype, [2, BN, R], kr_desc.layout)
+            ks_s = gl.allocate_shared_memory(gl.float32, [2, 1, BN], ks_desc.layout)
             p_s = gl.allocate_shared_memory(
                 gl.float16, [BN, BH], gl.NVMMASharedLayout.get_default_for([BN, BH], gl.float16))
             bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
@@ -244,9 +248,9 @@ if gluon is not None:
             tiles = (end - start + BN - 1) // BN
             xn, xr = _query_rows(q_ptr + n.to(gl.int64) * stride_qn, stride_qh, H, L, R, BH,
                                  num_warps)
-            _start_copies(None, None, kn_desc, kr_desc, n * H, bt_row, stride_btp, start,
-                          tiles, qn_s, qr_s, kn_s, kr_s, bars, bt_ptr, 0, 0, end, L, PS, False,
-                          num_warps)
+            _start_copies(None, None, kn_desc, kr_desc, ks_desc, n * H, bt_row, stride_btp,
+                          start, tiles, qn_s, qr_s, kn_s, kr_s, ks_s, bars, bt_ptr, 0, 0, end, L,
+                          PS, False, num_warps)
             qs = _quantised_query(xn, xr, qn_s, qr_s, L, R, num_warps)
             qsc = gl.convert_layout(qs, gl.SliceLayout(0, mma)) * qk_scale
 
@@ -261,12 +265,11 @@ if gluon is not None:
             ok = rows_m < 0
             if tiles > 0:  # tile 0's scores and operand
                 s_tok = _issue_scores(qn_s, qr_s, kn_s, kr_s, bars, s0, 0)
-                v, ks, ok = _operand(kn_s.index(0), scale_ptr, bt_row, stride_btp, stride_sp,
-                                     stride_ss, start, end, rows_m, a_layout, PS)
+                v, ks, ok = _operand(kn_s.index(0), ks_s.index(0), start, end, rows_m, a_layout)
                 s = warpgroup_mma_wait(0, deps=(s_tok,))
-                _refill(kn_desc, kr_desc, bt_row, stride_btp, start + 2 * BN, end,
-                        kn_s.index(0), kr_s.index(0), bars.index(0), 2 < tiles, bt_ptr, 0, 0,
-                        L, PS, False, num_warps)
+                _refill(kn_desc, kr_desc, ks_desc, bt_row, stride_btp, start + 2 * BN, end,
+                        kn_s.index(0), kr_s.index(0), ks_s.index(0), bars.index(0), 2 < tiles,
+                        bt_ptr, 0, 0, L, PS, False, num_warps)
             for i in range(tiles):  # s, v, ks, ok: tile i's
                 t0 = start + i * BN
                 sm = gl.convert_layout(s, mma, assert_trivial=True)
@@ -279,18 +282,18 @@ if gluon is not None:
                     s_tok = _issue_scores(qn_s, qr_s, kn_s, kr_s, bars, s0, i + 1)
                     acc = warpgroup_mma_wait(1, deps=(acc_tok,))  # v is free
                     st = (i + 1) % 2
-                    v, ks, ok = _operand(kn_s.index(st), scale_ptr, bt_row, stride_btp,
-                                         stride_sp, stride_ss, t0 + BN, end, rows_m, a_layout,
-                                         PS)
+                    v, ks, ok = _operand(kn_s.index(st), ks_s.index(st), t0 + BN, end, rows_m,
+                                         a_layout)
                     s = warpgroup_mma_wait(0, deps=(s_tok,))
                     # the stage is read (the scores' product, the operand's loads): refill it
-                    _refill(kn_desc, kr_desc, bt_row, stride_btp, t0 + 3 * BN, end,
-                            kn_s.index(st), kr_s.index(st), bars.index(st), i + 3 < tiles,
-                            bt_ptr, 0, 0, L, PS, False, num_warps)
+                    _refill(kn_desc, kr_desc, ks_desc, bt_row, stride_btp, t0 + 3 * BN, end,
+                            kn_s.index(st), kr_s.index(st), ks_s.index(st), bars.index(st),
+                            i + 3 < tiles, bt_ptr, 0, 0, L, PS, False, num_warps)
                 else:
                     acc = warpgroup_mma_wait(0, deps=(acc_tok,))
             for i in gl.static_range(3):
                 mbarrier.invalidate(bars.index(i))
+            _pdl_trigger()  # the merge may launch: only the stores are left
             res, lse = _normalised(acc, m_i, l_i)
             # rows back in column order (relabelled here; _finish's stores convert them once)
             res = gl.reshape(gl.permute(gl.reshape(res, [8, 4, 2, 8, BH]), (1, 3, 0, 2, 4)),
@@ -311,9 +314,9 @@ def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: 
     rows_kv = tiles.kv_rows(kv)
     _mla_decode_fp8_tokens_kernel[(items.shape[0],)](
         tiles.descriptor(rows_kv, L), tiles.descriptor(rows_kv, D - L),
-        scale, block_table, o_part, o_low, lse_part, out, lse, items,
-        q, q.stride(0), q.stride(1), qk_scale, H, N,
-        scale.stride(0), scale.stride(1), block_table.stride(0), block_table.stride(1),
+        tiles.scale_descriptor(scale), block_table, o_part, o_low, lse_part, out, lse, items,
+        q, q.stride(0), q.stride(1), qk_scale, H, N, block_table.stride(0), block_table.stride(1),
         o_part.stride(0), o_part.stride(2), lse_part.stride(0), out.stride(0), out.stride(1),
         lse.stride(0), L=L, R=D - L, PS=kv.shape[1], BH=16, LOW_SPLITS=low, num_warps=4,
+        launch_pdl=pdl(q.device),
     )

@@ -51,6 +51,7 @@ import torch
 
 from splash.kernels_triton import _validate as V
 from splash.kernels_triton import mla_decode_gluon_tiles as tiles
+from splash.kernels_triton.pdl import pdl
 
 try:  # Gluon ships with Triton 3.5 and later
     from triton.experimental import gluon
@@ -63,6 +64,7 @@ try:  # Gluon ships with Triton 3.5 and later
     )
 
     from splash.kernels_triton.mla_decode_gluon_tiles import (
+        _pdl_trigger,
         _plan_item,
         _refill,
         _start_copies,
@@ -200,9 +202,9 @@ if gluon is not None:
             bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
             bt_row = bt_ptr + n.to(gl.int64) * stride_btn
             tiles = (end - start + BN - 1) // BN
-            _start_copies(qn_desc, qr_desc, kn_desc, kr_desc, n * H, bt_row, stride_btp, start,
-                          tiles, qn_s, qr_s, kn_s, kr_s, bars, kv_ptr, stride_kvp, stride_kvs,
-                          end, L, PS, GATHER, num_warps)
+            _start_copies(qn_desc, qr_desc, kn_desc, kr_desc, None, n * H, bt_row, stride_btp,
+                          start, tiles, qn_s, qr_s, kn_s, kr_s, None, bars, kv_ptr, stride_kvp,
+                          stride_kvs, end, L, PS, GATHER, num_warps)
             mbarrier.wait(bars.index(2), 0)
 
             acc = gl.zeros((L, BH), gl.float32, layout=mma)  # outᵀ
@@ -232,11 +234,12 @@ if gluon is not None:
                                     is_async=True)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 # the value product has read this stage: refill it
-                _refill(kn_desc, kr_desc, bt_row, stride_btp, t0 + 2 * BN, end, kn,
-                        kr_s.index(st), bars.index(st), i + 2 < tiles, kv_ptr, stride_kvp,
+                _refill(kn_desc, kr_desc, None, bt_row, stride_btp, t0 + 2 * BN, end, kn,
+                        kr_s.index(st), None, bars.index(st), i + 2 < tiles, kv_ptr, stride_kvp,
                         stride_kvs, L, PS, GATHER, num_warps)
             for i in gl.static_range(3):
                 mbarrier.invalidate(bars.index(i))
+            _pdl_trigger()  # the merge may launch: only the stores are left
             res, lse = _normalised(acc, m_i, l_i)
             _finish(res, lse, n, pid, count, H, o_ptr, o_low_ptr, lse_ptr, out_ptr,
                     lse_out_ptr, stride_os, stride_oh, stride_ls, stride_outn, stride_outh,
@@ -328,6 +331,7 @@ if gluon is not None:
                 acc = warpgroup_mma(k16.permute((1, 0)), p_s, acc * alpha[None, :],
                                     is_async=True)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
+            _pdl_trigger()  # the merge may launch: only the stores are left
             res, lse = _normalised(acc, m_i, l_i)
             _finish(res, lse, n, pid, count, H, o_ptr, o_low_ptr, lse_ptr, out_ptr,
                     lse_out_ptr, stride_os, stride_oh, stride_ls, stride_outn, stride_outh,
@@ -355,7 +359,7 @@ def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: 
             block_table if items is None else items, kv, qk_scale, H, N, splits, split_len,
             block_table.shape[1], tail[0], tail[1], kv.stride(0), kv.stride(1), *tail[2:],
             L=L, R=D - L, PS=kv.shape[1], BH=16, LOW_SPLITS=low, GATHER=sparse is not None,
-            num_warps=4,
+            num_warps=4, launch_pdl=pdl(q.device),
         )
         return
     q16 = q if q.dtype == torch.float16 else q.float().clamp(-65504.0, 65504.0).half()
@@ -364,5 +368,5 @@ def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: 
         block_table if items is None else items, qk_scale, H, N, splits, split_len,
         block_table.shape[1], q16.stride(0), q16.stride(1), kv.stride(0), kv.stride(1),
         scale.stride(0), scale.stride(1), *tail, L=L, R=D - L, PS=kv.shape[1], BH=16,
-        LOW_SPLITS=low, GATHER=sparse is not None, num_warps=4,
+        LOW_SPLITS=low, GATHER=sparse is not None, num_warps=4, launch_pdl=pdl(q.device),
     )

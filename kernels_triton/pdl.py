@@ -2,10 +2,13 @@
 starts with ``pdl_enter``, which waits until the kernel before it in the stream has finished
 and its writes are visible: its programs are dispatched as soon as every program of that
 kernel has exited, instead of after the kernel's completion reaches the stream, and touch no
-memory before the wait. No kernel triggers its dependents early (``gdc_launch_dependents``):
-on an H200 that let the next kernel's programs take SM slots while the indexer still ran, and
-the DSA layer at 32K slowed 3% at 128 heads (``benchmarks/results/h200/dsa_pdl.json``). A kernel
-not so launched (torch's) waits as usual, and a PDL kernel after it finds nothing to wait for."""
+memory before the wait (the Gluon decode kernels wait in ``_plan_item``, their first step). Only
+the few-head Gluon decode kernels let their dependent (the merge) launch early, once their loop
+is done (``_pdl_trigger``): triggered at a kernel's start, the next kernel's programs took SM
+slots while the indexer still ran and the DSA layer at 32K slowed 3% at 128 heads
+(``benchmarks/results/h200/dsa_pdl.json``); after the loop the 128-head kernels slowed 2-3%
+(``decode_pdl_scales.json``). A kernel not so launched (torch's) waits as usual, and a PDL
+kernel after it finds nothing to wait for."""
 
 from __future__ import annotations
 
