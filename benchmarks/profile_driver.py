@@ -32,8 +32,9 @@ SM_SCALE = 0.1147
 CASES: dict[str, tuple[str, int, str]] = {
     "decode_bf16_16h_64x4k": ("^_mla_decode", 1, "mla_decode 16 heads, 64 x 4K, bf16 KV"),
     "decode_fp8_16h_64x32k": ("^_mla_decode", 1,
-                              "mla_decode 16 heads, 64 x 32K, fp8 KV (defaults: fp16 products, "
-                              "gathered page ids)"),
+                              "mla_decode 16 heads, 64 x 32K, fp8 KV (defaults: on Hopper the "
+                              "Gluon kernel, mla_decode_tokens_fp8)"),
+    "decode_fp8_16h_64x4k": ("^_mla_decode", 1, "mla_decode 16 heads, 64 x 4K, fp8 KV (defaults)"),
     "decode_fp8_16h_64x32k_bf16prod": ("^_mla_decode", 1,
                                        "mla_decode 16 heads, 64 x 32K, fp8 KV, fp8_fp16 off"),
     "decode_bf16_128h_8x32k": ("^_mla_decode", 1, "mla_decode 128 heads, 8 x 32K, bf16 KV"),
@@ -77,6 +78,7 @@ def build(case: str) -> Callable[[], Any]:
         heads, batch, context = {
             "decode_bf16_16h_64x4k": (16, 64, 4096),
             "decode_fp8_16h_64x32k": (16, 64, 32768),
+            "decode_fp8_16h_64x4k": (16, 64, 4096),
             "decode_fp8_16h_64x32k_bf16prod": (16, 64, 32768),
             "decode_fp8_16h_64x32k_ids": (16, 64, 32768),
             "decode_bf16_128h_8x32k": (128, 8, 32768),
@@ -151,14 +153,15 @@ def _dsa(case: str, dev, gen) -> Callable[[], Any]:
 def kernel_info() -> list[dict[str, Any]]:
     """Registers and local-memory bytes per thread of the compiled Triton kernels (best effort:
     the JIT cache layout differs across Triton versions)."""
-    import splash.kernels_triton.fused_moe as moe
-    import splash.kernels_triton.mla_decode_kernels as dk
-    import splash.kernels_triton.mla_decode_tokens_m as tk
-    import splash.kernels_triton.mla_extend as ek
+    import importlib
 
+    # by module path: the package's own names for some of these modules are its functions
+    mods = {m: importlib.import_module(f"splash.kernels_triton.{m}") for m in
+            ("fused_moe", "mla_decode_kernels", "mla_decode_tokens_m", "mla_extend")}
     out = []
-    fns = [dk._mla_decode_kernel, tk._mla_decode_tokens_m_kernel, ek._mla_extend_kernel,
-           moe._moe_gemm_kernel]
+    fns = [mods["mla_decode_kernels"]._mla_decode_kernel,
+           mods["mla_decode_tokens_m"]._mla_decode_tokens_m_kernel,
+           mods["mla_extend"]._mla_extend_kernel, mods["fused_moe"]._moe_gemm_kernel]
     for fn in fns:
         caches = getattr(fn, "device_caches", None) or getattr(fn, "cache", None) or {}
         for entry in caches.values():
