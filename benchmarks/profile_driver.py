@@ -306,6 +306,8 @@ def summarise(outdir: str) -> None:
     records: list[dict[str, Any]] = []
     notes: list[str] = []
     for path in sorted(glob.glob(os.path.join(outdir, "*.csv"))):
+        if path.endswith(".source.csv"):  # the source page: stall_sites.py's input
+            continue
         case = os.path.basename(path)[: -len(".csv")]
         rows = summarise_csv(case, path)
         if not rows:
@@ -342,6 +344,13 @@ def summarise(outdir: str) -> None:
         lines += [f"{r['case']} | {r['launch']} | "
                   + ", ".join(f"{k} {v:.2f}" for k, v in list(r["stalls"].items())[:6])
                   for r in stalled]
+    sites = {os.path.basename(p)[: -len(".stalls.json")]: json.load(open(p))
+             for p in sorted(glob.glob(os.path.join(outdir, "*.stalls.json")))}
+    if sites:  # stall_sites.py's: where the samples sit
+        lines += ["", "# warp-stall samples (% of a kernel's; reasons, then opcodes)"]
+        lines += [f"{c} | " + ", ".join(f"{k} {v}" for k, v in list(s.get("by_reason_pct",
+                  {}).items())[:5]) + " | " + ", ".join(f"{k} {v}" for k, v in list(
+                  s.get("by_opcode_pct", {}).items())[:5]) for c, s in sites.items()]
     infos = [r for r in records if r.get("tag") == "kernel_info"]
     if infos:
         lines += ["", "# compiled Triton kernels (registers, local-memory = spill bytes per "
@@ -358,7 +367,7 @@ def summarise(outdir: str) -> None:
     with open(os.path.join(outdir, "summary.txt"), "w") as f:
         f.write(text)
     with open(os.path.join(outdir, "summary.json"), "w") as f:
-        json.dump({"records": records, "notes": notes}, f, indent=1)
+        json.dump({"records": records, "stall_sites": sites, "notes": notes}, f, indent=1)
     print(text)
 
 

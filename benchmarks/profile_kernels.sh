@@ -8,7 +8,9 @@
 #
 # Per case: ncu profiles only the case's main kernel (--kernel-name regex, the warm-up launches
 # skipped with --launch-skip, --launch-count = launches per call) with the SpeedOfLight, Occupancy,
-# LaunchStats, MemoryWorkloadAnalysis, ComputeWorkloadAnalysis and WarpStateStats sections, plus
+# LaunchStats, MemoryWorkloadAnalysis, ComputeWorkloadAnalysis, WarpStateStats and SourceCounters
+# sections (the warp-stall samples of every SASS instruction: CASE.stalls.json, by
+# benchmarks/stall_sites.py, and a few lines of it in the summary), plus
 # DRAM bytes/s, local-memory (spill) traffic and tensor-pipe utilisation where this ncu has those
 # metrics; clocks are left as they run (--clock-control none), so durations compare with the
 # benchmarks; the report is exported as CSV (--csv --page details). A case that fails does not stop
@@ -93,7 +95,7 @@ for case in "${CASES[@]}"; do
           --launch-count "$launches" --clock-control none
           --section SpeedOfLight --section Occupancy --section LaunchStats
           --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis
-          --section WarpStateStats)
+          --section WarpStateStats --section SourceCounters)
     [ -n "$METRICS" ] && args+=(--metrics "$METRICS")
     timeout "$CASE_TIMEOUT" "$NCU" "${args[@]}" -f -o "$OUTDIR/$case" \
       "$PY" "$DRIVER" "$case" > "$log" 2>&1
@@ -105,6 +107,11 @@ for case in "${CASES[@]}"; do
       else
         echo "CASE_STATUS $case: CSV export failed" >> "$log"
       fi
+      "$NCU" --import "$OUTDIR/$case.ncu-rep" --csv --page source --print-source sass \
+        > "$OUTDIR/$case.source.csv" 2>> "$log" \
+        && "$PY" "$HERE/stall_sites.py" "$OUTDIR/$case.source.csv" \
+             --out "$OUTDIR/$case.stalls.json" > /dev/null 2>> "$log" \
+        || echo "CASE_STATUS $case: no stall sites (source page export)" >> "$log"
     else
       echo "CASE_STATUS $case: ncu rc=$rc, no report (last lines of the log below)" >> "$log"
       tail -n 5 "$log" | sed 's/^/    /'
@@ -124,6 +131,6 @@ done
 
 "$PY" "$DRIVER" --summarise "$OUTDIR" || echo "summariser failed"
 # pack the per-case files, so OUTDIR holds summary.txt, summary.json and raw.tgz
-( cd "$OUTDIR" && shopt -s nullglob && files=(*.ncu-rep *.csv *.log ncu_metrics.tx[t]) \
+( cd "$OUTDIR" && shopt -s nullglob && files=(*.ncu-rep *.csv *.log *.stalls.json ncu_metrics.tx[t]) \
   && [ ${#files[@]} -gt 0 ] && tar -czf raw.tgz "${files[@]}" && rm -f "${files[@]}" )
 echo "done in $(( $(date +%s) - START ))s: $OUTDIR/summary.txt"
