@@ -344,8 +344,10 @@ def summarise(outdir: str) -> None:
         lines += [f"{r['case']} | {r['launch']} | "
                   + ", ".join(f"{k} {v:.2f}" for k, v in list(r["stalls"].items())[:6])
                   for r in stalled]
-    sites = {os.path.basename(p)[: -len(".stalls.json")]: json.load(open(p))
-             for p in sorted(glob.glob(os.path.join(outdir, "*.stalls.json")))}
+    sites: dict[str, Any] = {}
+    for path in sorted(glob.glob(os.path.join(outdir, "*.stalls.json"))):
+        with open(path) as f:
+            sites[os.path.basename(path)[: -len(".stalls.json")]] = json.load(f)
     if sites:  # stall_sites.py's: where the samples sit
         lines += ["", "# warp-stall samples (% of a kernel's; reasons, then opcodes)"]
         lines += [f"{c} | " + ", ".join(f"{k} {v}" for k, v in list(s.get("by_reason_pct",
