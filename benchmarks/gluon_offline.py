@@ -26,6 +26,7 @@ try:
 except ImportError:
     sys.exit("benchmarks/gluon_offline.py needs a Triton with Gluon (3.5 or later)")
 
+from splash.kernels_triton import dsa_index_gluon as index_gluon
 from splash.kernels_triton import mla_decode_gluon_tiles as tiles
 from splash.kernels_triton import mla_decode_heads_fp8 as heads_fp8
 from splash.kernels_triton import mla_decode_heads_gluon as heads
@@ -64,6 +65,10 @@ def compile_sm90(fn, types: dict, constants: dict, num_warps: int, sass: str | N
     lines = [x.split(":", 1)[-1].strip() for x in info.splitlines()
              if "registers" in x or "spill" in x or "wgmma" in x]
     return f"shared {kernel.metadata.shared} B; " + "; ".join(lines)
+
+
+def OUTS_KS() -> str:
+    return mangle_type(tiles.scale_descriptor(torch.empty(16, 64)))
 
 
 def descriptors(q_dtype: torch.dtype, kv_dtype: torch.dtype, q_rows: int) -> dict:
@@ -109,6 +114,13 @@ def main() -> int:
     runs.append(("heads fp8 (values in registers, q quantised in the kernel)",
                  heads_fp8._mla_decode_fp8_heads_kernel,
                  {**OUTS, **descriptors(e4m3, e4m3, heads_fp8.BH), "q_ptr": "*bf16"}, base, 4))
+    keys = tiles.descriptor(torch.empty(1024, 128, dtype=e4m3), 128)
+    runs.append(("DSA indexer scores (decode)", index_gluon._index_scores_gluon_kernel,
+                 {"k_desc": mangle_type(keys), "ks_desc": OUTS_KS(), "q_ptr": "*bf16",
+                  "w_ptr": "*fp32", "bt_ptr": "*i32", "seq_lens_ptr": "*i32",
+                  "q_start_ptr": "*i32", "out_ptr": "*fp32", "max_ptr": "*fp32",
+                  "softmax_scale": "fp32"},
+                 {"I": 128, "BH": 64, "PS": 64, "STAGES": 4, "GROUP": 8}, 4))
     only = [r for r in runs if args.only and args.only in r[0]]
     runs = only or runs
     for name, fn, types, constants, warps in runs:

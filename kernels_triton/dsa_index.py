@@ -30,6 +30,10 @@ feed the product from registers).
 With ``group_max`` the kernel also writes the maximum of every ``group`` consecutive columns
 (8 in the engine) from the scores in registers: the bound ``topk_rows`` drops entries by.
 
+Decode rows (``max_rows=1``) over e4m3 keys on Hopper run the Gluon kernel instead
+(``config["gluon"]``, ``dsa_index_gluon``): TMA key tiles, the same e4m3 products; 0.0241 /
+0.0818 -> 0.0229 / 0.0761 ms at 16 rows x 32K / 128K (``dsa_index_gluon.json``).
+
 Latency (H200, 16 decode rows): ncu found the kernel waiting on global loads (2.8 TB/s, 23%
 occupancy): a page-table load in the loop, which each tile's addresses depend on, kept Triton's
 pipeliner (3.6) from running copies ahead. ``config["gather_pages"]`` (the default): a program
@@ -54,6 +58,7 @@ import triton
 import triton.language as tl
 
 from splash.kernels_triton import _validate as V
+from splash.kernels_triton import dsa_index_gluon
 from splash.kernels_triton.dsa_index_tiles import (
     _store_maxima,
     _tile_col,
@@ -188,20 +193,28 @@ def _index_scores_kernel(
 # Prefill row blocks run on ``num_warps_extend``: a (128 tokens, 4 rows x 64 heads) fp32
 # product held 256 registers a thread on 4 warps; on 8, 2,048 rows over 32K / 64K took 4.76 /
 # 9.52 -> 1.67 / 3.30 ms (224 -> 640-656 TFLOP/s); 2 rows a block on 4 warps 1.83 / 3.62.
+# Decode over e4m3 keys on Hopper: the Gluon kernel (``config["gluon"]``, ``dsa_index_gluon``),
+# ``gluon_stages`` key tiles in flight, about ``gluon_programs_per_sm`` programs an SM.
 _GPU_DEFAULTS: dict[str, Any] = {"BLOCK_T": 128, "TILES": None, "BLOCK_M_EXTEND": 4,
                                  "num_warps": 4, "num_warps_extend": 8, "num_stages": 3,
                                  "fp8_fp16": True, "fp8_dot": True, "tokens_m": True,
-                                 "gather_pages": True}
+                                 "gather_pages": True, "gluon": True, "gluon_stages": 4,
+                                 "gluon_programs_per_sm": 4}
 _CPU_DEFAULTS: dict[str, Any] = {"BLOCK_T": 128, "TILES": 1, "BLOCK_M_EXTEND": 16, "num_warps": 4,
                                  "num_warps_extend": 4, "num_stages": 1, "fp8_fp16": False,
-                                 "fp8_dot": False, "tokens_m": False, "gather_pages": True}
+                                 "fp8_dot": False, "tokens_m": False, "gather_pages": True,
+                                 "gluon": False, "gluon_stages": 4, "gluon_programs_per_sm": 4}
 
 
 def index_config(device: torch.device, config: dict | None) -> dict[str, Any]:
     cfg = dict(_GPU_DEFAULTS if device.type == "cuda" else _CPU_DEFAULTS)
     if device.type == "cuda" and torch.version.hip is not None:
         # measured on CUDA only: ROCm keeps the plain products and per-tile page ids
-        cfg.update(fp8_fp16=False, gather_pages=False, num_stages=2, num_warps_extend=4)
+        cfg.update(fp8_fp16=False, gather_pages=False, num_stages=2, num_warps_extend=4,
+                   gluon=False)
+    unknown = sorted(set(config or {}) - set(cfg))
+    if unknown:
+        raise ValueError(f"index_scores config: unknown keys {unknown}; known: {sorted(cfg)}")
     cfg.update(config or {})
     if cfg["fp8_dot"] and device.type == "cuda" and (
             torch.version.hip is not None or torch.cuda.get_device_capability(device) < (8, 9)):
@@ -311,10 +324,16 @@ def index_scores(
             raise ValueError(f"group_max has shape {tuple(group_max.shape)}; expected {want}")
     if Nq == 0 or max_len == 0 or B == 0:
         return out
+    V.check_max_rows(q_start_loc, max_rows)
+    if dsa_index_gluon.usable(q, cache, index_scale, max_rows,
+                              group if group_max is not None else 0, cfg):
+        dsa_index_gluon.launch(q, weights, cache, index_scale, block_table, seq_lens, q_start_loc,
+                               out, group_max if group_max is not None else out, softmax_scale,
+                               max_len, group if group_max is not None else 0, cfg)
+        return out
     block_m = 1 if Nq == B else cfg["BLOCK_M_EXTEND"]  # decode: one row per request
     block_h = V.next_pow2(HI, max(16 // block_m, 1))  # the dot's M side is >= 16
     num_m_blocks = triton.cdiv(V.row_bound(max_rows, Nq), block_m)  # of any one request
-    V.check_max_rows(q_start_loc, max_rows)
     busy = min(B * num_m_blocks, triton.cdiv(Nq, block_m) + B - 1)  # those holding rows, at most
     tiles = cfg["TILES"] or _auto_tiles(max_len, cfg["BLOCK_T"], busy)
     per_program = cfg["BLOCK_T"] * tiles

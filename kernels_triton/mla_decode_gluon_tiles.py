@@ -12,7 +12,9 @@ under this tile's products:
 - gathered (sparse): each of the tile's 64 selected rows by cp.async, 16 bytes a copy, one
   commit group a tile (``_gather_tile``); a slot of -1 or past the list is a row of zeros.
 ``_start_copies`` issues the query's copy and the first two tiles, ``_wait_tile`` waits for a
-stage, ``_refill`` issues the tile two ahead into a stage every warp is done with, and
+stage, ``_refill`` issues the tile two ahead into a stage every warp is done with (its page
+from the split's page ids staged in shared memory once, ``_stage_pages`` / ``_page_of``,
+where a kernel passes them: the few-head fp8 kernel and the DSA indexer), and
 ``_tile_rows`` gives a tile's columns that hold a token (and, for the fp8 scales, their
 offsets), ``_tile_scales`` the scales a copy brought. TMA descriptors: ``descriptor`` over the
 rows ``tma_rows`` and ``kv_rows`` view. Every kernel starts with ``_plan_item``, whose first
@@ -41,6 +43,7 @@ BN = 64  # tokens a tile
 
 if gluon is not None:
     GN = gl.constexpr(BN)
+    PAGE_IDS = gl.constexpr(256)  # a split's page ids staged in shared memory (_stage_pages)
 
     @gluon.jit
     def _pdl_wait():
@@ -76,11 +79,44 @@ if gluon is not None:
             return gl.load(item), gl.load(item + 1), gl.load(item + 2), gl.load(item + 3)
 
     @gluon.jit
+    def _stage_pages(bt_row, stride_btp, start, end, pages, PS: gl.constexpr,
+                     num_warps: gl.constexpr):
+        """The page ids of the split [start, end) (its first ``pages.shape[0]``) into
+        ``pages``, shared memory the refills read them from (``_page_of``): issued once,
+        before the loop, instead of a block-table load on each refill's path."""
+        CAP: gl.constexpr = pages.shape[0]
+        ld: gl.constexpr = gl.BlockedLayout([CAP // (32 * num_warps), 1], [32, 1],
+                                            [num_warps, 1], [1, 0])
+        j = gl.arange(0, CAP, layout=gl.SliceLayout(1, ld))
+        p0 = start // PS
+        ids = gl.load(bt_row + (p0 + j) * stride_btp, mask=j < (end + PS - 1) // PS - p0,
+                      other=0)
+        pages.store(gl.expand_dims(ids.to(gl.int32), 1))
+
+    @gluon.jit
+    def _page_of(bt_row, stride_btp, t0, pages, start, PS: gl.constexpr):
+        """The page holding token ``t0``: from the staged ids (``_stage_pages``, visible after
+        a thread barrier) when ``pages`` is not None and holds it, else the block table's."""
+        if pages is None:
+            page = gl.load(bt_row + (t0 // PS) * stride_btp)
+        else:
+            j = t0 // PS - start // PS
+            if j < pages.shape[0]:
+                one: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+                rows = pages._reinterpret(gl.int32, pages.shape, gl.SwizzledSharedLayout(
+                    1, 1, 1, [0]))  # a row of one id, read by index
+                page = gl.sum(rows.index(j).load(one), axis=0)
+            else:
+                page = gl.load(bt_row + (t0 // PS) * stride_btp).to(gl.int32)
+        return page
+
+    @gluon.jit
     def _load_tile(kn_desc, kr_desc, ks_desc, bt_row, stride_btp, t0, kn, kr, ks, bar,
-                   L: gl.constexpr, PS: gl.constexpr):
+                   L: gl.constexpr, PS: gl.constexpr, pages=None, start=0):
         """The tile at token ``t0`` (its page's rows) into ``kn`` / ``kr`` (and its rows' fp8
-        scales into ``ks`` unless ``ks_desc`` is None), signalling ``bar``."""
-        page = gl.load(bt_row + (t0 // PS) * stride_btp)
+        scales into ``ks`` unless ``ks_desc`` is None), signalling ``bar``; its page from
+        ``pages`` (``_page_of``)."""
+        page = _page_of(bt_row, stride_btp, t0, pages, start, PS)
         row = page * PS + t0 % PS
         if ks_desc is None:
             mbarrier.expect(bar, kn_desc.block_type.nbytes + kr_desc.block_type.nbytes)
@@ -152,7 +188,7 @@ if gluon is not None:
     @gluon.jit
     def _refill(kn_desc, kr_desc, ks_desc, bt_row, stride_btp, t0, end, kn, kr, ks, bar, more,
                 kv_ptr, stride_kvp, stride_kvs, L: gl.constexpr, PS: gl.constexpr,
-                GATHER: gl.constexpr, num_warps: gl.constexpr):
+                GATHER: gl.constexpr, num_warps: gl.constexpr, pages=None, start=0):
         """A stage every warp is done with refilled with the tile at ``t0`` (and its scales
         unless ``ks_desc`` is None) when ``more`` (with ``GATHER`` a cp.async group is
         committed either way)."""
@@ -163,7 +199,7 @@ if gluon is not None:
                              kr, L, PS, num_warps)
             else:
                 _load_tile(kn_desc, kr_desc, ks_desc, bt_row, stride_btp, t0, kn, kr, ks, bar, L,
-                           PS)
+                           PS, pages, start)
         if GATHER:
             async_copy.commit_group()
 

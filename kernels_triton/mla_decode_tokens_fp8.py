@@ -26,8 +26,11 @@ them. Scale columns multiply the scores (the token's scale x the head's x softma
 p (the token's); a tile's scales come by TMA with it, a 256-byte row on the stage's barrier
 (they were a block-table and a scale load a tile, in the loop: 64 x 32K 0.3164 -> 0.3073 ms
 a layer, 16 x 128K 0.3207 -> 0.3126, 64 x 4K 0.0506 -> 0.0497 with the launch changes,
-``decode_pdl_scales.json``). A split's last partial tile zeroes its operand's columns past the
-range (a page's unused rows may hold NaN). Two programs an SM (84 KB of shared memory, 255
+``decode_pdl_scales.json``). The refills take their pages from the split's page ids, staged in
+shared memory before the loop (``_stage_pages``): a block-table load on each refill's path
+held the TMA copy (64 x 32K 0.3108 -> 0.2989 ms a layer, 16 x 128K 0.3128 -> 0.3030, 64 x 4K
+0.0492 -> 0.0487, ``decode_page_ids.json``). A split's last partial tile zeroes its
+operand's columns past the range (a page's unused rows may hold NaN). Two programs an SM (84 KB of shared memory, 255
 registers).
 Each program quantises its request's q rows itself (the same operations as ``quantise_rows``,
 which ``query_as_read`` runs for references) instead of a launch before: 64 x 4K 0.0661 ->
@@ -62,9 +65,11 @@ try:  # Gluon ships with Triton 3.5 and later
     )
 
     from splash.kernels_triton.mla_decode_gluon_tiles import (
+        PAGE_IDS,
         _pdl_trigger,
         _plan_item,
         _refill,
+        _stage_pages,
         _start_copies,
         _tile_scales,
     )
@@ -244,6 +249,8 @@ if gluon is not None:
             p_s = gl.allocate_shared_memory(
                 gl.float16, [BN, BH], gl.NVMMASharedLayout.get_default_for([BN, BH], gl.float16))
             bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+            pages = gl.allocate_shared_memory(gl.int32, [PAGE_IDS, 1],
+                                              gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
             bt_row = bt_ptr + n.to(gl.int64) * stride_btn
             tiles = (end - start + BN - 1) // BN
             xn, xr = _query_rows(q_ptr + n.to(gl.int64) * stride_qn, stride_qh, H, L, R, BH,
@@ -251,6 +258,7 @@ if gluon is not None:
             _start_copies(None, None, kn_desc, kr_desc, ks_desc, n * H, bt_row, stride_btp,
                           start, tiles, qn_s, qr_s, kn_s, kr_s, ks_s, bars, bt_ptr, 0, 0, end, L,
                           PS, False, num_warps)
+            _stage_pages(bt_row, stride_btp, start, end, pages, PS, num_warps)
             qs = _quantised_query(xn, xr, qn_s, qr_s, L, R, num_warps)
             qsc = gl.convert_layout(qs, gl.SliceLayout(0, mma)) * qk_scale
 
@@ -269,7 +277,7 @@ if gluon is not None:
                 s = warpgroup_mma_wait(0, deps=(s_tok,))
                 _refill(kn_desc, kr_desc, ks_desc, bt_row, stride_btp, start + 2 * BN, end,
                         kn_s.index(0), kr_s.index(0), ks_s.index(0), bars.index(0), 2 < tiles,
-                        bt_ptr, 0, 0, L, PS, False, num_warps)
+                        bt_ptr, 0, 0, L, PS, False, num_warps, pages, start)
             for i in range(tiles):  # s, v, ks, ok: tile i's
                 t0 = start + i * BN
                 sm = gl.convert_layout(s, mma, assert_trivial=True)
@@ -288,7 +296,8 @@ if gluon is not None:
                     # the stage is read (the scores' product, the operand's loads): refill it
                     _refill(kn_desc, kr_desc, ks_desc, bt_row, stride_btp, t0 + 3 * BN, end,
                             kn_s.index(st), kr_s.index(st), ks_s.index(st), bars.index(st),
-                            i + 3 < tiles, bt_ptr, 0, 0, L, PS, False, num_warps)
+                            i + 3 < tiles, bt_ptr, 0, 0, L, PS, False, num_warps, pages,
+                            start)
                 else:
                     acc = warpgroup_mma_wait(0, deps=(acc_tok,))
             for i in gl.static_range(3):

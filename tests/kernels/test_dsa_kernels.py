@@ -166,6 +166,41 @@ def test_index_scores_fp8_products_round_random_queries(gpu_device, tokens_m):
     assert err < 1e-3, err
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_sm", [1, 4])
+def test_index_scores_gluon_decode(gpu_device, per_sm):
+    """Decode rows over e4m3 keys on Hopper take the Gluon kernel: its scores and group maxima
+    match the reference's (queries rounded to e4m3 as it rounds them) and the Triton kernel's;
+    histories off tile boundaries, a request without rows, columns past every history, chunks
+    of a few tiles and of many."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon indexer is Hopper's (sm_90)")
+    from splash.kernels_triton import dsa_index_gluon
+    setting = make_setting("bf16-fp8kv")
+    rows, prefix = [1, 1, 0, 1, 1], [4999, 2999, 7, 69, 130 * 64 - 1]
+    q, w, keys, scale, table, lens, starts, T = _index_inputs(setting, 64, 128, 64, rows, prefix,
+                                                              seed=5)
+    cfg = {"gluon_programs_per_sm": per_sm}
+    assert dsa_index_gluon.usable(q, keys, scale, 1, 8, index_config(gpu_device, cfg))
+    gmax = torch.empty(q.shape[0], -(-T // 8), device=gpu_device)
+    out = index_scores(q, w, keys, table, lens, starts, 128 ** -0.5, T, index_scale=scale,
+                       config=cfg, max_rows=1, group_max=gmax)
+    ref = index_scores_ref(_e4m3_query(q.float()), w, keys, table, lens, starts, 128 ** -0.5, T,
+                           index_scale=scale)
+    assert torch.equal(torch.isneginf(out), torch.isneginf(ref))
+    finite = torch.isfinite(ref)
+    scale_ref = ref[finite].abs().max()
+    assert (out[finite] - ref[finite]).abs().max() / scale_ref < 1e-3
+    ref_max = torch.nn.functional.pad(ref, (0, gmax.shape[1] * 8 - T), value=float("-inf"))
+    ref_max = ref_max.view(q.shape[0], -1, 8).amax(dim=2)
+    assert torch.equal(torch.isneginf(gmax), torch.isneginf(ref_max))
+    seen = torch.isfinite(ref_max)
+    assert (gmax[seen] - ref_max[seen]).abs().max() / scale_ref < 1e-3
+    triton_out = index_scores(q, w, keys, table, lens, starts, 128 ** -0.5, T, index_scale=scale,
+                              config={"gluon": False}, max_rows=1)
+    assert (out[finite] - triton_out[finite]).abs().max() / scale_ref < 1e-3
+
+
 def _same_sets(index, ref_index):
     for row, ref_row in zip(index.cpu().tolist(), ref_index.cpu().tolist()):
         assert sorted(row) == sorted(ref_row)
@@ -276,6 +311,11 @@ def test_bad_arguments_are_clear_errors(device):
         index_scores(torch.zeros(1, 2, 16, device=device), torch.zeros(1, 2, device=device),
                      keys, one[None], one * 9, torch.tensor([0, 1], dtype=torch.int32,
                                                             device=device), 0.1, 8)
+    with pytest.raises(ValueError, match="unknown keys \\['gluon_warps'\\]"):
+        index_scores(torch.zeros(1, 2, 16, device=device), torch.zeros(1, 2, device=device),
+                     keys, one[None], one, torch.tensor([0, 1], dtype=torch.int32,
+                                                        device=device), 0.1, 8,
+                     config={"gluon_warps": 8})
 
 
 @pytest.mark.gpu
