@@ -67,10 +67,6 @@ def compile_sm90(fn, types: dict, constants: dict, num_warps: int, sass: str | N
     return f"shared {kernel.metadata.shared} B; " + "; ".join(lines)
 
 
-def OUTS_KS() -> str:
-    return mangle_type(tiles.scale_descriptor(torch.empty(16, 64)))
-
-
 def descriptors(q_dtype: torch.dtype, kv_dtype: torch.dtype, q_rows: int) -> dict:
     q = torch.empty(1024, 576, dtype=q_dtype)
     kv = torch.empty(1024, 576, dtype=kv_dtype)
@@ -116,7 +112,7 @@ def main() -> int:
                  {**OUTS, **descriptors(e4m3, e4m3, heads_fp8.BH), "q_ptr": "*bf16"}, base, 4))
     keys = tiles.descriptor(torch.empty(1024, 128, dtype=e4m3), 128)
     runs.append(("DSA indexer scores (decode)", index_gluon._index_scores_gluon_kernel,
-                 {"k_desc": mangle_type(keys), "ks_desc": OUTS_KS(), "q_ptr": "*bf16",
+                 {"k_desc": mangle_type(keys), "ks_desc": descriptors(e4m3, e4m3, 16)["ks_desc"], "q_ptr": "*bf16",
                   "w_ptr": "*fp32", "bt_ptr": "*i32", "seq_lens_ptr": "*i32",
                   "q_start_ptr": "*i32", "out_ptr": "*fp32", "max_ptr": "*fp32",
                   "softmax_scale": "fp32"},

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from splash.kernels_triton import _validate as V
 from splash.kernels_triton import mla_decode_gluon_tiles as tiles
 from splash.kernels_triton.pdl import pdl
 
@@ -41,7 +42,7 @@ try:  # Gluon ships with Triton 3.5 and later
     )
 
     from splash.kernels_triton.mla_decode_gluon_tiles import (
-        PAGE_IDS,
+        _page_buffer,
         _page_of,
         _pdl_wait,
         _stage_pages,
@@ -112,8 +113,7 @@ if gluon is not None:
             k_s = gl.allocate_shared_memory(k_desc.dtype, [STAGES, GT, I], k_desc.layout)
             ks_s = gl.allocate_shared_memory(gl.float32, [STAGES, 1, GT], ks_desc.layout)
             bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            pages = gl.allocate_shared_memory(gl.int32, [PAGE_IDS, 1],
-                                              gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+            pages = _page_buffer()
             bt_row = bt_ptr + b.to(gl.int64) * stride_btn
             for j in gl.static_range(STAGES):
                 mbarrier.init(bars.index(j), count=1)
@@ -172,9 +172,7 @@ def usable(q: torch.Tensor, cache: torch.Tensor, index_scale: torch.Tensor | Non
            rows_per_request: int | None, group: int, cfg: dict) -> bool:
     """Whether this kernel serves a launch: Hopper, decode (one row a request), e4m3 keys with
     their scales, key widths TMA and the MMA take, and pages of whole tiles."""
-    dev = q.device
-    return (gluon is not None and bool(cfg.get("gluon")) and dev.type == "cuda"
-            and torch.version.hip is None and torch.cuda.get_device_capability(dev)[0] == 9
+    return (gluon is not None and bool(cfg.get("gluon")) and V.compiled_hopper(q)
             and rows_per_request == 1 and cache.dtype == torch.float8_e4m3fn
             and index_scale is not None and cache.shape[2] in (64, 128, 256)
             and q.shape[1] <= 256 and cache.shape[1] % BT == 0 and cache.is_contiguous()
@@ -184,8 +182,7 @@ def usable(q: torch.Tensor, cache: torch.Tensor, index_scale: torch.Tensor | Non
 def _chunk_tiles(max_len: int, requests: int, cfg: dict, dev: torch.device) -> int:
     """Tiles a program: about ``programs_per_sm`` programs an SM over the batch, at most the
     staged page ids' worth."""
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    want = max(sms * cfg["gluon_programs_per_sm"] // max(requests, 1), 1)
+    want = max(V.num_sms(dev) * cfg["gluon_programs_per_sm"] // max(requests, 1), 1)
     return min(max(triton.cdiv(triton.cdiv(max_len, BT), want), 1), 256)
 
 

@@ -79,6 +79,12 @@ if gluon is not None:
             return gl.load(item), gl.load(item + 1), gl.load(item + 2), gl.load(item + 3)
 
     @gluon.jit
+    def _page_buffer():
+        """Shared memory for a split's staged page ids (``_stage_pages``, ``_page_of``)."""
+        return gl.allocate_shared_memory(gl.int32, [PAGE_IDS, 1],
+                                         gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+
+    @gluon.jit
     def _stage_pages(bt_row, stride_btp, start, end, pages, PS: gl.constexpr,
                      num_warps: gl.constexpr):
         """The page ids of the split [start, end) (its first ``pages.shape[0]``) into

@@ -65,7 +65,7 @@ try:  # Gluon ships with Triton 3.5 and later
     )
 
     from splash.kernels_triton.mla_decode_gluon_tiles import (
-        PAGE_IDS,
+        _page_buffer,
         _pdl_trigger,
         _plan_item,
         _refill,
@@ -249,8 +249,7 @@ if gluon is not None:
             p_s = gl.allocate_shared_memory(
                 gl.float16, [BN, BH], gl.NVMMASharedLayout.get_default_for([BN, BH], gl.float16))
             bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
-            pages = gl.allocate_shared_memory(gl.int32, [PAGE_IDS, 1],
-                                              gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+            pages = _page_buffer()
             bt_row = bt_ptr + n.to(gl.int64) * stride_btn
             tiles = (end - start + BN - 1) // BN
             xn, xr = _query_rows(q_ptr + n.to(gl.int64) * stride_qn, stride_qh, H, L, R, BH,
