@@ -11,7 +11,9 @@ read into the sum); when every partial is ``-inf`` the merged output is 0 and it
 The same kernel finishes split-KV decode (``mla_decode``), reading its fp32 partial buffer.
 A program folds one partial at a time, a dependent chain of loads: loading eight a round
 (their lse and rows in one 2-D load) was mixed on an H200, +-3% by batch, 64 x 4K and the DSA
-layer unchanged (``benchmarks/results/h200/lse_merge_rounds.json``). Where one request is split
+layer unchanged (``benchmarks/results/h200/lse_merge_rounds.json``); all of a request's (at most
+8) in one round was slower at every shape, 16 heads fp8 128 x 1K +28%, 64 x 4K +8%
+(``lse_merge_one_round_tried.json``). Where one request is split
 many ways, though (a 128K request among 63 of 1K: 137 partials at 16 heads), the chain is
 the merge's whole time: a request of more than ``MANY`` partials folds ``ROUND`` a round, in a
 binary built with that path only when the caller's bound says some request may need it (the

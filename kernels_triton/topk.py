@@ -77,7 +77,9 @@ Tried on an H200 (16 rows, k = 2048, graph-timed), against 0.032 / 0.061 ms at 3
   ``dsa_topk_warps.json``). Under ncu at 128K (``profile_topk_floor/``) the floored search
   takes 15.6 us (46% of the SMs busy), its placement 10.9 us over 2,048 programs, busy on
   every entry of a part though about 1% survive, the last search 8.3 us (one program a row,
-  a latency chain) and the last placement 6.7 us.
+  a latency chain) and the last placement 6.7 us. The floored pass on its own 4K chunks
+  (twice the programs at 32K) or 16K ones, the last pass on 8K: 16 x 32K 0.0196 -> 0.0197 /
+  0.0232 ms, not kept (session 35, the option removed).
 
 ``block_table`` (B, W) with ``row_req`` (N,) (request of each row; None: row n is request n)
 turns the final winners' columns, token positions in the row's paged history, into KV slots
