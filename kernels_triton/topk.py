@@ -45,7 +45,11 @@ chunk's, else exactly over its chunks re-read each round: a round then compares 
 keys (16 x 32K / 128K, the DSA pipeline's scores: 0.0215-0.0224 -> 0.0197-0.0202 / 0.0333-
 0.0339 -> 0.0314-0.0315 ms, ``dsa_topk_survivors.json``). A narrower chunk alone for that
 pass was no choice: survivors past it, as on other scores or a trend along the history, took
-the exact fallback (128K: 0.033 -> 0.204 ms).
+the exact fallback (128K: 0.033 -> 0.204 ms). That last pass is one launch
+(``_topk_last_kernel``): a program a column part finds its row's threshold itself, the same
+search in the few programs a short row has, and places its part; the search's meta no longer
+goes through memory to a placement launch (the DSA layer at batch 16: 16 heads 32K 0.0631 ->
+0.0612 ms, 128K 0.1325 -> 0.1310, 128 heads 32K 0.0893 -> 0.0868, ``dsa_topk_last.json``).
 
 Tried on an H200 (16 rows, k = 2048, graph-timed), against 0.032 / 0.061 ms at 32K / 128K then:
 - a radix select in each program instead of the bisection (rounds of 16- or 256-bin
@@ -96,7 +100,7 @@ import triton
 from splash.kernels_triton import _validate as V
 from splash.kernels_triton.pdl import pdl
 from splash.kernels_triton.topk_split import (
-    _topk_last_search_kernel,
+    _topk_last_kernel,
     _topk_place_kernel,
     _topk_search_kernel,
 )
@@ -240,33 +244,35 @@ def _split_passes(v: torch.Tensor, k: int, idx: torch.Tensor | None,
         out_i = torch.empty(out_v.shape, dtype=torch.int32, device=dev)
         if N == 0:
             return out_v, out_i
-        meta = torch.empty((N, num_chunks, parts, 4), dtype=torch.int32, device=dev)
-        taken = torch.empty((N, num_chunks), dtype=torch.int32, device=dev)
-        prev_arg = prev if prev is not None else taken  # never read without HAS_PREV
-        num_prev = prev.shape[1] if prev is not None else 0
         common = dict(K=k, ROWS=rows, NCB=_NCB, SECANT=bool(cfg["SECANT"]),
                       num_warps=cfg["num_warps"], PDL=on, launch_pdl=on)
-        if after_floor:
-            _topk_last_search_kernel[(1, grid_rows)](
-                v, meta, taken, prev_arg, N, M, num_prev, *v.stride(), meta.stride(0),
-                taken.stride(0), prev_arg.stride(0), CHUNK=chunk, FIRST=first, PARTS=parts,
-                **common)
-        else:
-            use = floor if prev is None and not last else None
-            floor_arg = use if use is not None else v  # never read without FLOOR_N
-            _topk_search_kernel[(num_chunks, grid_rows)](
-                v, meta, taken, prev_arg, floor_arg, N, M, num_prev,
-                use.shape[1] if use is not None else 0, *v.stride(), meta.stride(0),
-                taken.stride(0), prev_arg.stride(0), floor_arg.stride(0), CHUNK=chunk,
-                PARTS=parts, HAS_PREV=prev is not None, PAD=last,
-                FLOOR_N=V.next_pow2(cfg["FLOOR_N"]) if use is not None else 0,
-                FLOOR_ROUNDS=cfg["FLOOR_ROUNDS"], **common)
-            if use is None:
-                floor = None  # no floor, or not the first pass
         idx_arg = idx if idx is not None else out_i  # never read without HAS_INDEX
         to_slots = block_table is not None and last
         bt = block_table if block_table is not None and last else out_i
         rr = row_req if to_slots and row_req is not None else out_i
+        if after_floor and prev is not None:  # search and placement in one launch
+            _topk_last_kernel[(num_chunks * parts, grid_rows)](
+                v, idx_arg, out_v, out_i, bt, rr, prev, N, M, prev.shape[1], *v.stride(),
+                *idx_arg.stride(), *out_v.stride(), *out_i.stride(), *bt.stride(), rr.stride(0),
+                prev.stride(0), CHUNK=chunk, FIRST=first, PARTS=parts, PAGE_SIZE=page_size,
+                HAS_INDEX=idx is not None, TO_SLOTS=to_slots, HAS_ROW_REQ=row_req is not None,
+                **common)
+            return out_v, out_i
+        meta = torch.empty((N, num_chunks, parts, 4), dtype=torch.int32, device=dev)
+        taken = torch.empty((N, num_chunks), dtype=torch.int32, device=dev)
+        prev_arg = prev if prev is not None else taken  # never read without HAS_PREV
+        num_prev = prev.shape[1] if prev is not None else 0
+        use = floor if prev is None and not last else None
+        floor_arg = use if use is not None else v  # never read without FLOOR_N
+        _topk_search_kernel[(num_chunks, grid_rows)](
+            v, meta, taken, prev_arg, floor_arg, N, M, num_prev,
+            use.shape[1] if use is not None else 0, *v.stride(), meta.stride(0),
+            taken.stride(0), prev_arg.stride(0), floor_arg.stride(0), CHUNK=chunk,
+            PARTS=parts, HAS_PREV=prev is not None, PAD=last,
+            FLOOR_N=V.next_pow2(cfg["FLOOR_N"]) if use is not None else 0,
+            FLOOR_ROUNDS=cfg["FLOOR_ROUNDS"], **common)
+        if use is None:
+            floor = None  # no floor, or not the first pass
         _topk_place_kernel[(num_chunks * parts, grid_rows)](
             v, idx_arg, out_v, out_i, bt, rr, meta, taken, prev_arg, N, M, num_prev,
             *v.stride(), *idx_arg.stride(), *out_v.stride(), *out_i.stride(), *bt.stride(),

@@ -1,5 +1,6 @@
 """``topk_rows``' passes: each is two launches, a search of every chunk's threshold, then a
-program per column part placing that part's winners.
+program per column part placing that part's winners; the last pass after a floor is one
+(``_topk_last_kernel``: each part's program searches its row itself, then places its part).
 
 A pass compacts: a chunk's winners follow those of the chunks before it in its row (the
 per-chunk counts, ``taken``, tell every program where its chunk starts), and entries never
@@ -32,7 +33,7 @@ from splash.kernels_triton.topk_search import (
 # ints that vary by step (lengths, chunk counts and the strides that follow them): one binary
 SEARCH_INTS = ["N", "NUM_PREV", "G", "stride_mn", "stride_tn", "stride_pn", "stride_fn"]
 PLACE_INTS = ["N", "NUM_PREV", "stride_btn", "stride_mn", "stride_tn", "stride_pn"]
-LAST_INTS = ["N", "M", "NUM_PREV", "stride_mn", "stride_tn", "stride_pn"]
+LAST_INTS = ["N", "M", "NUM_PREV", "stride_btn", "stride_pn"]
 
 
 @triton.jit
@@ -182,39 +183,62 @@ def _topk_place_kernel(
 
 
 @triton.jit
-def _search_fitting(vals_ptr, meta_ptr, taken_ptr, rows, mask_r, lim, num_chunks, stride_vn,
-                    stride_vm, stride_mn, stride_tn, K: tl.constexpr, W: tl.constexpr,
-                    CHUNK: tl.constexpr, ROWS: tl.constexpr, PARTS: tl.constexpr,
-                    SECANT: tl.constexpr):
-    """A row held whole in ``W`` registers (W <= CHUNK, whole parts): its threshold, the
-    first chunk's meta (parts past W hold only the padding, key 0) and its count, K; the
-    other chunks place nothing."""
-    PART: tl.constexpr = CHUNK // PARTS
-    WP: tl.constexpr = W // PART  # the parts the registers span
-    ukey = _chunk_keys(vals_ptr, rows, mask_r, tl.arange(0, W), lim[:, None], stride_vn,
-                       stride_vm)
+def _fitting(vals_ptr, rows, mask_r, lim, g0, stride_vn, stride_vm, K: tl.constexpr,
+             W: tl.constexpr, ROWS: tl.constexpr, SECANT: tl.constexpr):
+    """A row held whole in ``W`` registers: its threshold, the ties to take, and the entries
+    above and at the threshold in the columns before ``g0`` (columns from W on hold only key
+    0, past the row: ties of a zero threshold, which pad a short row)."""
+    cols = tl.arange(0, W)
+    ukey = _chunk_keys(vals_ptr, rows, mask_r, cols, lim[:, None], stride_vn, stride_vm)
     thr, room = _threshold(ukey, K, ROWS, SECANT)
-    parts = tl.reshape(ukey, (ROWS, WP, PART))
-    above = tl.sum((parts > thr[:, None, None]).to(tl.int32), 2)  # (ROWS, WP)
-    ties = tl.sum((parts == thr[:, None, None]).to(tl.int32), 2)
-    offs_p = tl.arange(0, PARTS)
-    held = offs_p[:, None] == tl.arange(0, WP)[None, :]  # (PARTS, WP): part p is held part j
-    above = tl.sum(tl.where(held[None, :, :], above[:, None, :], 0), 2)  # (ROWS, PARTS)
-    pad = tl.where(thr == 0, PART, 0)  # a part past W: all key 0, ties of a zero threshold
-    ties = tl.where(offs_p[None, :] < WP, tl.sum(tl.where(held[None, :, :], ties[:, None, :],
-                                                          0), 2), pad[:, None])
-    _store_meta(meta_ptr, rows, mask_r, stride_mn, 0, thr, room, above, ties, ROWS, PARTS)
+    before = cols[None, :] < g0
+    above = tl.sum(((ukey > thr[:, None]) & before).to(tl.int32), 1)
+    ties = tl.sum(((ukey == thr[:, None]) & before).to(tl.int32), 1)
+    ties += tl.where(thr == 0, tl.maximum(g0 - W, 0), 0)
+    return thr, room, above, ties
+
+
+@triton.jit
+def _exact(vals_ptr, rows, mask_r, lim, g0, num_chunks, stride_vn, stride_vm,
+           K: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr):
+    """``_fitting`` for a row longer than a chunk (scores the floor barely cut: many ties,
+    clustered values): the K-th largest key by bisection, a bit a round, over its chunks read
+    again each round, then the counts."""
     zero = tl.zeros((ROWS,), tl.int32)
-    tl.store(taken_ptr + rows * stride_tn, zero + K, mask=mask_r)
-    for c in range(1, num_chunks):
-        tl.store(taken_ptr + rows * stride_tn + c, zero, mask=mask_r)
+    thr = tl.zeros((ROWS,), tl.uint32)
+    for r in range(32):
+        cand = thr | (tl.full((ROWS,), 1, tl.uint32) << (31 - r))
+        count = zero
+        for c in range(num_chunks):
+            key = _chunk_keys(vals_ptr, rows, mask_r, c * CHUNK + tl.arange(0, CHUNK),
+                              lim[:, None], stride_vn, stride_vm)
+            count += tl.sum((key >= cand[:, None]).to(tl.int32), 1)
+        thr = tl.where(count >= K, cand, thr)
+    room = zero + K  # the ties to take: K less everything above the threshold
+    above = zero
+    ties = zero
+    for c in range(num_chunks):
+        cols = c * CHUNK + tl.arange(0, CHUNK)
+        key = _chunk_keys(vals_ptr, rows, mask_r, cols, lim[:, None], stride_vn, stride_vm)
+        before = cols[None, :] < g0
+        room -= tl.sum((key > thr[:, None]).to(tl.int32), 1)
+        above += tl.sum(((key > thr[:, None]) & before).to(tl.int32), 1)
+        ties += tl.sum(((key == thr[:, None]) & before).to(tl.int32), 1)
+    return thr, room, above, ties
 
 
 @triton.jit(do_not_specialize=LAST_INTS)
-def _topk_last_search_kernel(
-    vals_ptr, meta_ptr, taken_ptr, prev_ptr,
+def _topk_last_kernel(
+    vals_ptr, idx_ptr, out_v_ptr, out_i_ptr, bt_ptr, row_req_ptr,
+    prev_ptr,  # the floored pass's taken: each row's compacted length
     N, M, NUM_PREV,
-    stride_vn, stride_vm, stride_mn, stride_tn, stride_pn,
+    stride_vn, stride_vm,
+    stride_in, stride_im,
+    stride_ovn, stride_ovk,
+    stride_oin, stride_oik,
+    stride_btn, stride_btp,
+    stride_rr,
+    stride_pn,
     K: tl.constexpr,
     CHUNK: tl.constexpr,
     FIRST: tl.constexpr,  # <= CHUNK: the register width tried first
@@ -222,53 +246,42 @@ def _topk_last_search_kernel(
     PARTS: tl.constexpr,
     SECANT: tl.constexpr,
     NCB: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HAS_INDEX: tl.constexpr,
+    TO_SLOTS: tl.constexpr,
+    HAS_ROW_REQ: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """The last pass after a floor: one program a row over the whole compacted row, which
-    the floor leaves short (about 1.4 k on iid scores), in ``FIRST`` registers when it fits
-    them (each search round then compares half as many keys as in a chunk's 8K), else its
-    first ``CHUNK`` columns as a chunk's search holds them. A row longer than that (scores the
-    floor barely cut: many ties, clustered values) is searched exactly by bisection over its
-    chunks, read again each round. Meta and counts as the search's for ``cdiv(M, CHUNK)``
-    chunks that share one threshold (each chunk's room: the ties left after the chunks
-    before), so the place kernel places them as any last pass."""
+    """The last pass after a floor, in one launch: a program a column part (``CHUNK //
+    PARTS`` columns) of the compacted rows. Each finds its rows' threshold itself, the same
+    search in every program of a row (the floor leaves a row short, about 1.4 k on iid
+    scores: in ``FIRST`` registers when it fits them, else in a chunk's, else exactly over
+    its chunks), counts the entries above and at it before its part, and places its part's
+    winners at their rank in column order. Parts past a row's end (and past k, where a short
+    row is padded) exit at once. One launch instead of a search program a row and then the
+    placement's: the placement's loads are issued before the search and no meta round-trips
+    through memory."""
     pdl_enter(PDL)
     rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     mask_r = rows < N
     rows = rows.to(tl.int64)
     lim = _counts_before(prev_ptr, rows, mask_r, NUM_PREV, stride_pn, NCB)
     PART: tl.constexpr = CHUNK // PARTS
-    zero = tl.zeros((ROWS,), tl.int32)
-    num_chunks = tl.cdiv(M, CHUNK)
-    if tl.max(lim) <= FIRST:
-        _search_fitting(vals_ptr, meta_ptr, taken_ptr, rows, mask_r, lim, num_chunks, stride_vn,
-                        stride_vm, stride_mn, stride_tn, K, FIRST, CHUNK, ROWS, PARTS, SECANT)
-    elif tl.max(lim) <= CHUNK:  # (never, when FIRST is CHUNK)
-        _search_fitting(vals_ptr, meta_ptr, taken_ptr, rows, mask_r, lim, num_chunks, stride_vn,
-                        stride_vm, stride_mn, stride_tn, K, CHUNK, CHUNK, ROWS, PARTS, SECANT)
-    else:
-        thr = tl.zeros((ROWS,), tl.uint32)  # the K-th largest key, a bit a round
-        for r in range(32):
-            cand = thr | (tl.full((ROWS,), 1, tl.uint32) << (31 - r))
-            count = zero
-            for c in range(num_chunks):
-                key = _chunk_keys(vals_ptr, rows, mask_r, c * CHUNK + tl.arange(0, CHUNK),
-                                  lim[:, None], stride_vn, stride_vm)
-                count += tl.sum((key >= cand[:, None]).to(tl.int32), 1)
-            thr = tl.where(count >= K, cand, thr)
-        room = zero + K  # the ties still to take: K less everything above the threshold
-        for c in range(num_chunks):
-            key = _chunk_keys(vals_ptr, rows, mask_r, c * CHUNK + tl.arange(0, CHUNK),
-                              lim[:, None], stride_vn, stride_vm)
-            room -= tl.sum((key > thr[:, None]).to(tl.int32), 1)
-        for c in range(num_chunks):
-            key = _chunk_keys(vals_ptr, rows, mask_r, c * CHUNK + tl.arange(0, CHUNK),
-                              lim[:, None], stride_vn, stride_vm)
-            parts = tl.reshape(key, (ROWS, PARTS, PART))
-            above = tl.sum((parts > thr[:, None, None]).to(tl.int32), 2)
-            ties = tl.sum((parts == thr[:, None, None]).to(tl.int32), 2)
-            _store_meta(meta_ptr, rows, mask_r, stride_mn, c * PARTS, thr, room, above, ties,
-                        ROWS, PARTS)
-            took = tl.minimum(tl.sum(ties, 1), room)
-            tl.store(taken_ptr + rows * stride_tn + c, tl.sum(above, 1) + took, mask=mask_r)
-            room -= took
+    g0 = tl.program_id(0) * PART  # the part's first column
+    if g0 < tl.max(tl.where(mask_r, tl.maximum(lim, K), 0)):
+        pcols = g0 + tl.arange(0, PART)
+        pkey = _chunk_keys(vals_ptr, rows, mask_r, pcols, lim[:, None], stride_vn, stride_vm)
+        req = _row_requests(row_req_ptr, rows, mask_r, stride_rr, TO_SLOTS, HAS_ROW_REQ)
+        if tl.max(lim) <= FIRST:
+            thr, room, above, ties = _fitting(vals_ptr, rows, mask_r, lim, g0, stride_vn,
+                                              stride_vm, K, FIRST, ROWS, SECANT)
+        elif tl.max(lim) <= CHUNK:  # (never, when FIRST is CHUNK)
+            thr, room, above, ties = _fitting(vals_ptr, rows, mask_r, lim, g0, stride_vn,
+                                              stride_vm, K, CHUNK, ROWS, SECANT)
+        else:
+            thr, room, above, ties = _exact(vals_ptr, rows, mask_r, lim, g0, tl.cdiv(M, CHUNK),
+                                            stride_vn, stride_vm, K, CHUNK, ROWS)
+        _place_part(pkey, pcols, rows, mask_r, thr, room, above, ties,
+                    tl.zeros((ROWS,), tl.int32), req, idx_ptr, out_v_ptr, out_i_ptr, bt_ptr,
+                    stride_in, stride_im, stride_ovn, stride_ovk, stride_oin, stride_oik,
+                    stride_btn, stride_btp, ROWS, PART, PAGE_SIZE, HAS_INDEX, TO_SLOTS, True)

@@ -53,7 +53,7 @@ def variants(monkeypatch):
         dsa_index._index_scores_kernel, dsa_index.SHAPE_INTS, seen))
     for name, ints in (("_topk_place_kernel", topk_split.PLACE_INTS),
                        ("_topk_search_kernel", topk_split.SEARCH_INTS),
-                       ("_topk_last_search_kernel", topk_split.LAST_INTS)):
+                       ("_topk_last_kernel", topk_split.LAST_INTS)):
         monkeypatch.setattr(topk, name, _Recorder(getattr(topk, name), ints, seen))
     return seen
 
@@ -112,7 +112,7 @@ def test_warm_up_launches_every_variant_later_steps_launch(variants, device):
               config=CONFIGS["topk"])  # CP's merge of two ranks' candidates
     kernels = {v[0] for v in variants}
     assert kernels == {"_index_scores_kernel", "_topk_search_kernel", "_topk_place_kernel",
-                       "_topk_last_search_kernel"} and len(variants) >= 6
+                       "_topk_last_kernel"} and len(variants) >= 6
     missing = variants - warmed
     assert not missing, f"launched after the warm-up, never warmed: {sorted(missing)}"
 
