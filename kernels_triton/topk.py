@@ -50,6 +50,9 @@ the exact fallback (128K: 0.033 -> 0.204 ms). That last pass is one launch
 search in the few programs a short row has, and places its part; the search's meta no longer
 goes through memory to a placement launch (the DSA layer at batch 16: 16 heads 32K 0.0631 ->
 0.0612 ms, 128K 0.1325 -> 0.1310, 128 heads 32K 0.0893 -> 0.0868, ``dsa_topk_last.json``).
+Its part's indices and block-table pages loaded before the search instead of after, and its
+keys with the row lengths instead of after them, were each slower (+0.4 / +1.2%,
+``dsa_topk_last_tried.json``).
 
 Tried on an H200 (16 rows, k = 2048, graph-timed), against 0.032 / 0.061 ms at 32K / 128K then:
 - a radix select in each program instead of the bisection (rounds of 16- or 256-bin
