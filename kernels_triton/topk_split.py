@@ -259,8 +259,7 @@ def _topk_last_kernel(
     its chunks), counts the entries above and at it before its part, and places its part's
     winners at their rank in column order. Parts past a row's end (and past k, where a short
     row is padded) exit at once. One launch instead of a search program a row and then the
-    placement's: the placement's loads are issued before the search and no meta round-trips
-    through memory."""
+    placement's: the part's keys load beside the row's, and no meta goes through memory."""
     pdl_enter(PDL)
     rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     mask_r = rows < N
