@@ -186,15 +186,14 @@ def _topk_place_kernel(
 def _fitting(vals_ptr, rows, mask_r, lim, g0, stride_vn, stride_vm, K: tl.constexpr,
              W: tl.constexpr, ROWS: tl.constexpr, SECANT: tl.constexpr):
     """A row held whole in ``W`` registers: its threshold, the ties to take, and the entries
-    above and at the threshold in the columns before ``g0`` (columns from W on hold only key
-    0, past the row: ties of a zero threshold, which pad a short row)."""
+    above and at the threshold in the columns before ``g0`` (< W: a part that runs holds
+    some of the row's entries or of the first k columns, and W >= k)."""
     cols = tl.arange(0, W)
     ukey = _chunk_keys(vals_ptr, rows, mask_r, cols, lim[:, None], stride_vn, stride_vm)
     thr, room = _threshold(ukey, K, ROWS, SECANT)
     before = cols[None, :] < g0
     above = tl.sum(((ukey > thr[:, None]) & before).to(tl.int32), 1)
     ties = tl.sum(((ukey == thr[:, None]) & before).to(tl.int32), 1)
-    ties += tl.where(thr == 0, tl.maximum(g0 - W, 0), 0)
     return thr, room, above, ties
 
 
