@@ -52,10 +52,13 @@ CASES: dict[str, tuple[str, int, str]] = {
                                   "page ids loaded per tile on 32-token tiles"),
     "dsa_topk_16x128k": ("^_topk_", 6, "topk_rows 16 rows x 128K scores, k 2048, no floor "
                          "(three passes: search, place)"),
-    "dsa_topk_16x128k_floor": ("^_topk_", 4, "the same with the indexer group maxima as the "
-                               "engine runs it (the floor pass, then the last)"),
+    "dsa_topk_16x128k_floor": ("^_topk_", 3, "the same with the indexer group maxima as the "
+                               "engine runs it (the floor pass, then the last in one launch)"),
     "dsa_sparse_16h_16x2k": ("^_mla_sparse", 1,
                              "mla_sparse 16 rows x 16 heads over 2048 chosen bf16 latent rows"),
+    "dsa_sparse_128h_16x2k": ("^_mla_decode_heads", 1,
+                              "mla_sparse 16 rows x 128 heads over 2048 chosen bf16 latent rows "
+                              "(on Hopper the many-head Gluon decode kernel, rows by cp.async)"),
 }
 
 
@@ -146,7 +149,8 @@ def _dsa(case: str, dev, gen) -> Callable[[], Any]:
         gmax = s.view(batch, -1, 8).amax(2)  # what index_scores(group_max=) writes
         return lambda: K.topk_rows(s, TOPK, block_table=table, page_size=PAGE, floor_max=gmax)
     slots = K.topk_rows(s, TOPK, block_table=table, page_size=PAGE)[1]
-    q = torch.randn(batch, 16, D, device=dev, dtype=torch.bfloat16, generator=gen)
+    heads = 128 if "_128h_" in case else 16
+    q = torch.randn(batch, heads, D, device=dev, dtype=torch.bfloat16, generator=gen)
     return lambda: K.mla_sparse(q, kv, slots, SM_SCALE, L)
 
 
