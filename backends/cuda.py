@@ -79,15 +79,15 @@ class CUDABackend(BaseBackend):
         # request among 63 of 1K +12%, 16 heads 8 x 4K (16 splits each) +5%).
         "mla_decode": {
             "default": {
-                "transposed": False, "balanced": True, "dim_chunks": True, "BLOCK_N": 64,
+                "balanced": True, "dim_chunks": True, "BLOCK_N": 64,
                 "BLOCK_H": 16, "low_partials": 8, "gluon": True, "gluon_programs_per_sm": 1,
                 "num_warps": 4, "num_stages": 3, "max_block_h": 64, "programs_per_sm": 2,
                 "split_overhead_tokens": 512, "min_split_tokens": 256,
-                "many_heads": {"transposed": False, "dim_chunks": False, "BLOCK_H": 64,
+                "many_heads": {"dim_chunks": False, "BLOCK_H": 64,
                                "BLOCK_N": 64,
                                "num_warps": 8, "num_stages": 2, "programs_per_sm": 1,
                                "split_overhead_tokens": 64, "min_split_tokens": 64},
-                "fp8": {"transposed": False, "BLOCK_N": 64, "gather_pages": True,
+                "fp8": {"BLOCK_N": 64, "gather_pages": True,
                         "gluon_programs_per_sm": 2, "fp8_query": True,
                         "num_warps": 4, "num_stages": 3,
                         "programs_per_sm": 2, "split_overhead_tokens": 64, "fp8_fp16": True,

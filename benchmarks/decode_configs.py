@@ -1,7 +1,6 @@
 """Few-head MLA decode: launch configs × split counts of ``mla_decode`` (bf16 KV) against the
-copy bandwidth, the launcher's default against the former default (the tokens-on-M kernel with
-32-token tiles) at 8, 16 and 32 heads, interleaved, and the head-group kernel's tiles, warps and
-stages with fp8 KV (fp16 products).
+copy bandwidth, and the head-group kernel's tiles, warps and stages with fp8 KV (fp16
+products).
 
     python3 benchmarks/decode_configs.py --out benchmarks/results/h200/decode_configs.json
 
@@ -24,13 +23,11 @@ from triton.testing import do_bench_cudagraph
 from splash import kernels_triton as K
 
 L, PS, D = 512, 64, 576
-CONFIGS = [{}, {"transposed": False, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
-           {"transposed": False, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
-           {"transposed": False, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
-           {"transposed": False, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
-           {"transposed": False, "BLOCK_N": 32, "num_warps": 4, "num_stages": 4}]
-FORMER = {"transposed": True, "pv_heads_m": True, "BLOCK_N": 32, "num_warps": 4,
-          "num_stages": 3}
+CONFIGS = [{}, {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+           {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+           {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+           {"BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
+           {"BLOCK_N": 32, "num_warps": 4, "num_stages": 4}]
 
 
 def paged_problem(heads: int, lens: list[int], dev: torch.device, fp8: bool = False):
@@ -85,32 +82,15 @@ def sweep(dev: torch.device) -> list[dict]:
     return rows
 
 
-def against_former(dev: torch.device) -> list[dict]:
-    rows = []
-    for heads, batch, context in [(8, 64, 32768), (8, 64, 4096), (32, 64, 32768),
-                                  (32, 64, 4096), (16, 256, 2048)]:
-        run, nbytes = problem(heads, batch, context, dev)
-        row = {"H": heads, "B": batch, "T": context}
-        for name, cfg in (("new", None), ("old", FORMER), ("new2", None), ("old2", FORMER)):
-            row[name] = round(do_bench_cudagraph(functools.partial(run, cfg), rep=40), 4)
-        row["same"] = bool(torch.allclose(run()[0].float(), run(FORMER)[0].float(),
-                                          atol=2e-2, rtol=2e-2))
-        row["GBps_new"] = round(nbytes / min(row["new"], row["new2"]) / 1e6)
-        rows.append(row)
-        print(row, flush=True)
-        torch.cuda.empty_cache()
-    return rows
-
-
 def fp8_sweep(dev: torch.device) -> list[dict]:
     rows = []
     for heads, batch, context in [(16, 64, 32768), (16, 64, 4096)]:
         run, nbytes = problem(heads, batch, context, dev, fp8=True)
         ref = run()[0].float()
-        configs = [None] + [{"transposed": False, "BLOCK_N": n, "num_warps": w, "num_stages": st,
+        configs = [None] + [{"BLOCK_N": n, "num_warps": w, "num_stages": st,
                              "fp8_fp16": True}
                             for n, w, st in itertools.product((32, 64), (4, 8), (2, 3))]
-        configs.append({"transposed": False, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2,
+        configs.append({"BLOCK_N": 64, "num_warps": 8, "num_stages": 2,
                         "fp8_fp16": False})
         for cfg in configs:
             ok = bool(torch.allclose(run(cfg)[0].float(), ref, atol=3e-2, rtol=3e-2))
@@ -131,7 +111,7 @@ def main() -> int:
     K.set_value_checks(False)
     dev = torch.device("cuda")
     save_json(args.out, {"benchmark": "decode_configs", "rows": sweep(dev),
-                         "heads_check": against_former(dev), "fp8_sweep": fp8_sweep(dev),
+                         "fp8_sweep": fp8_sweep(dev),
                          "ceilings": ceilings(dev)})
     return 0
 

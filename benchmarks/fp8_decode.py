@@ -7,9 +7,8 @@ default launch (tokens/s ratio) and its largest difference from the first varian
 Variants: the tuned default; ``fp8_ptx: False`` (the tile widened by a plain cast, which the
 compiler copies into both products' operand layouts); tile and stage choices; at few heads page
 ids loaded per tile (``gather_pages: False``) or gathered in smaller blocks, the unchunked
-kernel (``dim_chunks: False``, also for the bf16 cache) and the tokens-on-M kernel
-(``transposed``: the widened tile is the first product's register operand); for many heads fp16
-products (``fp8_fp16``).
+kernel (``dim_chunks: False``, also for the bf16 cache); for many heads fp16 products
+(``fp8_fp16``).
 """
 
 from __future__ import annotations
@@ -28,9 +27,7 @@ from splash import kernels_triton as K
 
 SHAPES = [(16, 64, 4096), (16, 64, 32768), (16, 16, 131072), (128, 8, 32768), (128, 64, 4096)]
 FEW_HEADS = [{}, {"gather_pages": False, "BLOCK_N": 32}, {"gather_pages": 2}, {"gather_pages": 4},
-             {"num_stages": 2}, {"num_stages": 4}, {"fp8_ptx": False}, {"dim_chunks": False},
-             {"transposed": True, "BLOCK_N": 64}, {"transposed": True, "BLOCK_N": 128,
-                                                   "num_warps": 8}]
+             {"num_stages": 2}, {"num_stages": 4}, {"fp8_ptx": False}, {"dim_chunks": False}]
 # bf16 launches beside the default, at few heads (their ms in "bf16_variants")
 BF16_FEW_HEADS = [{"dim_chunks": False}, {"gather_pages": True}]
 MANY_HEADS = [{}, {"fp8_fp16": True}, {"fp8_fp16": True, "fp8_ptx": False},

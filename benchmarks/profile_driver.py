@@ -159,10 +159,10 @@ def kernel_info() -> list[dict[str, Any]]:
 
     # by module path: the package's own names for some of these modules are its functions
     mods = {m: importlib.import_module(f"splash.kernels_triton.{m}") for m in
-            ("fused_moe", "mla_decode_kernels", "mla_decode_tokens_m", "mla_extend")}
+            ("fused_moe", "mla_decode_kernels", "mla_decode_chunked", "mla_extend")}
     out = []
     fns = [mods["mla_decode_kernels"]._mla_decode_kernel,
-           mods["mla_decode_tokens_m"]._mla_decode_tokens_m_kernel,
+           mods["mla_decode_chunked"]._mla_decode_chunked_kernel,
            mods["mla_extend"]._mla_extend_kernel, mods["fused_moe"]._moe_gemm_kernel]
     for fn in fns:
         caches = getattr(fn, "device_caches", None) or getattr(fn, "cache", None) or {}

@@ -41,7 +41,7 @@ Design:
   kernel (the last split of a request, found by an arrival counter, merged the partials):
   slower at every shape, and 2.8x slower with one long request among short ones, whose many
   partials one program then merged alone.
-- Otherwise (``balanced: False``, ``transposed`` or an explicit ``num_splits``) every request
+- Otherwise (``balanced: False`` or an explicit ``num_splits``) every request
   gets the split count of ``choose_num_splits``' wave model, from the block-table capacity.
 - L and R need not be powers of two: tiles are padded to ``BLOCK_L``/``BLOCK_R`` and masked.
 - fp8 KV: a row is fp8 × one fp32 scale. The tile is widened exactly (fp8 values are fp16 and
@@ -61,18 +61,17 @@ Design:
   NVIDIA GPU of sm_89 or newer (``config["fp8_ptx"]``, default on there) the e4m3 tile widens
   once, through PTX's conversion, before both products (``_widen_kv``): 16 heads, 64 x 32K
   13% faster than the cast that the compiler repeats in each product's operand layout.
-- Tokens on M (``config["transposed"]``, a tuning option): a second kernel puts the tokens on
-  the MMA's M side (scoresᵀ = kv·qᵀ, accᵀ += kv_nopeᵀ·pᵀ), so a 64-token tile fills a Hopper
-  MMA with only 16 heads. Measured on an H200 it reads 16 heads at 76-78% of the copy
-  bandwidth against 94% for the head-group kernel with 64-token tiles and 3 stages, which is
-  now the default at every head count. Its tail tile clamps rows past the length to the last valid row
-  (every load unmasked and in bounds) and sets their scores to -inf before the max.
+- Tokens on M in Triton (scoresᵀ = kv·qᵀ, accᵀ += kv_nopeᵀ·pᵀ, so a 64-token tile fills a
+  Hopper MMA with only 16 heads) read 16 heads at 76-78% of the copy bandwidth on an H200
+  against 94% for the head-group kernel with 64-token tiles and 3 stages, and its value
+  product from shared memory came out wrong on bf16 under Triton 3.6: removed (session 36).
+  The Gluon tokens kernels put the tokens on M with TMA stages instead.
 - Dimension chunks (``config["dim_chunks"]``, the CUDA default for few heads): a second form of
   the head-group kernel (``mla_decode_chunked.py``) splits the latent dims into four column
   chunks, each feeding both products, and re-reads the query every tile instead of holding it
   in every warp: no spills against 600 B (offline sm_90, fp8 KV, 16 heads). On an H200, 16
-  heads: bf16 7-12% faster, fp8 4-7%. It applies to the heads-on-M kernel only (``transposed``
-  wins) and to latents of at least 64 columns (narrower ones take the unchunked kernel).
+  heads: bf16 7-12% faster, fp8 4-7%. It applies to latents of at least 64 columns (narrower
+  ones take the unchunked kernel).
   ``config["maxnreg"]`` passes ptxas a register cap (CUDA only): 168 would allow three
   programs an SM but spills and lost 8-13%. With fp8 KV the widened chunks stay live from the
   score product to the value product; widening the stored fp8 chunk again there, or
@@ -130,13 +129,11 @@ from splash.kernels_triton.lse_merge import _merge_into
 from splash.kernels_triton.mla_decode_chunked import CHUNKS, _mla_decode_chunked_kernel
 from splash.kernels_triton.mla_decode_kernels import _LOG2E, _MAX_SPLITS, _mla_decode_kernel
 from splash.kernels_triton.mla_decode_plan import _decode_plan_kernel, planned
-from splash.kernels_triton.mla_decode_tokens_m import _mla_decode_tokens_m_kernel
 from splash.kernels_triton.pdl import pdl
 
 # fp32 queries on a GPU (the GPU test suite's exact-token runs): tiles twice as wide in bytes,
 # so small tiles and one stage keep shared memory under the limit
-_GPU_FP32: dict[str, Any] = {"transposed": False, "BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4,
-                             "num_stages": 1}
+_GPU_FP32: dict[str, Any] = {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 
 
 def decode_config(
@@ -145,10 +142,9 @@ def decode_config(
 ) -> dict[str, Any]:
     """Launch parameters: the device's backend table (``device_tuning``), then ``config`` (the
     engine passes its backend's entry for the profile), then the fp32 tiles for fp32 queries on
-    a GPU. In each, a ``many_heads`` sub-dict applies when H > 32 and an ``fp8`` sub-dict (which may hold its own ``many_heads``) when the
-    KV cache is fp8. Fills BLOCK_H (power of two >= 16, at most ``max_block_h``).
-    ``transposed`` picks the tokens-on-M kernel (heads on the MMA's N side); ``fp8_fp16`` (fp8
-    KV only) runs the products on fp16 operands."""
+    a GPU. In each, a ``many_heads`` sub-dict applies when H > 32 and an ``fp8`` sub-dict (which
+    may hold its own ``many_heads``) when the KV cache is fp8. Fills BLOCK_H (power of two >= 16,
+    at most ``max_block_h``). ``fp8_fp16`` (fp8 KV only) runs the products on fp16 operands."""
     cfg: dict[str, Any] = {}
 
     def apply(layer: dict[str, Any], nested: bool) -> None:
@@ -212,7 +208,7 @@ def _fp8_query(kv: torch.Tensor, cfg: dict[str, Any]) -> bool:
 
 def _balanced(num_splits: int | None, cfg: dict[str, Any]) -> bool:
     """Whether the launch follows the balanced plan (the only one the Gluon kernels serve)."""
-    return num_splits is None and bool(cfg.get("balanced")) and not cfg.get("transposed")
+    return num_splits is None and bool(cfg.get("balanced"))
 
 
 def query_as_read(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
@@ -286,7 +282,6 @@ def mla_decode(
                         fp32_q=q.dtype == torch.float32)
     BLOCK_H, BLOCK_N = cfg["BLOCK_H"], cfg["BLOCK_N"]
     head_groups = triton.cdiv(H, BLOCK_H)
-    transposed = bool(cfg.get("transposed"))
     if num_splits is None:
         num_splits = cfg.get("num_splits")
     balanced = _balanced(num_splits, cfg)
@@ -310,7 +305,7 @@ def mla_decode(
     if cfg.get("maxnreg") and q.is_cuda and torch.version.hip is None:
         consts["maxnreg"] = int(cfg["maxnreg"])  # a register cap for ptxas (occupancy)
     kernel = _mla_decode_kernel
-    pages = cfg.get("gather_pages") if not transposed else None  # both heads-on-M kernels
+    pages = cfg.get("gather_pages")
     if pages is True:  # blocks of about 4K tokens
         pages = min(256, V.next_pow2(max(4096 // PS, BLOCK_N // PS, 1), 1))
     if pages:
@@ -320,7 +315,7 @@ def mla_decode(
         consts["PAGES"] = pages
     gluon = gluon_form(q, kv, L, R, BLOCK_H, cfg) if balanced else None
     # dim_chunks is a form of the heads-on-M kernel for latents of at least 16 columns a chunk
-    if cfg.get("dim_chunks") and not transposed and consts["BLOCK_L"] >= 16 * CHUNKS.value:
+    if cfg.get("dim_chunks") and consts["BLOCK_L"] >= 16 * CHUNKS.value:
         kernel = _mla_decode_chunked_kernel
         # the Triton kernel re-reads q every tile: cast once, as _q_operand would (the Gluon
         # kernels read the 16-bit q themselves: the cast's three launches cost a 16-head fp8
@@ -387,22 +382,11 @@ def mla_decode(
         stride_os, stride_ls = o_part.stride(0), lse_part.stride(0)
     grid = (head_groups, num_splits, N)
     parts = (stride_os, *o_part.stride()[-3:], stride_ls, *lse_part.stride()[-2:])
-    if transposed:
-        if cfg.get("kv_in_regs") and not cfg.get("pv_heads_m"):  # faults on an H200 (Triton 3.6)
-            raise ValueError("config kv_in_regs needs pv_heads_m (the tokens-on-M kernel)")
-        _mla_decode_tokens_m_kernel[grid](
-            q, kv, scale, block_table, seq_lens, o_part, lse_part,
-            float(sm_scale) * _LOG2E, H, num_splits, *inputs, *parts,
-            PV_HEADS_M=bool(cfg.get("pv_heads_m", False)),
-            KV_IN_REGS=bool(cfg.get("kv_in_regs", False)) and q.is_cuda
-            and kv.dtype in (torch.bfloat16, torch.float16), **consts,
-        )
-    else:
-        kernel[grid](
-            q, kv, scale, block_table, seq_lens, o_part, o_part, lse_part, out, lse, seq_lens,
-            float(sm_scale) * _LOG2E, H, num_splits, N, *inputs, *parts,
-            *out.stride(), *lse.stride(), BALANCED=False, **consts,
-        )
+    kernel[grid](
+        q, kv, scale, block_table, seq_lens, o_part, o_part, lse_part, out, lse, seq_lens,
+        float(sm_scale) * _LOG2E, H, num_splits, N, *inputs, *parts,
+        *out.stride(), *lse.stride(), BALANCED=False, **consts,
+    )
     if num_splits > 1:
         _merge_into(o_part, lse_part, out, lse)
     return out, lse

@@ -1,6 +1,6 @@
 """Triton kernels of ``mla_decode`` (the launcher, configuration and references live in
-``mla_decode.py``): the head-group kernel and the tile helpers it shares with the tokens-on-M
-kernel (``mla_decode_tokens_m.py``) and ``mla_extend``. See ``mla_decode.py``'s docstring for
+``mla_decode.py``): the head-group kernel and the tile helpers it shares with
+``mla_decode_chunked``, ``mla_sparse`` and ``mla_extend``. See ``mla_decode.py``'s docstring for
 the design.
 
 fp8 KV with ``FP8_FP16`` (``config["fp8_fp16"]``, the CUDA default): both products run on fp16

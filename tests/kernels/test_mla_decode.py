@@ -175,71 +175,19 @@ def test_decode_rejects_bad_input(bad):
         mla_decode(**args)
 
 
-# ------------------------------------------------------------------ tokens-on-M ("transposed")
+# ------------------------------------------------------------------ production shapes on a GPU
 
-# (L, R, page size, heads, lengths, BLOCK_N): tail tiles shorter than BLOCK_N, tiles smaller than,
-# equal to and larger than a page, heads not a multiple of 16, a split past the length
-TRANSPOSED_CASES = {
-    "tile-lt-page": (32, 16, 64, 20, [1, 15, 17, 63, 65, 100], 16),
-    "tile-eq-page": (32, 16, 32, 16, [1, 31, 33, 95, 130], 32),
-    "tile-gt-page": (32, 16, 16, 5, [1, 17, 47, 49, 77], 32),
-    "npow2-tile-64": (24, 8, 64, 16, [0, 1, 63, 64, 65, 190], 64),
-}
-
-
-@pytest.mark.parametrize("pv_heads_m", [False, True])
-@pytest.mark.parametrize("num_splits", [1, 3, 7, None])
-@pytest.mark.parametrize("case", list(TRANSPOSED_CASES))
-def test_decode_transposed_tail_tiles(setting, case, num_splits, pv_heads_m):
-    """The tokens-on-M kernel on partial tail tiles, with block tables padded by -1 columns
-    (which the kernel must never dereference) and splits that hold no tokens."""
-    L, R, PS, H, lens, block_n = TRANSPOSED_CASES[case]
-    gen = torch.Generator().manual_seed(11)
-    dev = setting.device
-    num_pages = sum(-(-n // PS) for n in lens) + 3
-    kv, scale = paged_cache(num_pages, PS, L + R, setting.kv_dtype, dev, gen)
-    table = block_table(lens, PS, num_pages, dev, gen, extra_cols=3)
-    q = torch.randn(len(lens), H, L + R, generator=gen).to(setting.q_dtype).to(dev)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
-    cfg = {"transposed": True, "pv_heads_m": pv_heads_m, "BLOCK_N": block_n, "BLOCK_H": 16}
-    out, lse = mla_decode(q, kv, table, seq_lens, 0.2, L, kv_scale=scale,
-                          num_splits=num_splits, config=cfg)
-    ref_out, ref_lse = mla_decode_ref(q, kv, table, seq_lens, 0.2, L, kv_scale=scale)
-    assert torch.isfinite(out.float()).all()
-    assert_close(out, ref_out, setting.atol, setting.rtol)
-    assert_lse(lse, ref_lse, setting.lse_tol)
-    empty = torch.tensor(lens) == 0
-    assert torch.all(out.cpu()[empty] == 0) and torch.all(torch.isneginf(lse.cpu()[empty]))
-
-
-# GPU launch configs at the production shape: the launcher's default (the head-group kernel with
-# one-page tiles) and variants of the tokens-on-M kernel: one-stage (no pipelining), tiles of
-# half a page, two pages, 8 warps
-TRANSPOSED_GPU_CONFIGS = {
+# the launcher's default and the head-group kernel with one-page tiles
+PRODUCTION_GPU_CONFIGS = {
     "default": None,
-    "regular": {"transposed": False, "BLOCK_N": 16, "num_warps": 4, "num_stages": 3},
-    "pvh-n64-s1": {"transposed": True, "pv_heads_m": True, "BLOCK_N": 64, "num_stages": 1},
-    "pvh-n64-w8": {"transposed": True, "pv_heads_m": True, "BLOCK_N": 64, "num_warps": 8,
-                   "num_stages": 2},
-    "pvh-n32-s3": {"transposed": True, "pv_heads_m": True, "BLOCK_N": 32, "num_warps": 4,
-                   "num_stages": 3},
-    "pvh-n64-s2": {"transposed": True, "pv_heads_m": True, "BLOCK_N": 64, "num_warps": 4,
-                   "num_stages": 2},
-    "regs-n64-s2": {"transposed": True, "pv_heads_m": True, "kv_in_regs": True, "BLOCK_N": 64,
-                    "num_warps": 4, "num_stages": 2},
-    "pvt-n64-s2": {"transposed": True, "pv_heads_m": False, "BLOCK_N": 64, "num_warps": 4,
-                   "num_stages": 2},
+    "regular": {"BLOCK_N": 16, "num_warps": 4, "num_stages": 3},
 }
-# the tokens-on-M value product with kv_nopeᵀ from shared memory: wrong on bf16 under
-# Triton 3.6 (H200); verified on fp8 KV only (converted in registers)
-_FP8_ONLY = {"pvt-n64-s2"}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_kind,config", [
-    (kind, name) for kind in ("bf16", "fp8") for name in TRANSPOSED_GPU_CONFIGS
-    if kind == "fp8" or name not in _FP8_ONLY])
-def test_decode_transposed_production_tails(gpu_device, kv_kind, config):
+@pytest.mark.parametrize("kv_kind", ["bf16", "fp8"])
+@pytest.mark.parametrize("config", list(PRODUCTION_GPU_CONFIGS))
+def test_decode_production_tails(gpu_device, kv_kind, config):
     """L=512, R=64, page 64, 16 and 20 heads: lengths that are not multiples of BLOCK_N, block
     tables padded with -1 columns, splits of 1, 3, 16 and the launcher's choice. A NaN block is
     freed before each call, so an output element left unwritten is likely NaN and fails."""
@@ -254,7 +202,7 @@ def test_decode_transposed_production_tails(gpu_device, kv_kind, config):
     for heads in (16, 20):
         q = torch.randn(len(lens), heads, L + R, generator=gen).to(torch.bfloat16).to(gpu_device)
         for splits in (1, 3, 16, None):
-            cfg = TRANSPOSED_GPU_CONFIGS[config]
+            cfg = PRODUCTION_GPU_CONFIGS[config]
             # (the Hopper Gluon kernels read q in e4m3 with fp8 KV: the reference takes it so)
             q_read = decode_module.query_as_read(q, kv, L, splits, cfg)
             ref_out, ref_lse = mla_decode_ref(q_read, kv, table, seq_lens, 0.1147, L,
@@ -274,11 +222,7 @@ def test_decode_transposed_production_tails(gpu_device, kv_kind, config):
 
 # config "fp8_fp16" (the CUDA default, off on the CPU unless asked): q clamped to fp16's range and
 # cast to fp16, fp8 tiles widened to fp16, p rounded to fp16; fp32 accumulators, out in q's dtype
-FP16_PRODUCT_KERNELS = {
-    "heads-m": {"transposed": False, "BLOCK_N": 16},
-    "tokens-m": {"transposed": True, "pv_heads_m": False, "BLOCK_N": 32},
-    "tokens-m-pvh": {"transposed": True, "pv_heads_m": True, "BLOCK_N": 16},
-}
+FP16_PRODUCTS = {"BLOCK_N": 16, "BLOCK_H": 16, "fp8_fp16": True}
 
 
 def _fp8_inputs(q_dtype, dev, lens, L=32, R=16, PS=16, H=20, seed=21):
@@ -294,16 +238,14 @@ def _fp8_inputs(q_dtype, dev, lens, L=32, R=16, PS=16, H=20, seed=21):
 
 
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.float16], ids=["q32", "q16"])
-@pytest.mark.parametrize("kernel", list(FP16_PRODUCT_KERNELS))
-def test_decode_fp8_fp16_products(device, kernel, q_dtype):
-    """Both kernels with fp16 products on fp8 KV match the reference (which dequantises the same
+def test_decode_fp8_fp16_products(device, q_dtype):
+    """The head-group kernel with fp16 products on fp8 KV matches the reference (which dequantises the same
     fp8 values) to fp16 tolerances: tail tiles, a split past a length, an empty request, heads
     not a multiple of BLOCK_H; out keeps q's dtype."""
     L, lens = 32, [0, 1, 35, 77]
     q, kv, scale, table, seq_lens = _fp8_inputs(q_dtype, device, lens)
-    cfg = {**FP16_PRODUCT_KERNELS[kernel], "BLOCK_H": 16, "fp8_fp16": True}
     out, lse = mla_decode(q, kv, table, seq_lens, 0.2, L, kv_scale=scale, num_splits=3,
-                          config=cfg)
+                          config=FP16_PRODUCTS)
     ref_out, ref_lse = mla_decode_ref(q, kv, table, seq_lens, 0.2, L, kv_scale=scale)
     assert out.dtype == q_dtype
     assert_close(out, ref_out, 5e-3, 5e-3)
@@ -311,17 +253,15 @@ def test_decode_fp8_fp16_products(device, kernel, q_dtype):
     assert torch.all(out.cpu()[0] == 0) and torch.all(torch.isneginf(lse.cpu()[0]))
 
 
-@pytest.mark.parametrize("kernel", ["heads-m", "tokens-m-pvh"])
-def test_decode_fp8_fp16_saturates_huge_q(device, kernel):
+def test_decode_fp8_fp16_saturates_huge_q(device):
     """A query entry of 1e6 (beyond fp16's 65504) saturates: the output is finite and equals the
     reference for the clamped query (so the clamp happened: unclamped, lse would be ~15x larger)."""
     L, lens = 32, [5, 40]
     q, kv, scale, table, seq_lens = _fp8_inputs(torch.float32, device, lens, H=16, seed=22)
     q[:, 3, 7] = 1e6
     q[1, 5, 2] = -1e6
-    cfg = {**FP16_PRODUCT_KERNELS[kernel], "BLOCK_H": 16, "fp8_fp16": True}
     out, lse = mla_decode(q, kv, table, seq_lens, 0.2, L, kv_scale=scale, num_splits=2,
-                          config=cfg)
+                          config=FP16_PRODUCTS)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     clamped = q.clamp(-65504.0, 65504.0)
     ref_out, ref_lse = mla_decode_ref(clamped, kv, table, seq_lens, 0.2, L, kv_scale=scale)
