@@ -126,6 +126,20 @@ class SwitchController:
                 f"{list(self.setup.fitting)}")
         return layout.name
 
+    def _drop_deferred(self, step: int, target: str | None) -> None:
+        """A deferred switch no longer wanted (a later request, or the policy, keeps the
+        current layout): admission, held for it, resumes; without this a group whose running
+        requests all finished would wait for it forever."""
+        if not self.scheduler.hold_admission:
+            return
+        self.scheduler.hold_admission = False
+        if self.deferred and not self.deferred[-1].get("resolved"):
+            last = self.deferred[-1]
+            last["dropped"] = step
+            logger.info("deferred switch %s->%s dropped at step %d: %s; admission resumes",
+                        last["from"], last["to"], step,
+                        f"layout {target} asked for" if target else "no switch wanted now")
+
     def _pin(self, name: str) -> None:
         if self.policy is not None and self.pinned != name:
             self.pinned = name
@@ -174,6 +188,7 @@ class SwitchController:
             return None
         if target is None or target == sched.layout.name:
             self.requested = None
+            self._drop_deferred(step, target)
             return None
         src, dst, alloc = sched.layout, get_layout(target), sched.alloc
         running = list(sched.running)

@@ -106,6 +106,39 @@ def test_deferred_switch_completes_and_admits_after():
     assert [o.token_ids for o in after] == hf_greedy(path, late, 5)
 
 
+def test_deferred_switch_dropped_when_the_current_layout_is_asked_for():
+    """A switch deferred for pages holds admission; asking for the layout the group already
+    runs drops it and admission resumes (it was held forever once the running requests had
+    finished: a random workload found the engine stepping with nothing to do)."""
+    path = checkpoint("v3")
+    prompts = mixed_prompts(seed=2, lengths=(14, 14, 14, 14))
+    late = mixed_prompts(seed=9, lengths=(6, 8))
+    with LLM(path, tp_size=2, layout="dop", kv_pages_per_rank=12,
+             **dict(KW, max_num_batched_tokens=64)) as llm:
+        eng = llm.engine
+        outs: dict = {}
+
+        def steps_until(done) -> None:
+            for _ in range(60):
+                if done():
+                    return
+                outs.update((o.request_id, o) for o in eng.step())
+            assert done()
+
+        ids = [eng.add_request(p, _params(6)) for p in prompts]
+        steps_until(lambda: all(eng.requests[r].output_token_ids for r in ids))
+        eng.switch_layout("tp")  # TP replicates every history: 4 x 4 pages > 12 per rank
+        steps_until(lambda: eng.stats()["deferred_switches"])
+        eng.switch_layout("dop")
+        late_ids = [eng.add_request(p, _params(5)) for p in late]
+        steps_until(lambda: not eng.has_unfinished())
+        stats = eng.stats()
+    assert [(d["to"], "dropped" in d) for d in stats["deferred_switches"]] == [("tp", True)]
+    assert stats["switches"] == [] and stats["layout"] == "dop"
+    assert [outs[r].token_ids for r in late_ids] == hf_greedy(path, late, 5)
+    assert [outs[r].token_ids for r in ids] == [t[:6] for t in hf_greedy(path, prompts, 6)]
+
+
 def _late_admission_run(path: str, switches: bool) -> tuple[list[list[int]], dict]:
     prompts = mixed_prompts(seed=5, lengths=(6, 9, 30))
     late = mixed_prompts(seed=6, lengths=(7,))
