@@ -137,7 +137,7 @@ def run_case(case: Case, world: int = 2) -> tuple[list[str], dict]:
 
 
 # seeds whose runs switch several times, preempt, abort and hit the cache in round two
-@pytest.mark.parametrize("seed", [10, 23])
+@pytest.mark.parametrize("seed", [23])
 def test_random_serving_matches_one_rank(seed):
     case = make_case(seed, archs=("v3",))
     bad, stats = run_case(case)
