@@ -21,10 +21,10 @@ SHARED_ENGINE_MODULES = frozenset({
     "tests/reference/test_stop.py", "tests/e2e/test_serve_rollout.py",
 })
 
-# the order work is handed out in: the engine tests (seconds to a minute each) first, the
-# kernel tests next, the rest (mostly milliseconds) last, so that no long test starts when the
+# the order work is handed out in: the multi-rank tests (up to minutes each) and the engine
+# tests (seconds to a minute) first, the kernel tests next, the rest (mostly milliseconds) last, so that no long test starts when the
 # other worker is nearly done (the run would then wait for it alone)
-FIRST_DIRS = ("tests/reference/", "tests/e2e/", "tests/kernels/")
+FIRST_DIRS = ("tests/dist/", "tests/reference/", "tests/e2e/", "tests/kernels/")
 
 try:
     from xdist.scheduler import LoadScopeScheduling
