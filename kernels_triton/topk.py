@@ -87,6 +87,13 @@ Tried on an H200 (16 rows, k = 2048, graph-timed), against 0.032 / 0.061 ms at 3
   a latency chain) and the last placement 6.7 us. The floored pass on its own 4K chunks
   (twice the programs at 32K) or 16K ones, the last pass on 8K: 16 x 32K 0.0196 -> 0.0197 /
   0.0232 ms, not kept (session 35, the option removed).
+- the floored pass placing its own winners, each chunk's at its own k columns (runs: no
+  program waits for the counts of the chunks before), part after part in the searching
+  program, and the last pass reading the runs (positions mapped through the chunks'
+  counts): one launch fewer, outputs bitwise the same, but the DSA layer 4-6% slower (16
+  heads 32K 0.0608 -> 0.0643 ms, 128K 0.1299 -> 0.1356): the eight parts placed one after
+  another cost more than the launch that places them side by side
+  (``dsa_topk_runs_tried.json``).
 
 ``block_table`` (B, W) with ``row_req`` (N,) (request of each row; None: row n is request n)
 turns the final winners' columns, token positions in the row's paged history, into KV slots

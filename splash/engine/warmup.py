@@ -17,7 +17,8 @@ SHORT = 3  # prompt tokens of the second round (+ 4 drawn: within any index_topk
 def warm_up(engine: Any, layouts: list[str] | None = None) -> float:
     """Compile ``engine``'s kernels before the first user request: in each of ``layouts``
     (default: every layout the engine may use — all that fit under auto, else its own) serve
-    one request per rank (two prefill chunks, then decode steps), then one short request per
+    one request per rank (two prefill chunks, or one whole budget without chunked prefill,
+    then decode steps), then one short request per
     rank (a DSA model's dense steps), then the first requests again (from the prefix cache),
     then return to the start layout and forget it all
     (counters, switch history, prefix cache). Seconds."""
@@ -28,7 +29,9 @@ def warm_up(engine: Any, layouts: list[str] | None = None) -> float:
     policy, engine.switches.policy = engine.switches.policy, None  # no pins, no decisions
     t0 = time.perf_counter()
     budget = engine.scheduler.cfg.max_num_batched_tokens
-    length = max(1, min(budget + 17, engine.setup.max_model_len - 4,
+    # two prefill chunks; without chunked prefill a prompt must fit one step's budget whole
+    chunks = budget + 17 if engine.scheduler.cfg.enable_chunked_prefill else budget
+    length = max(1, min(chunks, engine.setup.max_model_len - 4,
                         engine.setup.max_request_tokens - 4))
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     vocab = max(engine.vocab_size - 2, 1)

@@ -62,6 +62,7 @@ class Case:
     chunk: int
     switches: dict[int, str]  # engine step -> layout asked for
     rounds: list[list[Job]]
+    options: dict  # engine options beyond the defaults (the T > 1 run's)
 
 
 def make_case(seed: int, archs: tuple[str, ...] = ("v3", "v2", "v32", "glm-dsa")) -> Case:
@@ -75,7 +76,23 @@ def make_case(seed: int, archs: tuple[str, ...] = ("v3", "v2", "v32", "glm-dsa")
                 for _ in range(rng.randrange(2, 16))}
     return Case(arch, rng.choice(["background", "live", "blocking"]), layout,
                 rng.choice([4, 8, 16]), rng.choice([16, 24, 40]), rng.choice([8, 16, 64]),
-                switches, rounds)
+                switches, rounds, _options(random.Random(-1 - seed)))
+
+
+def _options(rng: random.Random) -> dict:
+    """Engine options the T > 1 run varies, from a stream of their own (so that adding one
+    leaves every seed's workload as it was): few running requests, no chunked prefill,
+    synchronous scheduling, every layout's projections resident."""
+    options = {}
+    if rng.random() < 0.25:
+        options["max_num_seqs"] = rng.choice([1, 2, 3])
+    if rng.random() < 0.2:
+        options["enable_chunked_prefill"] = False
+    if rng.random() < 0.25:
+        options["async_scheduling"] = False
+    if rng.random() < 0.25:
+        options["resident_projections"] = True
+    return options
 
 
 def _drive(llm: LLM, case: Case) -> list[object]:
@@ -118,7 +135,7 @@ def run_case(case: Case, world: int = 2) -> tuple[list[str], dict]:
     with LLM(path, tp_size=1, layout="tp", enable_prefix_caching=False, **opts) as llm:
         want = llm.generate([j.prompt for j in jobs], [j.params for j in jobs])
     with LLM(path, tp_size=world, layout=case.layout, switch_mode=case.mode,
-             kv_pages_per_rank=case.pages, **opts) as llm:
+             kv_pages_per_rank=case.pages, **opts, **case.options) as llm:
         got = _drive(llm, case)
         stats = llm.stats()
     bad = []
@@ -150,6 +167,6 @@ if __name__ == "__main__":
     for seed in map(int, sys.argv[1:]):
         case = make_case(seed)
         bad, stats = run_case(case)
-        print("OK " if not bad else "BAD", seed, case.arch, case.mode, case.layout,
+        print("OK " if not bad else "BAD", seed, case.arch, case.mode, case.layout, case.options,
               f"switches={len(stats['switches'])} preemptions={stats['num_preemptions']} "
               f"hits={stats['prefix_cache_hit_tokens']}", *bad, sep="  ", flush=True)

@@ -74,3 +74,17 @@ def test_warm_up_leaves_no_trace() -> None:
         llm.switch_layout("tp")  # hold tp: token identity needs one layout
         got = [o.token_ids for o in llm.generate(prompts, params)]
     assert got == ref
+
+
+def test_warm_up_without_chunked_prefill() -> None:
+    """Without chunked prefill a prompt must fit one step's token budget: the warm-up's long
+    prompts take the whole budget instead of two chunks (they were refused, and the engine
+    did not start), and generation after it gives transformers' greedy tokens."""
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    prompts = mixed_prompts(seed=4, lengths=(5, 12))
+    ref = hf_greedy(_model(), prompts, params.max_tokens)
+    with LLM(_model(), layout="tp", warmup=True, enable_chunked_prefill=False, page_size=4,
+             max_num_batched_tokens=12, **DEV) as llm:
+        assert llm.stats()["num_steps"] == 0
+        got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == ref

@@ -47,17 +47,21 @@ def _check(v, i, values, k):
 # a plain last pass follows the floor), (24, 64, 32, 2, 1, 32) keeps the tied row on the
 # exact fallback, and the last case needs more than 8 chunks for the constant row's k
 # survivors a chunk to pass the narrower registers
-@pytest.mark.parametrize("k,chunk,floor_n,group,rows,survivors,cols", [
-    (8, 32, 16, 8, 1, None, 192), (8, 32, 16, 8, 8, None, 192), (8, 64, 64, 4, 8, None, 600),
-    (24, 64, 32, 2, 8, None, 320), (4, 16, 16, 16, 8, None, 320),
+# parts: 4 where a part of the last pass starts inside the first k columns past a row's end
+# (the empty row's pads, counted across the floored pass's runs)
+@pytest.mark.parametrize("k,chunk,floor_n,group,rows,survivors,cols,parts", [
+    (8, 32, 16, 8, 1, None, 192, 2), (8, 32, 16, 8, 8, None, 192, 2),
+    (8, 64, 64, 4, 8, None, 600, 2), (24, 64, 32, 2, 8, None, 320, 4),
+    (4, 16, 16, 16, 8, None, 320, 2),
     # the survivors searched in narrower registers first, a row a program: smooth rows fit
     # them, the tied, constant and trend rows take the chunk or the exact fallback; the last
     # case's survivors fit one chunk (the narrower search, then no second chunk)
-    (8, 32, 16, 8, 1, 16, 256), (24, 64, 32, 2, 1, 32, 600), (4, 64, 16, 4, 1, 16, 600)])
-def test_floor_keeps_the_winners(device, k, chunk, floor_n, group, rows, survivors, cols):
+    (8, 32, 16, 8, 1, 16, 256, 2), (24, 64, 32, 2, 1, 32, 600, 2), (4, 64, 16, 4, 1, 16, 600, 2)])
+def test_floor_keeps_the_winners(device, k, chunk, floor_n, group, rows, survivors, cols,
+                                 parts):
     gen = torch.Generator().manual_seed(k + chunk)
     values = _rows(gen, cols)
-    cfg = {"CHUNK": chunk, "ROWS": rows, "PARTS": 2, "FLOOR_N": floor_n,
+    cfg = {"CHUNK": chunk, "ROWS": rows, "PARTS": parts, "FLOOR_N": floor_n,
            "SURVIVOR_CHUNK": survivors}
     floor = _group_max(values, group).to(device)  # G = cols / group > FLOOR_N: folded
     v, i = topk_rows(values.to(device), k, config=cfg, floor_max=floor)
