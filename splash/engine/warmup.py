@@ -18,10 +18,9 @@ def warm_up(engine: Any, layouts: list[str] | None = None) -> float:
     """Compile ``engine``'s kernels before the first user request: in each of ``layouts``
     (default: every layout the engine may use — all that fit under auto, else its own) serve
     one request per rank (two prefill chunks, or one whole budget without chunked prefill,
-    then decode steps), then one short request per
-    rank (a DSA model's dense steps), then the first requests again (from the prefix cache),
-    then return to the start layout and forget it all
-    (counters, switch history, prefix cache). Seconds."""
+    then decode steps), then one short request per rank (a DSA model's dense steps), then the
+    first requests again (from the prefix cache), then return to the start layout and forget
+    it all (counters, switch history, prefix cache). Seconds."""
     start = engine.layout
     if layouts is None:
         layouts = list(engine.setup.fitting) if engine.auto is not None else [start]

@@ -48,7 +48,7 @@ def _check(v, i, values, k):
 # exact fallback, and the last case needs more than 8 chunks for the constant row's k
 # survivors a chunk to pass the narrower registers
 # parts: 4 where a part of the last pass starts inside the first k columns past a row's end
-# (the empty row's pads, counted across the floored pass's runs)
+# (the empty row's pads, counted as ties before the part)
 @pytest.mark.parametrize("k,chunk,floor_n,group,rows,survivors,cols,parts", [
     (8, 32, 16, 8, 1, None, 192, 2), (8, 32, 16, 8, 8, None, 192, 2),
     (8, 64, 64, 4, 8, None, 600, 2), (24, 64, 32, 2, 8, None, 320, 4),
