@@ -16,6 +16,7 @@ import random
 import sys
 from dataclasses import dataclass
 
+import msgspec
 import pytest
 from tiny_models import DEV, checkpoint
 
@@ -76,7 +77,26 @@ def make_case(seed: int, archs: tuple[str, ...] = ("v3", "v2", "v32", "glm-dsa")
                 for _ in range(rng.randrange(2, 16))}
     return Case(arch, rng.choice(["background", "live", "blocking"]), layout,
                 rng.choice([4, 8, 16]), rng.choice([16, 24, 40]), rng.choice([8, 16, 64]),
-                switches, rounds, _options(random.Random(-1 - seed)))
+                switches, _with_extras(random.Random(10**6 + seed), rounds),
+                _options(random.Random(-1 - seed)))
+
+
+def _with_extras(rng: random.Random, rounds: list[list[Job]]) -> list[list[Job]]:
+    """Some jobs also ask for logprobs, prompt logprobs (a request that skips the prefix
+    cache) or a floor of tokens before a stop token counts, drawn from a stream of their own
+    (every seed's arrivals, prompts and lengths stay as they were)."""
+    for jobs in rounds:
+        for job in jobs:
+            extra: dict = {}
+            if rng.random() < 0.2:
+                extra["logprobs"] = rng.randrange(0, 4)
+            if rng.random() < 0.15:
+                extra["prompt_logprobs"] = rng.randrange(0, 3)
+            if job.params.stop_token_ids and rng.random() < 0.5:
+                extra["min_tokens"] = rng.randrange(0, job.params.max_tokens + 1)
+            if extra:
+                job.params = msgspec.structs.replace(job.params, **extra)
+    return rounds
 
 
 def _options(rng: random.Random) -> dict:
@@ -148,9 +168,33 @@ def run_case(case: Case, world: int = 2) -> tuple[list[str], dict]:
                 bad.append(f"job {i}: aborted, not a prefix: {gt} vs {wt}")
         elif (gt, g.finish_reason) != (wt, w.finish_reason):
             bad.append(f"job {i}: {gt} {g.finish_reason} ({g.error}) vs {wt} {w.finish_reason}")
+        else:
+            bad += [f"job {i}: {what}" for what in _logprob_diffs(g, w)]
     if stats["kv_pages_used"] != [0] * world:
         bad.append(f"pages still used: {stats['kv_pages_used']}")
     return bad, stats
+
+
+def _logprob_diffs(got, want, tol: float = 1e-3) -> list[str]:
+    """Where the logprobs asked for differ: per position the same chosen token and top-k
+    values within ``tol`` (fp32 sums in another order); the top-k's ids may differ only where
+    values tie within it."""
+    pairs = [(f"sample {g.index}", g.logprobs, w.logprobs) for g, w in zip(got.outputs, want.outputs)]
+    pairs.append(("prompt", got.prompt_logprobs, want.prompt_logprobs))
+    diffs = []
+    for name, gl, wl in pairs:
+        if (gl is None) != (wl is None) or len(gl or []) != len(wl or []):
+            diffs.append(f"{name} logprobs: {gl} vs {wl}")
+            continue
+        for pos, (a, b) in enumerate(zip(gl or [], wl or [])):
+            if (a is None) != (b is None) or a is None:
+                continue
+            va, vb = sorted(a.values()), sorted(b.values())
+            if len(va) != len(vb) or any(abs(x - y) > tol for x, y in zip(va, vb)):
+                diffs.append(f"{name} logprobs at {pos}: {a} vs {b}")
+            elif any(abs(a[t] - b[t]) > tol for t in set(a) & set(b)):
+                diffs.append(f"{name} logprobs at {pos}: {a} vs {b}")
+    return diffs
 
 
 # seeds whose runs switch several times, preempt, abort and hit the cache in round two

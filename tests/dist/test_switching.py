@@ -35,7 +35,7 @@ _PLAIN: dict = {}  # (world, gap) -> the circuit's requests without switches or 
 @pytest.mark.parametrize("world,mode,group_bytes,resident", [
     (2, "live", None, False), (4, "live", None, False), (2, "blocking", None, False),
     (2, "blocking", 1, False), (2, "background", None, False), (4, "background", None, False),
-    (2, "live", None, True), (4, "background", None, True)])
+    (2, "live", None, True), (4, "live", None, True)])
 def test_all_twelve_directions_token_identical(world, mode, group_bytes, resident, monkeypatch):
     if group_bytes is not None:
         monkeypatch.setattr(plans_module, "GROUP_BYTES", group_bytes)
