@@ -55,6 +55,21 @@ def test_bf16_v3_does_not_fit_h200_but_fp8_does(v3_plan: dict) -> None:
     assert fp8["layouts"][fp8["chosen"]]["feasible"]
 
 
+def test_kimi_k2_on_eight_h200s_needs_a_larger_memory_fraction() -> None:
+    """Where the same ranks hold the weights with a larger share of their memory, the plan says
+    so before asking for more ranks, and at that fraction a layout is chosen."""
+    p = plan("kimi-k2", "h200", 8, 16, 4096, weight_dtype="fp8", kv_dtype="fp8",
+             memory_fraction=0.85)
+    assert p["chosen"] is None
+    assert "--memory-fraction 0.95 would fit" in p["reason"] and "--tp" not in p["reason"]
+    more = plan("kimi-k2", "h200", 8, 16, 4096, weight_dtype="fp8", kv_dtype="fp8",
+                memory_fraction=0.95)
+    assert more["chosen"] and more["layouts"][more["chosen"]]["feasible"]
+    half = plan("kimi-k2", "h200", 4, 16, 4096, weight_dtype="fp8", kv_dtype="fp8",
+                memory_fraction=0.95)  # already at that fraction: more ranks
+    assert half["chosen"] is None and "; --tp 8 would fit" in half["reason"]
+
+
 def test_glm5_capacity_order_on_b200() -> None:
     p = plan("glm-5", "b200", 8, 16, 524288, weight_dtype="fp8", kv_dtype="fp8")
     cap = {n: lay["kv_capacity_tokens"] for n, lay in p["layouts"].items()}
