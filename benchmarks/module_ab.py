@@ -7,6 +7,7 @@ keep the two sides on the same clocks and allocations: differences of ~1% are re
 ``--swap MODULE:NAME`` is what changes: ``NAME`` in ``MODULE``'s namespace is replaced by the
 old file's ``NAME`` (or by the old module itself where ``NAME`` is a module there). Keyword
 arguments the old function does not take are dropped (a new parameter passed by the caller).
+A change across modules takes ``--old`` / ``--swap`` pairs, repeated in the same order.
 
     git show HEAD~1:kernels_triton/lse_merge.py > /tmp/old_lse_merge.py
     python3 benchmarks/module_ab.py --old /tmp/old_lse_merge.py \
@@ -41,6 +42,8 @@ def _old_value(old: types.ModuleType, current):
     if isinstance(current, types.ModuleType):
         return old
     fn = getattr(old, current.__name__)
+    if not inspect.isfunction(current):  # a kernel (launched as kernel[grid](...))
+        return fn
     params = inspect.signature(fn).parameters
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return fn
@@ -87,8 +90,10 @@ def _compare(run, use, reference=None) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--old", required=True, help="the earlier version of the module, a file")
-    ap.add_argument("--swap", required=True, help="MODULE:NAME replaced by the old file's")
+    ap.add_argument("--old", required=True, action="append",
+                    help="the earlier version of the module, a file (repeatable)")
+    ap.add_argument("--swap", required=True, action="append",
+                    help="MODULE:NAME replaced by the old file's (one per --old)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--fp8", action="store_true")
@@ -97,9 +102,15 @@ def main() -> int:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/module_ab.py needs a GPU")
+    if len(args.old) != len(args.swap):
+        sys.exit("module_ab.py: give one --swap for each --old")
     K.set_value_checks(False)
     dev = torch.device("cuda")
-    use = swapper(args.old, args.swap)
+    uses = [swapper(old, swap) for old, swap in zip(args.old, args.swap)]
+
+    def use(tag: str) -> None:
+        for one in uses:
+            one(tag)
     kind = "fp8" if args.fp8 else "bf16"
     rows = []
     if args.dsa:

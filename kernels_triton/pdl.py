@@ -7,8 +7,10 @@ the few-head Gluon decode kernels let their dependent (the merge) launch early, 
 is done (``_pdl_trigger``): triggered at a kernel's start, the next kernel's programs took SM
 slots while the indexer still ran and the DSA layer at 32K slowed 3% at 128 heads
 (``benchmarks/results/h200/dsa_pdl.json``); after the loop the 128-head kernels slowed 2-3%
-(``decode_pdl_scales.json``). A kernel not so launched (torch's) waits as usual, and a PDL
-kernel after it finds nothing to wait for."""
+(``decode_pdl_scales.json``); released after top-k's last search or after the few-head
+sparse MLA loop, the DSA layer moved within 1% either way (``dsa_pdl_release_tried.json``).
+A kernel not so launched (torch's) waits as usual, and a PDL kernel after it finds nothing to
+wait for."""
 
 from __future__ import annotations
 
