@@ -172,6 +172,10 @@ class DecodeGraphs:
         self.max_graphs, self.capture = max_graphs, capture
         self.min_width = min_width
         self.pool: Any = None
+        # one side stream for every capture's warm-up: the allocator caches a stream's freed
+        # blocks for that stream alone, so a new stream per capture kept a step's activations
+        # (and a cuBLAS workspace) cached for each graph
+        self.warm_stream: Any = None
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self.disabled = False
         self.replays = 0
@@ -282,13 +286,14 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
+            self.warm_stream = torch.cuda.Stream(self.device)
         ids = self.input_ids(padded.input_ids, padded)
         inputs = meta.inputs(impl)  # the static buffers from now on
         graph, hidden, error = torch.cuda.CUDAGraph(), None, ""
         with self.comm.capturing():
             # warm-up on a side stream: compiles kernels, connects the capture group's peers,
             # idempotent KV writes. A failure here is a failure of the step itself.
-            stream = torch.cuda.Stream(self.device)
+            stream = self.warm_stream
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 self.forward(ids, meta, impl)
