@@ -221,13 +221,26 @@ class _Transfer:
         return heads
 
 
+_pack_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _pack_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream every background transfer on ``device`` packs on. One for the process:
+    the allocator keeps a stream's freed blocks for that stream alone, so a new stream per
+    switch would leave each switch's pack buffers (up to a message, about 1 GiB) cached where
+    no later allocation reuses them."""
+    if device not in _pack_streams:
+        _pack_streams[device] = torch.cuda.Stream(device)
+    return _pack_streams[device]
+
+
 class PreCopy:
     """A background transfer: issued now, completed at the handoff (or dropped on cancel)."""
 
     def __init__(self, plan: SwitchPlan, comm: Comm, store: KVStore, attns: list[Any],
                  device: torch.device) -> None:
         self.xfer = _Transfer(plan, comm, store, attns, device)
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stream = _pack_stream(device) if device.type == "cuda" else None
         if self.stream is not None:  # pack beside the step's compute, after what came before
             self.stream.wait_stream(torch.cuda.current_stream(device))
         ctx = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
