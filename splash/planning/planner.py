@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from splash.backends.profiles import PROFILES, HardwareProfile, load_profile
 from splash.core.ownership import LAYOUT_NAMES, fitting_layouts, get_layout
@@ -140,11 +141,12 @@ _MAX_FRACTION = 0.95  # the largest memory fraction a suggestion asks for
 
 def _what_fits(base: dict) -> str:
     """The first of a few one-flag changes under which some layout holds a request."""
-    tries = [("--weight-dtype fp8", {"weight_dtype": "fp8"}),
-             ("--kv-dtype fp8", {"kv_dtype": "fp8"}),
-             # the same ranks with less left for activations, graphs and the allocator
-             (f"--memory-fraction {_MAX_FRACTION}", {"memory_fraction": _MAX_FRACTION}),
-             *((f"--tp {k * base['tp']}", {"tp": k * base["tp"]}) for k in (2, 4, 8))]
+    tries: list[tuple[str, dict[str, Any]]] = [
+        ("--weight-dtype fp8", {"weight_dtype": "fp8"}),
+        ("--kv-dtype fp8", {"kv_dtype": "fp8"}),
+        # the same ranks with less left for activations, graphs and the allocator
+        (f"--memory-fraction {_MAX_FRACTION}", {"memory_fraction": _MAX_FRACTION}),
+        *((f"--tp {k * base['tp']}", {"tp": k * base["tp"]}) for k in (2, 4, 8))]
     for flag, change in tries:
         if all(base[k] == v for k, v in change.items()):
             continue
@@ -156,7 +158,7 @@ def _what_fits(base: dict) -> str:
             continue
         if alt["chosen"]:
             return f"; {flag} would fit ({alt['reason']})"
-    return "; no single change of dtypes or rank count makes it fit"
+    return "; no single change of dtypes, memory fraction or rank count makes it fit"
 
 
 def plan_main(args) -> int:
