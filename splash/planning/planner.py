@@ -145,13 +145,12 @@ def _what_fits(base: dict) -> str:
         ("--weight-dtype fp8", {"weight_dtype": "fp8"}),
         ("--kv-dtype fp8", {"kv_dtype": "fp8"}),
         # the same ranks with less left for activations, graphs and the allocator
-        (f"--memory-fraction {_MAX_FRACTION}", {"memory_fraction": _MAX_FRACTION}),
+        *([(f"--memory-fraction {_MAX_FRACTION}", {"memory_fraction": _MAX_FRACTION})]
+          if base["memory_fraction"] < _MAX_FRACTION else []),
         *((f"--tp {k * base['tp']}", {"tp": k * base["tp"]}) for k in (2, 4, 8))]
     for flag, change in tries:
         if all(base[k] == v for k, v in change.items()):
             continue
-        if base["memory_fraction"] >= change.get("memory_fraction", 1.0):
-            continue  # already that much or more
         try:
             alt = plan(**{**base, **change}, suggest=False)
         except ConfigError:

@@ -24,6 +24,7 @@ without rows of its own; the plan says which collectives a switch has.
 
 from __future__ import annotations
 
+import functools
 import time
 from contextlib import nullcontext
 from typing import Any
@@ -221,17 +222,13 @@ class _Transfer:
         return heads
 
 
-_pack_streams: dict[torch.device, torch.cuda.Stream] = {}
-
-
+@functools.cache
 def _pack_stream(device: torch.device) -> torch.cuda.Stream:
     """The side stream every background transfer on ``device`` packs on. One for the process:
     the allocator keeps a stream's freed blocks for that stream alone, so a new stream per
     switch would leave each switch's pack buffers (up to a message, about 1 GiB) cached where
     no later allocation reuses them."""
-    if device not in _pack_streams:
-        _pack_streams[device] = torch.cuda.Stream(device)
-    return _pack_streams[device]
+    return torch.cuda.Stream(device)
 
 
 class PreCopy:
