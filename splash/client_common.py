@@ -9,7 +9,7 @@ from typing import Any
 import zmq
 
 from splash import envs
-from splash.errors import ConfigError, ProtocolError, RequestTimeoutError
+from splash.errors import ConfigError, InvalidRequestError, ProtocolError, RequestTimeoutError
 from splash.outputs import Logprobs, RequestOutput
 from splash.sampling_params import SamplingParams
 from splash.server import protocol as P
@@ -42,6 +42,10 @@ class _Base:
 
     def _generate_msg(self, prompt_ids: list[int], params: SamplingParams | None,
                       stream: bool) -> P.Request:
+        if isinstance(prompt_ids, (str, bytes)):  # list("hi") would go out as two "ids"
+            raise InvalidRequestError(
+                "the ZMQ client sends token ids, not text: encode the prompt with the model's "
+                "tokenizer first, or send text to the HTTP server (/v1/completions)")
         return self._msg(P.Generate, prompt_token_ids=list(prompt_ids), stream=stream,
                          params=P.params_to_wire(params))
 

@@ -47,6 +47,9 @@ def test_generate_stream_and_control() -> None:
             c.generate([], GREEDY)
         with pytest.raises(InvalidRequestError, match="max_tokens"):
             c.generate([1], {"max_tokens": 0})  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequestError, match="token ids, not text"):
+            c.generate("hello", GREEDY)  # type: ignore[arg-type]
+        assert c.health() is True
         with pytest.raises(NotFoundError):
             c.abort("nope")
 
