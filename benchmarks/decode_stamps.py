@@ -63,6 +63,8 @@ KERNELS = {
         ("s = warpgroup_mma_wait(0, deps=(s_tok,))", 0, 2, "after"),
         ("for i in gl.static_range(3):", 0, 3, "before"),
         ("stride_lon, L, BH, LOW_SPLITS, mma, num_warps)", 0, 4, "after"),
+        ("_start_copies(None, None, kn_desc", 0, 5, "after"),
+        ("_stage_pages(bt_row, stride_btp, start, end, pages", 0, 6, "after"),
     ], ("block_table, o_part, o_low, lse_part, out, lse, items,",
         "block_table, o_part, o_low, lse_part, out, lse, items, _stamp_buffer(),"),
         ("plan_ptr,  # as the tokens kernels'", "plan_ptr, stamp_ptr,")),
@@ -78,6 +80,10 @@ KERNELS = {
         ("plan_ptr,  # (programs, 4) int32: request, splits, start, end",
          "plan_ptr, stamp_ptr,")),
 }
+
+
+# stamps past the five phases (k 5, 6 where a kernel has them): entry to each, per program
+MARKS = {"copies_issued": 5, "pages_staged": 6}
 
 
 def patched_source(kind: str) -> str:
@@ -140,7 +146,7 @@ def stats(buf, layers: int, programs: int) -> list[dict]:
         live = x[:, 1] > 0
         x = x[live]
         g = (x[:, 1:6] - base).double() / 1000.0  # us
-        c = (x[:, 8:13]).double()
+        c = (x[:, 8:15]).double()
         start, end = float(g[:, 0].min()), float(g[:, 4].max())
         cyc = 1.98e3  # %clock64 cycles an us at the H200's 1.98 GHz
         row = {"layer": k, "programs": int(live.sum()), "start_us": round(start, 2),
@@ -152,6 +158,8 @@ def stats(buf, layers: int, programs: int) -> list[dict]:
                "first_tile_us": qs((c[:, 2] - c[:, 1]) / cyc),
                "loop_us": qs((c[:, 3] - c[:, 2]) / cyc),
                "epilogue_us": qs((c[:, 4] - c[:, 3]) / cyc),
+               **{f"entry_to_{name}_us": qs((c[:, k] - c[:, 0]) / cyc)
+                  for name, k in MARKS.items() if bool((c[:, k] != 0).all())},
                "sms": int(torch.unique(x[:, 0]).numel())}
         prev_end = end
         rows.append(row)
