@@ -1,8 +1,10 @@
 """Where a Gluon decode program's time goes: a copy of the kernel's module with stamps
 (%globaltimer, %clock64, %smid) written at five points of every program (entry, query ready,
-tile 0's scores, the tile loop's end, the stores' end), swapped into ``mla_decode`` for 8
-layers a CUDA graph (``decode_programs.py``'s shapes); per layer: the programs' start skew,
-each phase's median / p90 / max (us, from %clock64 at 1.98 GHz), the gap to the layer before.
+tile 0's scores, the tile loop's end, the stores' end; ``tokens_fp8`` also marks its copies
+issued and its page ids staged, ``MARKS``), swapped into ``mla_decode`` for 8 layers a CUDA
+graph (``decode_programs.py``'s shapes); per layer: the programs' start skew, each phase's
+median / p90 / max (us, from %clock64 at 1.98 GHz; the marks from entry), the gap to the
+layer before.
 The copy is made from the tree's source at run time (the anchors below name the statements
 stamped); outputs are checked bit-identical to the unstamped kernel's. ``--emit`` prints the
 stamped source (compile it offline with ``gluon_offline.py``'s ``compile_sm90``).
