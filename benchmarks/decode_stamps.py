@@ -147,12 +147,16 @@ def stats(buf, layers: int, programs: int) -> list[dict]:
         x = t[k]
         live = x[:, 1] > 0
         x = x[live]
+        start = float((x[:, 1] - base).min()) / 1000.0
+        # a plan's padding items (no request) stamp their entry only: phases over the others
+        idle = int((x[:, 12] == 0).sum())
+        x = x[x[:, 12] != 0]
         g = (x[:, 1:6] - base).double() / 1000.0  # us
         c = (x[:, 8:15]).double()
-        start, end = float(g[:, 0].min()), float(g[:, 4].max())
+        end = float(g[:, 4].max())
         cyc = 1.98e3  # %clock64 cycles an us at the H200's 1.98 GHz
-        row = {"layer": k, "programs": int(live.sum()), "start_us": round(start, 2),
-               "span_us": round(end - start, 2),
+        row = {"layer": k, "programs": int(live.sum()), "idle_programs": idle,
+               "start_us": round(start, 2), "span_us": round(end - start, 2),
                "gap_from_prev_us": None if prev_end is None else round(start - prev_end, 2),
                "start_skew_q50_90_max": qs(g[:, 0] - start),
                "end_q50_90_max": qs(g[:, 4] - start),
