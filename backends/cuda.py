@@ -64,7 +64,12 @@ class CUDABackend(BaseBackend):
         # 64 x 4K 0.269 -> 0.225, 64 x 32K 1.93 -> 1.52, 128 x 1K 0.158 -> 0.147 (bf16 0.181 /
         # 1.352 / 0.106); then as one-warpgroup programs of 32 heads, two an SM
         # (decode_heads_fp8_tried_s29.json): 8 x 32K 0.232 -> 0.214, 128 x 1K 0.147 -> 0.131,
-        # 64 x 32K 1.526 either way.
+        # 64 x 32K 1.526 either way. Then two warpgroups on 64 heads again, with the widening
+        # and the tile copies in a warpgroup of their own and the rows' scales by TMA
+        # ("fp8_widen_worker", mla_decode_heads_fp8_ws; H100, same run,
+        # results/h100/decode_heads_fp8_ws.json): 64 x 4K 0.2066 -> 0.1760 (bf16 0.1752),
+        # 64 x 32K 1.519 -> 1.176 (1.301), 8 x 32K 0.2049 -> 0.1770 (0.1784), 2 x 128K
+        # 0.2071 -> 0.1682 (0.1791), 128 x 1K 0.1118 -> 0.1077 (0.0985).
         # Few heads with "fp8_query" (mla_decode_tokens_fp8: e4m3 stages by TMA, fp8 scores,
         # the value operand widened in registers; decode_tokens_fp8_regs.json, against the
         # tile widened in shared memory, bf16 in the same run): 64 x 4K 0.1184 -> 0.0659
@@ -94,7 +99,8 @@ class CUDABackend(BaseBackend):
                         "many_heads": {"BLOCK_N": 64, "gather_pages": False, "num_warps": 8,
                                        "num_stages": 2, "programs_per_sm": 1,
                                        "fp8_fp16": True, "gluon_programs_per_sm": 1,
-                                       "fp8_query": True, "fp8_register_values": True}},
+                                       "fp8_query": True, "fp8_register_values": True,
+                                       "fp8_widen_worker": True}},
             },
         },
         # mla_sparse (benchmarks/results/h200/dsa_sweep.json, batch 16 x 2,048 selected rows):

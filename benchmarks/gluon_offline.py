@@ -29,6 +29,7 @@ except ImportError:
 from splash.kernels_triton import dsa_index_gluon as index_gluon
 from splash.kernels_triton import mla_decode_gluon_tiles as tiles
 from splash.kernels_triton import mla_decode_heads_fp8 as heads_fp8
+from splash.kernels_triton import mla_decode_heads_fp8_ws as heads_fp8_ws
 from splash.kernels_triton import mla_decode_heads_gluon as heads
 from splash.kernels_triton import mla_decode_tokens_fp8 as tokens_fp8
 from splash.kernels_triton import mla_decode_tokens_gluon as tokens
@@ -39,7 +40,7 @@ OUTS = dict(bt_ptr="*i32", o_ptr="*fp32", o_low_ptr="*bf16", lse_ptr="*fp32", ou
 
 
 def compile_sm90(fn, types: dict, constants: dict, num_warps: int, sass: str | None,
-                 name: str) -> str:
+                 name: str, maxnreg: int | None = None) -> str:
     """One kernel compiled for sm_90a; ptxas's resource line (and its SASS into ``sass``, as
     ``name``.sass)."""
     names = fn.arg_names
@@ -49,7 +50,8 @@ def compile_sm90(fn, types: dict, constants: dict, num_warps: int, sass: str | N
     src = GluonASTSource(fn, signature, {(names.index(k),): v for k, v in constants.items()},
                          aligned)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": num_warps})
+                            options={"num_warps": num_warps,
+                                     **({"maxnreg": maxnreg} if maxnreg else {})})
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
@@ -110,6 +112,10 @@ def main() -> int:
     runs.append(("heads fp8 (values in registers, q quantised in the kernel)",
                  heads_fp8._mla_decode_fp8_heads_kernel,
                  {**OUTS, **descriptors(e4m3, e4m3, heads_fp8.BH), "q_ptr": "*bf16"}, base, 4))
+    runs.append(("heads fp8 (widened by a worker warpgroup)",
+                 heads_fp8_ws._mla_decode_heads_fp8_ws_kernel,
+                 {**OUTS, **descriptors(e4m3, e4m3, heads_fp8_ws.BH)}, base, 8,
+                 heads_fp8_ws.MAXNREG))
     keys = tiles.descriptor(torch.empty(1024, 128, dtype=e4m3), 128)
     runs.append(("DSA indexer scores (decode)", index_gluon._index_scores_gluon_kernel,
                  {"k_desc": mangle_type(keys), "ks_desc": descriptors(e4m3, e4m3, 16)["ks_desc"], "q_ptr": "*bf16",
@@ -119,9 +125,10 @@ def main() -> int:
                  {"I": 128, "BH": 64, "PS": 64, "STAGES": 4, "GROUP": 8}, 4))
     only = [r for r in runs if args.only and args.only in r[0]]
     runs = only or runs
-    for name, fn, types, constants, warps in runs:
-        print(f"{name}: {compile_sm90(fn, types, {**constants, 'num_warps': warps}, warps, args.sass, name)}",
-              flush=True)
+    for name, fn, types, constants, warps, *cap in runs:
+        info = compile_sm90(fn, types, {**constants, "num_warps": warps}, warps, args.sass, name,
+                            *cap)
+        print(f"{name}: {info}", flush=True)
     return 0
 
 

@@ -1,7 +1,9 @@
 """MLA decode for many heads over an e4m3 cache on Hopper, in Gluon: the value product turned
 around (``outᵀ = Vᵀ · pᵀ``) so that the fp8 tile feeds both products as it landed, with no
-widened copy of it in shared memory (``config["fp8_register_values"]``, the CUDA default
-above 32 heads; q read in e4m3, ``config["fp8_query"]``).
+widened copy of it in shared memory (``config["fp8_register_values"]``; q read in e4m3,
+``config["fp8_query"]``). Above 32 heads on CUDA ``mla_decode_heads_fp8_ws`` serves first
+(``config["fp8_widen_worker"]``, 1.15-1.29x this kernel's speed on an H100 at 128 heads);
+this one serves with that off.
 
 A program is one warpgroup holding 32 heads of one request over one split of the balanced
 plan, two programs an SM (101 KB of shared memory, 255 registers each), so that one's softmax

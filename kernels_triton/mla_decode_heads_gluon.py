@@ -151,6 +151,14 @@ if gluon is not None:
         for its own columns (``l_acc``; one reduction after the last tile instead of one a
         tile across the warpgroups: 2-5% faster at 128 heads, decode_heads_defer_sum.json).
         ``MAYBE_EMPTY``: a tile may hold no token (a sparse tile of skipped slots)."""
+        p, alpha, m_new, l_acc = _softmax_step(s, ok, m_i, l_acc, MAYBE_EMPTY)
+        p_op = gl.convert_layout((p * ks[None, :]).to(dtype), p_layout)
+        return p_op, gl.convert_layout(alpha, gl.SliceLayout(1, mma_o)), m_new, l_acc
+
+    @gluon.jit
+    def _softmax_step(s, ok, m_i, l_acc, MAYBE_EMPTY: gl.constexpr = False):
+        """``_softmax``'s arithmetic: p in the scores' layout, the rescale, the running max
+        and the threads' sums of p."""
         s = gl.where(ok[None, :], s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))  # finite unless MAYBE_EMPTY
         m_use = m_new
@@ -158,9 +166,46 @@ if gluon is not None:
             m_use = gl.where(m_new > float("-inf"), m_new, 0.0)
         alpha = gl.exp2(m_i - m_use)
         p = gl.exp2(s - m_use[:, None])
-        l_acc = l_acc * alpha[:, None] + p
-        p_op = gl.convert_layout((p * ks[None, :]).to(dtype), p_layout)
-        return p_op, gl.convert_layout(alpha, gl.SliceLayout(1, mma_o)), m_new, l_acc
+        return p, alpha, m_new, l_acc * alpha[:, None] + p
+
+    @gluon.jit
+    def _store_heads(acc, m_i, l_acc, g, pid, n, count, H, o_ptr, o_low_ptr, lse_ptr, out_ptr,
+                     lse_out_ptr, stride_os, stride_oh, stride_ls, stride_outn, stride_outh,
+                     stride_lon, L: gl.constexpr, LOW_SPLITS: gl.constexpr,
+                     mma_s: gl.constexpr, mma_o: gl.constexpr, num_warps: gl.constexpr):
+        """The program's 64 heads normalised (``acc``, the running max ``m_i`` and the
+        threads' sums ``l_acc``) into the output (a request's only split) or the split's
+        partial rows and lse, as the plan says."""
+        l_i = gl.sum(l_acc, axis=1)
+        has = l_i > 0.0
+        l_safe = gl.where(has, l_i, 1.0)
+        lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        res = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, mma_o))[:, None]
+        heads = g * GH + gl.arange(0, GH, layout=gl.SliceLayout(1, mma_o))
+        oc = gl.arange(0, L, layout=gl.SliceLayout(0, mma_o))
+        mask = (heads < H)[:, None]
+        lh = g * GH + gl.arange(0, GH, layout=gl.SliceLayout(1, mma_s))
+        if count == 1:
+            # the output from a layout of 8 consecutive columns a thread (one pass through
+            # shared memory, which the stages have freed): the MMA's layout wrote 4-byte
+            # pieces (128 x 1K 0.1054 -> 0.0966 ms a layer, 64 x 4K 0.1805 -> 0.1785); the
+            # partial rows keep the MMA's stores (through it: 2 x 128K, fp32 rows, 0.1777
+            # -> 0.184; the sparse form's 16-bit rows 2-3% slower)
+            row8: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+            h_st = g * GH + gl.arange(0, GH, layout=gl.SliceLayout(1, row8))
+            c_st = gl.arange(0, L, layout=gl.SliceLayout(0, row8))
+            o = out_ptr + n.to(gl.int64) * stride_outn + h_st[:, None] * stride_outh
+            gl.store(o + c_st[None, :],
+                     gl.convert_layout(res.to(out_ptr.dtype.element_ty), row8),
+                     mask=(h_st < H)[:, None])
+            gl.store(lse_out_ptr + n * stride_lon + lh, lse, mask=lh < H)
+        else:
+            part = pid * stride_os + heads[:, None] * stride_oh + oc[None, :]
+            if count <= LOW_SPLITS:
+                gl.store(o_low_ptr + part, res.to(o_low_ptr.dtype.element_ty), mask=mask)
+            else:
+                gl.store(o_ptr + part, res, mask=mask)
+            gl.store(lse_ptr + pid * stride_ls + lh, lse, mask=lh < H)
 
     # splits stays a runtime int: one split a row compiled as a constant 1 trips an assertion
     # in Triton 3.6's lowering to LLVM
@@ -289,37 +334,9 @@ if gluon is not None:
             for i in gl.static_range(3):
                 mbarrier.invalidate(bars.index(i))
 
-            l_i = gl.sum(l_acc, axis=1)
-            has = l_i > 0.0
-            l_safe = gl.where(has, l_i, 1.0)
-            lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-            res = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, mma_o))[:, None]
-            heads = g * GH + gl.arange(0, GH, layout=gl.SliceLayout(1, mma_o))
-            oc = gl.arange(0, L, layout=gl.SliceLayout(0, mma_o))
-            mask = (heads < H)[:, None]
-            lh = g * GH + gl.arange(0, GH, layout=gl.SliceLayout(1, mma_s))
-            if count == 1:
-                # the output from a layout of 8 consecutive columns a thread (one pass through
-                # shared memory, which the stages have freed): the MMA's layout wrote 4-byte
-                # pieces (128 x 1K 0.1054 -> 0.0966 ms a layer, 64 x 4K 0.1805 -> 0.1785); the
-                # partial rows keep the MMA's stores (through it: 2 x 128K, fp32 rows, 0.1777
-                # -> 0.184; the sparse form's 16-bit rows 2-3% slower)
-                row8: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
-                h_st = g * GH + gl.arange(0, GH, layout=gl.SliceLayout(1, row8))
-                c_st = gl.arange(0, L, layout=gl.SliceLayout(0, row8))
-                o = out_ptr + n.to(gl.int64) * stride_outn + h_st[:, None] * stride_outh
-                gl.store(o + c_st[None, :],
-                         gl.convert_layout(res.to(out_ptr.dtype.element_ty), row8),
-                         mask=(h_st < H)[:, None])
-                gl.store(lse_out_ptr + n * stride_lon + lh, lse, mask=lh < H)
-            else:
-                part = pid * stride_os + heads[:, None] * stride_oh + oc[None, :]
-                if count <= LOW_SPLITS:
-                    gl.store(o_low_ptr + part, res.to(o_low_ptr.dtype.element_ty), mask=mask)
-                else:
-                    gl.store(o_ptr + part, res, mask=mask)
-                gl.store(lse_ptr + pid * stride_ls + lh, lse, mask=lh < H)
-
+            _store_heads(acc, m_i, l_acc, g, pid, n, count, H, o_ptr, o_low_ptr, lse_ptr,
+                         out_ptr, lse_out_ptr, stride_os, stride_oh, stride_ls, stride_outn,
+                         stride_outh, stride_lon, L, LOW_SPLITS, mma_s, mma_o, num_warps)
 
 
 def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,

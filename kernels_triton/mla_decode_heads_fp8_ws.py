@@ -1,0 +1,235 @@
+"""MLA decode for many heads over an e4m3 cache on Hopper, in Gluon, warp-specialised
+(``config["fp8_widen_worker"]``): the many-head Gluon kernel's e4m3 form
+(``mla_decode_heads_gluon``: two warpgroups on 64 heads, fp8 x fp8 scores, the value columns
+widened to fp16 in shared memory) with the widening and the tile copies moved out of the
+warpgroups that multiply, into a warpgroup of their own (``gl.warp_specialize``).
+
+Partitions of one program, meeting on mbarriers:
+
+    products (8 warps)   tile i's softmax (its rows' scales from the stage), p in fp16 into
+                         shared memory, then arrives ``scored`` of the stage (its scores and
+                         scales are read); waits ``ready``; issues out += p · wv; issues
+                         tile i + 1's scores once it landed; the value product done, arrives
+                         ``free``
+    widener (4 warps)    per tile: waits for it to land and for ``free``; widens its value
+                         columns to fp16 into ``wv`` (rows past a split's end as zeros);
+                         arrives ``ready``; once ``scored``, copies the tile ``STAGES`` ahead
+                         into the stage (its 64 rows of latent and rope, and their scales)
+
+so the widening (32 K conversions a tile) runs beside the products and the softmax instead of
+between them, and the copies wait on nothing but their stage. Three e4m3 stages (36 KB
+each), the e4m3 query (36 KB), one widened tile (64 KB) and p (8 KB): 217 KB, one program an
+SM; the widener keeps 24 registers a thread, the products 240 (no spills in the loop; the
+output's stores after it spill ~1.4 KB).
+
+H100, a layer, 128 heads, against ``mla_decode_heads_fp8`` (32-head one-warpgroup programs
+widening in registers, two an SM) and bf16 KV in the same run
+(``benchmarks/results/h100/decode_heads_fp8_ws.json``): 64 x 4K 0.2066 -> 0.1760 ms (bf16
+0.1752), 64 x 32K 1.519 -> 1.176 (1.301), 8 x 32K 0.2049 -> 0.1770 (0.1784), 2 x 128K
+0.2071 -> 0.1682 (0.1791), 64 over 1K-32K 1.425 -> 1.192 (1.272), 128 x 1K 0.1118 -> 0.1077
+(0.0985). With the scales loaded from global memory at each tile's softmax instead, the load's
+latency sat in front of it: 64 x 32K 1.423, 128 x 1K 0.1232.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from splash.kernels_triton.kv_cache_ops import quantise_rows
+from splash.kernels_triton.mla_decode_gluon_tiles import BN, descriptor, scale_descriptor, tma_rows
+from splash.kernels_triton.pdl import pdl
+
+try:  # Gluon ships with Triton 3.5 and later
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    from splash.kernels_triton.mla_decode_gluon_tiles import (
+        _load_tile,
+        _plan_item,
+        _tile_scales,
+    )
+    from splash.kernels_triton.mla_decode_heads_gluon import (
+        _scores,
+        _softmax_step,
+        _store_heads,
+        _widen_values,
+    )
+except ImportError:  # pragma: no cover - an older Triton: the other kernels serve
+    gluon = None
+
+BH = 64  # heads a program
+STAGES = 3  # e4m3 tiles in flight
+WIDEN_WARPS = 4
+WIDEN_REGS = 24  # registers a widener thread (setmaxnreg): the products' warps keep 240
+MAXNREG = 168  # 12 warps an SM: 65,536 registers / 384 threads
+
+
+def serves(kv: torch.Tensor, cfg: dict) -> bool:
+    """Whether this kernel takes an e4m3 cache where the many-head Gluon kernel would
+    (``mla_decode_heads_gluon.usable``, q read in e4m3): ``config["fp8_widen_worker"]``."""
+    return gluon is not None and kv.dtype == torch.float8_e4m3fn \
+        and bool(cfg.get("fp8_query")) and bool(cfg.get("fp8_widen_worker"))
+
+
+if gluon is not None:
+    GH = gl.constexpr(BH)
+    GN = gl.constexpr(BN)
+    GS = gl.constexpr(STAGES)
+    GW = gl.constexpr(WIDEN_WARPS)
+    GR = gl.constexpr(WIDEN_REGS)
+
+    @gluon.jit
+    def _widener(kn_s, kr_s, ks_s, wv, tile_bars, ready, free, scored, kn_desc, kr_desc,
+                 ks_desc, bt_row, stride_btp, start, end, tiles, L: gl.constexpr,
+                 PS: gl.constexpr):
+        S: gl.constexpr = kn_s.shape[0]
+        for i in range(tiles):
+            st = i % S
+            t0 = start + i * GN
+            mbarrier.wait(tile_bars.index(st), (i // S) & 1)
+            mbarrier.wait(free, (i & 1) ^ 1)  # the value product before is done with wv
+            _widen_values(kn_s.index(st), wv, end - t0, L, gl.num_warps())
+            fence_async_shared()
+            mbarrier.arrive(ready, count=1)
+            if i + S < tiles:  # the stage again once both have read it
+                mbarrier.wait(scored.index(st), (i // S) & 1)
+                fence_async_shared()
+                _load_tile(kn_desc, kr_desc, ks_desc, bt_row, stride_btp, t0 + S * GN,
+                           kn_s.index(st), kr_s.index(st), ks_s.index(st),
+                           tile_bars.index(st), L, PS)
+
+    @gluon.jit
+    def _products(qn_s, qr_s, kn_s, kr_s, ks_s, wv, p_s, tile_bars, q_bar, ready, free, scored,
+                  qsc, start, end, tiles, L: gl.constexpr, mma_s: gl.constexpr,
+                  mma_o: gl.constexpr):
+        S: gl.constexpr = kn_s.shape[0]
+        acc = gl.zeros((GH, L), gl.float32, layout=mma_o)
+        m_i = gl.full((GH,), float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma_s))
+        l_acc = gl.zeros((GH, GN), gl.float32, layout=mma_s)
+        cols = gl.arange(0, GN, layout=gl.SliceLayout(0, mma_s))
+        s = gl.zeros((GH, GN), gl.float32, layout=mma_s)
+        mbarrier.wait(q_bar, 0)
+        if tiles > 0:  # tile 0's scores
+            mbarrier.wait(tile_bars.index(0), 0)
+            s = warpgroup_mma_wait(0, deps=(_scores(qn_s, qr_s, kn_s.index(0), kr_s.index(0),
+                                                    s),))
+        for i in range(tiles):  # s: tile i's scores
+            t0 = start + i * GN
+            ks, ok = _tile_scales(ks_s.index(i % S), t0, end, cols)
+            p, alpha, m_i, l_acc = _softmax_step(s * qsc[:, None] * ks[None, :], ok, m_i,
+                                                 l_acc)
+            p_s.store((p * ks[None, :]).to(gl.float16))  # both warpgroups' halves of p
+            alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(scored.index(i % S), count=1)  # the stage's scores, scales read
+            mbarrier.wait(ready, i & 1)
+            acc_tok = warpgroup_mma(p_s, wv, acc * alpha_o[:, None], is_async=True)
+            if i + 1 < tiles:
+                st = (i + 1) % S
+                mbarrier.wait(tile_bars.index(st), ((i + 1) // S) & 1)
+                s_tok = _scores(qn_s, qr_s, kn_s.index(st), kr_s.index(st), s)
+                acc = warpgroup_mma_wait(1, deps=(acc_tok,))
+                gl.thread_barrier()
+                mbarrier.arrive(free, count=1)
+                s = warpgroup_mma_wait(0, deps=(s_tok,))
+            else:
+                acc = warpgroup_mma_wait(0, deps=(acc_tok,))
+        return acc, m_i, l_acc
+
+    @gluon.jit
+    def _mla_decode_heads_fp8_ws_kernel(
+        qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: e4m3 q (N * H, L + R), kv (pages * PS, ..)
+        ks_desc,  # TMA: the rows' scales (pages, PS) fp32, a tile's row
+        qscale_ptr,  # (N * H,) fp32: q's per-head scales
+        bt_ptr, o_ptr, o_low_ptr, lse_ptr, out_ptr, lse_out_ptr, plan_ptr,  # as heads_gluon's
+        qk_scale, H, N,
+        stride_btn, stride_btp,
+        stride_os, stride_oh,
+        stride_ls,
+        stride_outn, stride_outh,
+        stride_lon,
+        L: gl.constexpr, R: gl.constexpr, PS: gl.constexpr, LOW_SPLITS: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        g = gl.program_id(0)
+        pid = gl.program_id(1)
+        n, count, start, end = _plan_item(plan_ptr, pid, N, 1, 0, 0, False)
+        if n < N:
+            mma_s: gl.constexpr = gl.NVMMADistributedLayout(  # fp8: an MMA's K is 32
+                version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, GN // 2, 32])
+            mma_o: gl.constexpr = gl.NVMMADistributedLayout(
+                version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, L // 2, 16])
+            qn_s = gl.allocate_shared_memory(qn_desc.dtype, [GH, L], qn_desc.layout)
+            qr_s = gl.allocate_shared_memory(qr_desc.dtype, [GH, R], qr_desc.layout)
+            kn_s = gl.allocate_shared_memory(kn_desc.dtype, [GS, GN, L], kn_desc.layout)
+            kr_s = gl.allocate_shared_memory(kr_desc.dtype, [GS, GN, R], kr_desc.layout)
+            ks_s = gl.allocate_shared_memory(gl.float32, [GS, 1, GN], ks_desc.layout)
+            wv = gl.allocate_shared_memory(
+                gl.float16, [GN, L], gl.NVMMASharedLayout.get_default_for([GN, L], gl.float16))
+            p_s = gl.allocate_shared_memory(  # p, the value product's A operand
+                gl.float16, [GH, GN], gl.NVMMASharedLayout.get_default_for([GH, GN], gl.float16))
+            tile_bars = gl.allocate_shared_memory(gl.int64, [GS, 1],
+                                                  mbarrier.MBarrierLayout())
+            scored = gl.allocate_shared_memory(gl.int64, [GS, 1], mbarrier.MBarrierLayout())
+            bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(GS):
+                mbarrier.init(tile_bars.index(i), count=1)
+                mbarrier.init(scored.index(i), count=1)
+            for i in gl.static_range(3):  # the query's copy, wv ready, wv free
+                mbarrier.init(bars.index(i), count=1)
+            bt_row = bt_ptr + n.to(gl.int64) * stride_btn
+            tiles = (end - start + GN - 1) // GN
+            q_bar = bars.index(0)
+            mbarrier.expect(q_bar, qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(qn_desc, [n * H + g * GH, 0], q_bar, qn_s)
+            tma.async_copy_global_to_shared(qr_desc, [n * H + g * GH, L], q_bar, qr_s)
+            for j in gl.static_range(GS):
+                if j < tiles:
+                    _load_tile(kn_desc, kr_desc, ks_desc, bt_row, stride_btp, start + j * GN,
+                               kn_s.index(j), kr_s.index(j), ks_s.index(j),
+                               tile_bars.index(j), L, PS)
+            hs = g * GH + gl.arange(0, GH, layout=gl.SliceLayout(1, mma_s))
+            qsc = gl.load(qscale_ptr + n * H + hs, mask=hs < H, other=0.0) * qk_scale
+            acc, m_i, l_acc = gl.warp_specialize([
+                (_products, (qn_s, qr_s, kn_s, kr_s, ks_s, wv, p_s, tile_bars, q_bar,
+                             bars.index(1), bars.index(2), scored, qsc, start, end, tiles, L,
+                             mma_s, mma_o)),
+                (_widener, (kn_s, kr_s, ks_s, wv, tile_bars, bars.index(1), bars.index(2),
+                            scored, kn_desc, kr_desc, ks_desc, bt_row, stride_btp, start, end,
+                            tiles, L, PS)),
+            ], [GW], [GR])
+            for i in gl.static_range(GS):
+                mbarrier.invalidate(tile_bars.index(i))
+                mbarrier.invalidate(scored.index(i))
+            for i in gl.static_range(3):
+                mbarrier.invalidate(bars.index(i))
+            _store_heads(acc, m_i, l_acc, g, pid, n, count, H, o_ptr, o_low_ptr, lse_ptr,
+                         out_ptr, lse_out_ptr, stride_os, stride_oh, stride_ls, stride_outn,
+                         stride_outh, stride_lon, L, LOW_SPLITS, mma_s, mma_o, num_warps)
+
+
+def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
+           o_part: torch.Tensor, o_low: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
+           lse: torch.Tensor, items: torch.Tensor, qk_scale: float, low: int) -> None:
+    """Head groups of 64 x one program per plan item (``mla_decode``'s balanced plan), q
+    quantised to e4m3 with a scale a head first (``quantise_rows``)."""
+    N, H, D = q.shape
+    L = out.shape[2]
+    q8, q_scale = quantise_rows(q.reshape(N * H, D), kv.dtype)
+    rows_q, rows_kv = tma_rows(q8.view(N, H, D), kv)
+    _mla_decode_heads_fp8_ws_kernel[((H + BH - 1) // BH, items.shape[0])](
+        descriptor(rows_q, L), descriptor(rows_q, D - L), descriptor(rows_kv, L),
+        descriptor(rows_kv, D - L), scale_descriptor(scale), q_scale, block_table, o_part,
+        o_low, lse_part, out, lse, items, qk_scale, H, N, block_table.stride(0),
+        block_table.stride(1), o_part.stride(0), o_part.stride(2), lse_part.stride(0),
+        out.stride(0), out.stride(1), lse.stride(0), L=L, R=D - L, PS=kv.shape[1],
+        LOW_SPLITS=low, num_warps=8, maxnreg=MAXNREG, launch_pdl=pdl(q.device),
+    )
