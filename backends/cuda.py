@@ -69,7 +69,10 @@ class CUDABackend(BaseBackend):
         # ("fp8_widen_worker", mla_decode_heads_fp8_ws; H100, same run,
         # results/h100/decode_heads_fp8_ws.json): 64 x 4K 0.2066 -> 0.1760 (bf16 0.1752),
         # 64 x 32K 1.519 -> 1.176 (1.301), 8 x 32K 0.2049 -> 0.1770 (0.1784), 2 x 128K
-        # 0.2071 -> 0.1682 (0.1791), 128 x 1K 0.1118 -> 0.1077 (0.0985).
+        # 0.2071 -> 0.1682 (0.1791), 128 x 1K 0.1118 -> 0.1077 (0.0985); with q quantised in
+        # the kernel and two stages (decode_heads_fp8_ws_query.json): 64 x 4K 0.1579 (bf16
+        # 0.1774), 64 x 32K 1.098 (1.311), 8 x 32K 0.1638 (0.1815), 2 x 128K 0.1606 (0.1805),
+        # 128 x 1K 0.0898 (0.0993).
         # Few heads with "fp8_query" (mla_decode_tokens_fp8: e4m3 stages by TMA, fp8 scores,
         # the value operand widened in registers; decode_tokens_fp8_regs.json, against the
         # tile widened in shared memory, bf16 in the same run): 64 x 4K 0.1184 -> 0.0659

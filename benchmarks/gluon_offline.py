@@ -114,7 +114,7 @@ def main() -> int:
                  {**OUTS, **descriptors(e4m3, e4m3, heads_fp8.BH), "q_ptr": "*bf16"}, base, 4))
     runs.append(("heads fp8 (widened by a worker warpgroup)",
                  heads_fp8_ws._mla_decode_heads_fp8_ws_kernel,
-                 {**OUTS, **descriptors(e4m3, e4m3, heads_fp8_ws.BH)}, base, 8,
+                 {**OUTS, **descriptors(e4m3, e4m3, heads_fp8_ws.BH), "q_ptr": "*bf16"}, base, 8,
                  heads_fp8_ws.MAXNREG))
     keys = tiles.descriptor(torch.empty(1024, 128, dtype=e4m3), 128)
     runs.append(("DSA indexer scores (decode)", index_gluon._index_scores_gluon_kernel,

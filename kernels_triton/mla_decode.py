@@ -100,7 +100,7 @@ Design:
   and two KV tiles come in by TMA and both products are warpgroup MMAs (128 heads bf16
   407-439 TFLOP/s a layer, 1.5x the Triton kernel; e4m3 KV: ``mla_decode_heads_fp8_ws.py``,
   the two warpgroups multiply while a third widens the value columns and issues the copies,
-  0.92-1.11x bf16's tokens a second on an H100; ``mla_decode_heads_fp8.py``, the value
+  1.11-1.19x bf16's tokens a second on an H100; ``mla_decode_heads_fp8.py``, the value
   product turned around in one warpgroup on 32 heads, 0.85-0.89x there, is its fallback
   with ``fp8_widen_worker`` off); at few heads (``mla_decode_tokens_gluon.py``) the tokens sit on
   the MMA's M side, 16-bit tiles by TMA (16 heads bf16 64 x 4K 88-90% of copy a layer);

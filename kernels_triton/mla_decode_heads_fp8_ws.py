@@ -17,26 +17,37 @@ Partitions of one program, meeting on mbarriers:
                          into the stage (its 64 rows of latent and rope, and their scales)
 
 so the widening (32 K conversions a tile) runs beside the products and the softmax instead of
-between them, and the copies wait on nothing but their stage. Three e4m3 stages (36 KB
-each), the e4m3 query (36 KB), one widened tile (64 KB) and p (8 KB): 217 KB, one program an
-SM; the widener keeps 24 registers a thread, the products 240 (no spills in the loop; the
-output's stores after it spill ~1.4 KB).
+between them, and the copies wait on nothing but their stage. Before the partitions start,
+each program loads its 64 heads' 16-bit q rows (issued ahead of the first tiles' copies) and
+quantises them to e4m3 with a scale a head itself, as ``quantise_rows`` does (the few-head
+fp8 kernel's ``_quantised_query``), instead of a launch before the kernel that wrote e4m3 q
+for the kernel to read again. Two e4m3 stages (36 KB each), the e4m3 query (36 KB), one
+widened tile (64 KB) and p (8 KB): 185 KB, one program an SM; the widener keeps 24 registers
+a thread, the products 240 (no spills in the loop; the output's stores after it spill
+~1.6 KB).
 
 H100, a layer, 128 heads, against ``mla_decode_heads_fp8`` (32-head one-warpgroup programs
 widening in registers, two an SM) and bf16 KV in the same run
-(``benchmarks/results/h100/decode_heads_fp8_ws.json``): 64 x 4K 0.2066 -> 0.1760 ms (bf16
-0.1752), 64 x 32K 1.519 -> 1.176 (1.301), 8 x 32K 0.2049 -> 0.1770 (0.1784), 2 x 128K
-0.2071 -> 0.1682 (0.1791), 64 over 1K-32K 1.425 -> 1.192 (1.272), 128 x 1K 0.1118 -> 0.1077
-(0.0985). With the scales loaded from global memory at each tile's softmax instead, the load's
-latency sat in front of it: 64 x 32K 1.423, 128 x 1K 0.1232.
+(``benchmarks/results/h100/decode_heads_fp8_ws.json``), the first form (three stages, q
+quantised by a launch before): 64 x 4K 0.2066 -> 0.1760 ms (bf16 0.1752), 64 x 32K 1.519 ->
+1.176 (1.301), 8 x 32K 0.2049 -> 0.1770 (0.1784), 2 x 128K 0.2071 -> 0.1682 (0.1791), 64
+over 1K-32K 1.425 -> 1.192 (1.272), 128 x 1K 0.1118 -> 0.1077 (0.0985). With the scales
+loaded from global memory at each tile's softmax instead, the load's latency sat in front of
+it: 64 x 32K 1.423, 128 x 1K 0.1232. Then (``decode_heads_fp8_ws_query.json``, same-process
+A/Bs, outputs bit for bit the same): q quantised in the kernel, 128 x 1K 0.1038 -> 0.0926 ms,
+64 x 4K 0.175 -> 0.170, 64 x 32K 1.179 -> 1.142, 8 x 32K -2%, 2 x 128K within 1%; two
+stages instead of three, 64 x 4K 0.1655 -> 0.1588, 128 x 1K 0.0921 -> 0.0890, 2 x 128K
+0.1667 -> 0.1616, 64 over 1K-32K 1.150 -> 1.105. Both, against bf16 in the same run: 64 x 4K
+0.1579 ms (bf16 0.1774: 1.12x its tokens a second), 64 x 32K 1.098 (1.311: 1.19x, 532
+TFLOP/s), 8 x 32K 0.1638 (0.1815: 1.11x), 2 x 128K 0.1606 (0.1805: 1.12x), 128 x 1K 0.0898
+(0.0993: 1.11x), 64 over 1K-32K 1.106 (1.276: 1.15x).
 """
 
 from __future__ import annotations
 
 import torch
 
-from splash.kernels_triton.kv_cache_ops import quantise_rows
-from splash.kernels_triton.mla_decode_gluon_tiles import BN, descriptor, scale_descriptor, tma_rows
+from splash.kernels_triton.mla_decode_gluon_tiles import BN, descriptor, kv_rows, scale_descriptor
 from splash.kernels_triton.pdl import pdl
 
 try:  # Gluon ships with Triton 3.5 and later
@@ -45,7 +56,6 @@ try:  # Gluon ships with Triton 3.5 and later
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
-        tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
@@ -61,11 +71,16 @@ try:  # Gluon ships with Triton 3.5 and later
         _store_heads,
         _widen_values,
     )
+    from splash.kernels_triton.mla_decode_tokens_fp8 import (
+        _quantised_query,
+        _query_buffers,
+        _query_rows,
+    )
 except ImportError:  # pragma: no cover - an older Triton: the other kernels serve
     gluon = None
 
 BH = 64  # heads a program
-STAGES = 3  # e4m3 tiles in flight
+STAGES = 2  # e4m3 tiles in flight
 WIDEN_WARPS = 4
 WIDEN_REGS = 24  # registers a widener thread (setmaxnreg): the products' warps keep 240
 MAXNREG = 168  # 12 warps an SM: 65,536 registers / 384 threads
@@ -106,7 +121,7 @@ if gluon is not None:
                            tile_bars.index(st), L, PS)
 
     @gluon.jit
-    def _products(qn_s, qr_s, kn_s, kr_s, ks_s, wv, p_s, tile_bars, q_bar, ready, free, scored,
+    def _products(qn_s, qr_s, kn_s, kr_s, ks_s, wv, p_s, tile_bars, ready, free, scored,
                   qsc, start, end, tiles, L: gl.constexpr, mma_s: gl.constexpr,
                   mma_o: gl.constexpr):
         S: gl.constexpr = kn_s.shape[0]
@@ -115,7 +130,6 @@ if gluon is not None:
         l_acc = gl.zeros((GH, GN), gl.float32, layout=mma_s)
         cols = gl.arange(0, GN, layout=gl.SliceLayout(0, mma_s))
         s = gl.zeros((GH, GN), gl.float32, layout=mma_s)
-        mbarrier.wait(q_bar, 0)
         if tiles > 0:  # tile 0's scores
             mbarrier.wait(tile_bars.index(0), 0)
             s = warpgroup_mma_wait(0, deps=(_scores(qn_s, qr_s, kn_s.index(0), kr_s.index(0),
@@ -146,10 +160,10 @@ if gluon is not None:
 
     @gluon.jit
     def _mla_decode_heads_fp8_ws_kernel(
-        qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: e4m3 q (N * H, L + R), kv (pages * PS, ..)
+        kn_desc, kr_desc,  # TMA: kv (pages * PS, L + R) e4m3
         ks_desc,  # TMA: the rows' scales (pages, PS) fp32, a tile's row
-        qscale_ptr,  # (N * H,) fp32: q's per-head scales
         bt_ptr, o_ptr, o_low_ptr, lse_ptr, out_ptr, lse_out_ptr, plan_ptr,  # as heads_gluon's
+        q_ptr, stride_qn, stride_qh,  # q (N, H, L + R), 16-bit, quantised here
         qk_scale, H, N,
         stride_btn, stride_btp,
         stride_os, stride_oh,
@@ -167,8 +181,7 @@ if gluon is not None:
                 version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, GN // 2, 32])
             mma_o: gl.constexpr = gl.NVMMADistributedLayout(
                 version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, L // 2, 16])
-            qn_s = gl.allocate_shared_memory(qn_desc.dtype, [GH, L], qn_desc.layout)
-            qr_s = gl.allocate_shared_memory(qr_desc.dtype, [GH, R], qr_desc.layout)
+            qn_s, qr_s = _query_buffers(GH, L, R)
             kn_s = gl.allocate_shared_memory(kn_desc.dtype, [GS, GN, L], kn_desc.layout)
             kr_s = gl.allocate_shared_memory(kr_desc.dtype, [GS, GN, R], kr_desc.layout)
             ks_s = gl.allocate_shared_memory(gl.float32, [GS, 1, GN], ks_desc.layout)
@@ -179,37 +192,34 @@ if gluon is not None:
             tile_bars = gl.allocate_shared_memory(gl.int64, [GS, 1],
                                                   mbarrier.MBarrierLayout())
             scored = gl.allocate_shared_memory(gl.int64, [GS, 1], mbarrier.MBarrierLayout())
-            bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+            bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
             for i in gl.static_range(GS):
                 mbarrier.init(tile_bars.index(i), count=1)
                 mbarrier.init(scored.index(i), count=1)
-            for i in gl.static_range(3):  # the query's copy, wv ready, wv free
+            for i in gl.static_range(2):  # wv ready, wv free
                 mbarrier.init(bars.index(i), count=1)
             bt_row = bt_ptr + n.to(gl.int64) * stride_btn
             tiles = (end - start + GN - 1) // GN
-            q_bar = bars.index(0)
-            mbarrier.expect(q_bar, qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(qn_desc, [n * H + g * GH, 0], q_bar, qn_s)
-            tma.async_copy_global_to_shared(qr_desc, [n * H + g * GH, L], q_bar, qr_s)
+            xn, xr = _query_rows(q_ptr + n.to(gl.int64) * stride_qn + g * GH * stride_qh,
+                                 stride_qh, H - g * GH, L, R, GH, num_warps)
             for j in gl.static_range(GS):
                 if j < tiles:
                     _load_tile(kn_desc, kr_desc, ks_desc, bt_row, stride_btp, start + j * GN,
                                kn_s.index(j), kr_s.index(j), ks_s.index(j),
                                tile_bars.index(j), L, PS)
-            hs = g * GH + gl.arange(0, GH, layout=gl.SliceLayout(1, mma_s))
-            qsc = gl.load(qscale_ptr + n * H + hs, mask=hs < H, other=0.0) * qk_scale
+            qs = _quantised_query(xn, xr, qn_s, qr_s, L, R, num_warps)
+            qsc = gl.convert_layout(qs, gl.SliceLayout(1, mma_s)) * qk_scale
             acc, m_i, l_acc = gl.warp_specialize([
-                (_products, (qn_s, qr_s, kn_s, kr_s, ks_s, wv, p_s, tile_bars, q_bar,
-                             bars.index(1), bars.index(2), scored, qsc, start, end, tiles, L,
-                             mma_s, mma_o)),
-                (_widener, (kn_s, kr_s, ks_s, wv, tile_bars, bars.index(1), bars.index(2),
+                (_products, (qn_s, qr_s, kn_s, kr_s, ks_s, wv, p_s, tile_bars, bars.index(0),
+                             bars.index(1), scored, qsc, start, end, tiles, L, mma_s, mma_o)),
+                (_widener, (kn_s, kr_s, ks_s, wv, tile_bars, bars.index(0), bars.index(1),
                             scored, kn_desc, kr_desc, ks_desc, bt_row, stride_btp, start, end,
                             tiles, L, PS)),
             ], [GW], [GR])
             for i in gl.static_range(GS):
                 mbarrier.invalidate(tile_bars.index(i))
                 mbarrier.invalidate(scored.index(i))
-            for i in gl.static_range(3):
+            for i in gl.static_range(2):
                 mbarrier.invalidate(bars.index(i))
             _store_heads(acc, m_i, l_acc, g, pid, n, count, H, o_ptr, o_low_ptr, lse_ptr,
                          out_ptr, lse_out_ptr, stride_os, stride_oh, stride_ls, stride_outn,
@@ -219,16 +229,16 @@ if gluon is not None:
 def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
            o_part: torch.Tensor, o_low: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
            lse: torch.Tensor, items: torch.Tensor, qk_scale: float, low: int) -> None:
-    """Head groups of 64 x one program per plan item (``mla_decode``'s balanced plan), q
-    quantised to e4m3 with a scale a head first (``quantise_rows``)."""
+    """Head groups of 64 x one program per plan item (``mla_decode``'s balanced plan), each
+    quantising its 64 heads' q rows to e4m3 with a scale a head itself."""
     N, H, D = q.shape
     L = out.shape[2]
-    q8, q_scale = quantise_rows(q.reshape(N * H, D), kv.dtype)
-    rows_q, rows_kv = tma_rows(q8.view(N, H, D), kv)
+    q = q if q.stride(2) == 1 else q.contiguous()
+    rows_kv = kv_rows(kv)
     _mla_decode_heads_fp8_ws_kernel[((H + BH - 1) // BH, items.shape[0])](
-        descriptor(rows_q, L), descriptor(rows_q, D - L), descriptor(rows_kv, L),
-        descriptor(rows_kv, D - L), scale_descriptor(scale), q_scale, block_table, o_part,
-        o_low, lse_part, out, lse, items, qk_scale, H, N, block_table.stride(0),
+        descriptor(rows_kv, L), descriptor(rows_kv, D - L), scale_descriptor(scale),
+        block_table, o_part, o_low, lse_part, out, lse, items, q, q.stride(0), q.stride(1),
+        qk_scale, H, N, block_table.stride(0),
         block_table.stride(1), o_part.stride(0), o_part.stride(2), lse_part.stride(0),
         out.stride(0), out.stride(1), lse.stride(0), L=L, R=D - L, PS=kv.shape[1],
         LOW_SPLITS=low, num_warps=8, maxnreg=MAXNREG, launch_pdl=pdl(q.device),
