@@ -19,8 +19,10 @@ H200, a layer against the Triton kernel: 128 heads bf16 64 x 4K 0.264 -> 0.179 m
 2.003 -> 1.329 (439 TFLOP/s) (``decode_heads_gluon.json``, ``decode_heads_defer_sum.json``).
 
 e4m3 KV (``config["fp8_register_values"]`` off; on, the CUDA default, ``mla_decode_heads_fp8``
-serves it, 1.1-1.3x faster): q is quantised to e4m3 with a scale a head (``quantise_rows``, as
-the cache's rows are), and the scores' product reads q and the tile as they landed (fp8 x
+serves it, 1.1-1.3x faster): each program quantises its 64 heads' q rows to e4m3 with a
+scale a head (``quantise_rows``' operations, as the cache's rows are; instead of a launch
+before the kernel, H100 a layer: 64 x 4K 0.2639 -> 0.2548 ms, 128 x 1K 0.1516 -> 0.1401,
+``benchmarks/results/h100/decode_heads_gluon_fp8_query.json``), and the scores' product reads q and the tile as they landed (fp8 x
 fp8, Hopper's fp8 accumulator: about 14 bits a partial sum); the scores take q's and the
 rows' scales. The
 tile's value columns widen to fp16 into one shared tile that the value product reads, p in
@@ -51,8 +53,7 @@ from __future__ import annotations
 import torch
 
 from splash.kernels_triton import _validate as V
-from splash.kernels_triton.kv_cache_ops import quantise_rows
-from splash.kernels_triton.mla_decode_gluon_tiles import BN, descriptor, tma_rows
+from splash.kernels_triton.mla_decode_gluon_tiles import BN, descriptor, kv_rows, tma_rows
 from splash.kernels_triton.pdl import pdl
 
 try:  # Gluon ships with Triton 3.5 and later
@@ -73,6 +74,11 @@ try:  # Gluon ships with Triton 3.5 and later
         _tile_rows,
         _wait_tile,
         _zero_rows_past,
+    )
+    from splash.kernels_triton.mla_decode_tokens_fp8 import (
+        _quantised_query,
+        _query_buffers,
+        _query_rows,
     )
 except ImportError:  # pragma: no cover - an older Triton: the Triton kernels serve
     gluon = None
@@ -211,9 +217,9 @@ if gluon is not None:
     # in Triton 3.6's lowering to LLVM
     @gluon.jit(do_not_specialize=["splits"])
     def _mla_decode_heads_gluon_kernel(
-        qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q (N * H, L + R), kv (pages * PS, L + R)
+        qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q (N * H, L + R) (None: fp8), kv rows
         scale_ptr,  # (pages, PS) fp32 (fp8 KV)
-        qscale_ptr,  # (N * H,) fp32: q's per-head scales (fp8 KV)
+        q_ptr, stride_qn, stride_qh,  # q (N, H, L + R), 16-bit, quantised here (fp8 KV)
         bt_ptr,  # (N, max_pages) int
         o_ptr,  # (P, 1, H, L) fp32 partial rows
         o_low_ptr,  # (P, 1, H, L) 16-bit partial rows (o_ptr's strides)
@@ -238,7 +244,7 @@ if gluon is not None:
         pid = gl.program_id(1)
         n, count, start, end = _plan_item(plan_ptr, pid, N, splits, split_len, K, GATHER)
         if n < N:
-            dtype: gl.constexpr = qn_desc.dtype  # the scores' operands (e4m3 with FP8)
+            dtype: gl.constexpr = kn_desc.dtype  # the scores' operands (e4m3 with FP8)
             mma_s: gl.constexpr = gl.NVMMADistributedLayout(  # an MMA's K: 32 bytes
                 version=[3, 0], warps_per_cta=[4, 2],
                 instr_shape=[16, GN // 2, 256 // dtype.primitive_bitwidth])
@@ -246,8 +252,13 @@ if gluon is not None:
                 version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, L // 2, 16])
             p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o,
                                                          k_width=2)
-            qn_s = gl.allocate_shared_memory(dtype, [GH, L], qn_desc.layout)
-            qr_s = gl.allocate_shared_memory(dtype, [GH, R], qr_desc.layout)
+            if FP8:  # q quantised by the program itself, below
+                qn_s, qr_s = _query_buffers(GH, L, R)
+                xn, xr = _query_rows(q_ptr + n.to(gl.int64) * stride_qn + g * GH * stride_qh,
+                                     stride_qh, H - g * GH, L, R, GH, num_warps)
+            else:
+                qn_s = gl.allocate_shared_memory(dtype, [GH, L], qn_desc.layout)
+                qr_s = gl.allocate_shared_memory(dtype, [GH, R], qr_desc.layout)
             kn_s = gl.allocate_shared_memory(kn_desc.dtype, [2, GN, L], kn_desc.layout)
             kr_s = gl.allocate_shared_memory(kr_desc.dtype, [2, GN, R], kr_desc.layout)
             bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
@@ -256,7 +267,8 @@ if gluon is not None:
             _start_copies(qn_desc, qr_desc, kn_desc, kr_desc, None, n * H + g * GH, bt_row,
                           stride_btp, start, tiles, qn_s, qr_s, kn_s, kr_s, None, bars, kv_ptr,
                           stride_kvp, stride_kvs, end, L, PS, GATHER, num_warps)
-            mbarrier.wait(bars.index(2), 0)
+            if not FP8:
+                mbarrier.wait(bars.index(2), 0)
 
             acc = gl.zeros((GH, L), gl.float32, layout=mma_o)
             m_i = gl.full((GH,), float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma_s))
@@ -270,8 +282,8 @@ if gluon is not None:
                 wv = gl.allocate_shared_memory(
                     gl.float16, [GN, L], gl.NVMMASharedLayout.get_default_for([GN, L],
                                                                               gl.float16))
-                hs = g * GH + gl.arange(0, GH, layout=gl.SliceLayout(1, mma_s))
-                qsc = gl.load(qscale_ptr + n * H + hs, mask=hs < H, other=0.0) * qk_scale
+                qs = _quantised_query(xn, xr, qn_s, qr_s, L, R, num_warps)
+                qsc = gl.convert_layout(qs, gl.SliceLayout(1, mma_s)) * qk_scale
                 if tiles > 0:  # tile 0's scores and values
                     _wait_tile(bars, 0, 0, 1, GATHER)
                     s_tok = _scores(qn_s, qr_s, kn_s.index(0), kr_s.index(0), s)
@@ -351,17 +363,17 @@ def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: 
     N, H, D = q.shape
     L = out.shape[2]
     fp8 = kv.dtype == torch.float8_e4m3fn
-    q_scale = scale
-    if fp8:  # e4m3 q, a scale a head
-        q8, q_scale = quantise_rows(q.reshape(N * H, D), kv.dtype)
-        q = q8.view(N, H, D)
-    rows_q, rows_kv = tma_rows(q, kv)
+    if fp8:  # e4m3 q, a scale a head, quantised by each program from its 16-bit rows
+        q = q if q.stride(2) == 1 else q.contiguous()
+        q_desc, rows_kv = (None, None), kv_rows(kv)
+    else:
+        rows_q, rows_kv = tma_rows(q, kv)
+        q_desc = (descriptor(rows_q, L), descriptor(rows_q, D - L))
     splits, split_len = sparse or (1, 0)
     programs = items.shape[0] if items is not None else splits * N
     _mla_decode_heads_gluon_kernel[((H + BH - 1) // BH, programs)](
-        descriptor(rows_q, L), descriptor(rows_q, D - L), descriptor(rows_kv, L),
-        descriptor(rows_kv, D - L), scale, q_scale, block_table, o_part, o_low, lse_part, out,
-        lse,
+        *q_desc, descriptor(rows_kv, L), descriptor(rows_kv, D - L), scale, q,
+        q.stride(0), q.stride(1), block_table, o_part, o_low, lse_part, out, lse,
         block_table if items is None else items, kv, qk_scale, H, N, splits, split_len,
         block_table.shape[1], scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0,
         block_table.stride(0), block_table.stride(1), kv.stride(0), kv.stride(1),
