@@ -35,8 +35,7 @@ from splash.kernels_triton import mla_decode_tokens_fp8 as tokens_fp8
 from splash.kernels_triton import mla_decode_tokens_gluon as tokens
 
 OUTS = dict(bt_ptr="*i32", o_ptr="*fp32", o_low_ptr="*bf16", lse_ptr="*fp32", out_ptr="*bf16",
-            lse_out_ptr="*fp32", plan_ptr="*i32", qk_scale="fp32", scale_ptr="*fp32",
-            qscale_ptr="*fp32")
+            lse_out_ptr="*fp32", plan_ptr="*i32", qk_scale="fp32", scale_ptr="*fp32")
 
 
 def compile_sm90(fn, types: dict, constants: dict, num_warps: int, sass: str | None,
