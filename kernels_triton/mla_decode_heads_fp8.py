@@ -8,7 +8,7 @@ this one serves with that off.
 A program is one warpgroup holding 32 heads of one request over one split of the balanced
 plan, two programs an SM (101 KB of shared memory, 255 registers each), so that one's softmax
 runs under the other's products. Each program first quantises its 32 heads of the 16-bit q to
-e4m3 with a scale a head into shared memory (the few-head fp8 kernel's ``_quantised_query``,
+e4m3 with a scale a head into shared memory (``mla_decode_gluon_tiles._quantised_query``,
 ``quantise_rows``' operations) instead of a launch before the kernel (H200, same run: 64 x 4K
 0.219 -> 0.217 ms, 128 x 1K 0.130 -> 0.123, 8 x 32K and 2 x 128K -0.6%, 64 x 32K and one 128K
 among 63 of 1K +0.7%; ``decode_heads_fp8_query_in_kernel.json``). Per 64-token tile, staged by
@@ -64,15 +64,15 @@ try:  # Gluon ships with Triton 3.5 and later
 
     from splash.kernels_triton.mla_decode_gluon_tiles import (
         _plan_item,
+        _quantised_query,
+        _query_buffers,
+        _query_rows,
         _refill,
         _start_copies,
         _tile_rows,
     )
     from splash.kernels_triton.mla_decode_tokens_fp8 import (
         _issue_scores,
-        _quantised_query,
-        _query_buffers,
-        _query_rows,
         _widened,
     )
     from splash.kernels_triton.mla_decode_tokens_gluon import (

@@ -19,8 +19,8 @@ Partitions of one program, meeting on mbarriers:
 so the widening (32 K conversions a tile) runs beside the products and the softmax instead of
 between them, and the copies wait on nothing but their stage. Before the partitions start,
 each program loads its 64 heads' 16-bit q rows (issued ahead of the first tiles' copies) and
-quantises them to e4m3 with a scale a head itself, as ``quantise_rows`` does (the few-head
-fp8 kernel's ``_quantised_query``), instead of a launch before the kernel that wrote e4m3 q
+quantises them to e4m3 with a scale a head itself, as ``quantise_rows`` does
+(``mla_decode_gluon_tiles._quantised_query``), instead of a launch before the kernel that wrote e4m3 q
 for the kernel to read again. Two e4m3 stages (36 KB each), the e4m3 query (36 KB), one
 widened tile (64 KB) and p (8 KB): 185 KB, one program an SM; the widener keeps 24 registers
 a thread, the products 240 (no spills in the loop; the output's stores after it spill
@@ -63,6 +63,9 @@ try:  # Gluon ships with Triton 3.5 and later
     from splash.kernels_triton.mla_decode_gluon_tiles import (
         _load_tile,
         _plan_item,
+        _quantised_query,
+        _query_buffers,
+        _query_rows,
         _tile_scales,
     )
     from splash.kernels_triton.mla_decode_heads_gluon import (
@@ -70,11 +73,6 @@ try:  # Gluon ships with Triton 3.5 and later
         _softmax_step,
         _store_heads,
         _widen_values,
-    )
-    from splash.kernels_triton.mla_decode_tokens_fp8 import (
-        _quantised_query,
-        _query_buffers,
-        _query_rows,
     )
 except ImportError:  # pragma: no cover - an older Triton: the other kernels serve
     gluon = None

@@ -22,10 +22,9 @@ e4m3 KV (``config["fp8_register_values"]`` off; on, the CUDA default, ``mla_deco
 serves it, 1.1-1.3x faster): each program quantises its 64 heads' q rows to e4m3 with a
 scale a head (``quantise_rows``' operations, as the cache's rows are; instead of a launch
 before the kernel, H100 a layer: 64 x 4K 0.2639 -> 0.2548 ms, 128 x 1K 0.1516 -> 0.1401,
-``benchmarks/results/h100/decode_heads_gluon_fp8_query.json``), and the scores' product reads q and the tile as they landed (fp8 x
-fp8, Hopper's fp8 accumulator: about 14 bits a partial sum); the scores take q's and the
-rows' scales. The
-tile's value columns widen to fp16 into one shared tile that the value product reads, p in
+``benchmarks/results/h100/decode_heads_gluon_fp8_query.json``), and the scores' product
+reads q and the tile as they landed (fp8 x fp8, Hopper's fp8 accumulator: about 14 bits a
+partial sum); the scores take q's and the rows' scales. The tile's value columns widen to fp16 into one shared tile that the value product reads, p in
 fp16 times the rows' scales; that widening runs under the next tile's scores once this
 tile's value product is done with the shared tile, and is masked on a split's partial last
 tile only. 64 x 32K 3.29 -> 1.95 ms (0.69 x bf16's speed, was 0.41 x) against the earlier
@@ -69,16 +68,14 @@ try:  # Gluon ships with Triton 3.5 and later
 
     from splash.kernels_triton.mla_decode_gluon_tiles import (
         _plan_item,
+        _quantised_query,
+        _query_buffers,
+        _query_rows,
         _refill,
         _start_copies,
         _tile_rows,
         _wait_tile,
         _zero_rows_past,
-    )
-    from splash.kernels_triton.mla_decode_tokens_fp8 import (
-        _quantised_query,
-        _query_buffers,
-        _query_rows,
     )
 except ImportError:  # pragma: no cover - an older Triton: the Triton kernels serve
     gluon = None
