@@ -128,7 +128,13 @@ class CUDABackend(BaseBackend):
         # 0.0519 -> 0.0418 ms (8 tiles a split; a DSA layer at 32K 0.1006 -> 0.0906); at 4
         # tiles a split slower (64 heads 0.0292 -> 0.0300, 16 heads 0.0163 -> 0.0171: the
         # copies have no time to overlap), hence "gluon_min_split_tiles"; nor with fp8 KV (16
-        # heads 0.0194 -> 0.0272, 128 heads 0.0658 -> 0.0948: the widening loop is serial)
+        # heads 0.0194 -> 0.0272, 128 heads 0.0658 -> 0.0948: the widening loop is serial).
+        # e4m3 KV at many heads: the warp-specialised kernel's gathered form (the tiles'
+        # rows and scales by cp.async in the widening warpgroup, 16 bytes a copy;
+        # results/h100/dsa_sparse_fp8_ws.json, H100, batch 16 x 2,048 selected rows, 128
+        # heads, against the Triton kernel in the same run): 0.0680 -> 0.0441 ms at 32K
+        # (bf16's Gluon form 0.0441 at 128K), the DSA layer 0.1203 -> 0.1014 at 32K, 0.2109
+        # -> 0.1925 at 128K
         "mla_sparse": {"default": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3,
                                    "gather_slots": True, "dim_chunks": True,
                                    "low_partials": False, "gluon": False,
@@ -137,7 +143,8 @@ class CUDABackend(BaseBackend):
                                                   "gluon_min_split_tiles": 8},
                                    "fp8": {"num_warps": 8, "gluon": False,
                                            "many_heads": {"fp8_fp16": False,
-                                                          "gather_slots": True}}}},
+                                                          "gather_slots": True,
+                                                          "gluon": True}}}},
         # mla_extend: 64-token KV tiles (298 vs 199 TFLOP/s); compute-bound, so fp8 KV keeps
         # bf16 products (185 vs 145 TFLOP/s with fp16 products)
         "mla_extend": {"default": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2,

@@ -113,10 +113,12 @@ def main() -> int:
     runs.append(("heads fp8 (values in registers, q quantised in the kernel)",
                  heads_fp8._mla_decode_fp8_heads_kernel,
                  {**OUTS, **descriptors(e4m3, e4m3, heads_fp8.BH), "q_ptr": "*bf16"}, base, 4))
-    runs.append(("heads fp8 (widened by a worker warpgroup)",
-                 heads_fp8_ws._mla_decode_heads_fp8_ws_kernel,
-                 {**OUTS, **descriptors(e4m3, e4m3, heads_fp8_ws.BH), "q_ptr": "*bf16"}, base, 8,
-                 heads_fp8_ws.MAXNREG))
+    for gather in (False, True):
+        runs.append((f"heads fp8 (widened by a worker warpgroup){' sparse' if gather else ''}",
+                     heads_fp8_ws._mla_decode_heads_fp8_ws_kernel,
+                     {**OUTS, **descriptors(e4m3, e4m3, heads_fp8_ws.BH), "q_ptr": "*bf16",
+                      "kv_ptr": "*fp8e4nv"}, {**base, "GATHER": gather}, 8,
+                     heads_fp8_ws.MAXNREG))
     keys = tiles.descriptor(torch.empty(1024, 128, dtype=e4m3), 128)
     runs.append(("DSA indexer scores (decode)", index_gluon._index_scores_gluon_kernel,
                  {"k_desc": mangle_type(keys), "ks_desc": descriptors(e4m3, e4m3, 16)["ks_desc"], "q_ptr": "*bf16",

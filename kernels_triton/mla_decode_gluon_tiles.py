@@ -10,7 +10,8 @@ under this tile's products:
   scales' (pages, PS) array, ``scale_descriptor``), signalling the stage's mbarrier
   (``_load_tile``);
 - gathered (sparse): each of the tile's 64 selected rows by cp.async, 16 bytes a copy, one
-  commit group a tile (``_gather_tile``); a slot of -1 or past the list is a row of zeros.
+  commit group a tile (``_gather_tile``; their fp8 scales likewise, ``_gather_scales``); a
+  slot of -1 or past the list is a row of zeros.
 ``_start_copies`` issues the query's copy and the first two tiles, ``_wait_tile`` waits for a
 stage, ``_refill`` issues the tile two ahead into a stage every warp is done with (its page
 from the split's page ids staged in shared memory once, ``_stage_pages`` / ``_page_of``,
@@ -145,24 +146,41 @@ if gluon is not None:
         slot = gl.load(slot_row + j * stride_slk, mask=j < end, other=-1)
         # rows start 16-byte aligned (``usable``): cp.async moves 16 bytes a copy
         base = gl.multiple_of((slot // PS).to(gl.int64) * stride_kvp + (slot % PS) * stride_kvs,
-                              8) + OFF
+                              128 // dst.dtype.primitive_bitwidth) + OFF
         cols = gl.arange(0, dst.shape[1], layout=gl.SliceLayout(0, ld))
         async_copy.async_copy_global_to_shared(dst, kv_ptr + base[:, None] + cols[None, :],
                                                mask=(slot >= 0)[:, None])
 
     @gluon.jit
     def _gather_tile(kv_ptr, slot_row, stride_slk, stride_kvp, stride_kvs, j0, end, kn, kr,
-                     L: gl.constexpr, PS: gl.constexpr, num_warps: gl.constexpr):
+                     L: gl.constexpr, PS: gl.constexpr, num_warps: gl.constexpr,
+                     ROW_THREADS: gl.constexpr = 32):
         """The KV rows at slots j0.. (a sparse tile) into ``kn`` / ``kr`` by cp.async, 16
-        bytes a copy, issued (the caller commits the group)."""
+        bytes a copy, issued (the caller commits the group); ``ROW_THREADS`` threads across a
+        row's latent (fewer: fewer rows a thread, so fewer row addresses held at once)."""
         VEC: gl.constexpr = 128 // kn.dtype.primitive_bitwidth
         RT: gl.constexpr = kr.shape[1] // VEC  # threads across the rope columns
-        ldn: gl.constexpr = gl.BlockedLayout([1, VEC], [1, 32], [num_warps, 1], [1, 0])
+        ldn: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // ROW_THREADS, ROW_THREADS],
+                                             [num_warps, 1], [1, 0])
         ldr: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // RT, RT], [num_warps, 1], [1, 0])
         _gather_cols(kn, kv_ptr, slot_row, stride_slk, stride_kvp, stride_kvs, j0, end, 0, PS,
                      ldn)
         _gather_cols(kr, kv_ptr, slot_row, stride_slk, stride_kvp, stride_kvs, j0, end, L, PS,
                      ldr)
+
+    @gluon.jit
+    def _gather_scales(ks, scale_ptr, slot_row, stride_slk, stride_sp, stride_ss, j0, end,
+                       PS: gl.constexpr, num_warps: gl.constexpr):
+        """cp.async of the fp8 scales of the rows at slots j0.. (a sparse tile) into ``ks``,
+        the stage's (1, BN) row that ``_tile_scales`` reads; 0 for a slot past ``end`` or
+        of -1."""
+        ld: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        j = j0 + gl.arange(0, GN, layout=ld)
+        slot = gl.load(slot_row + j * stride_slk, mask=j < end, other=-1)
+        off = (slot // PS).to(gl.int64) * stride_sp + (slot % PS) * stride_ss
+        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        async_copy.async_copy_global_to_shared(ks._reinterpret(gl.float32, [GN], flat),
+                                               scale_ptr + off, mask=slot >= 0)
 
     @gluon.jit
     def _start_copies(qn_desc, qr_desc, kn_desc, kr_desc, ks_desc, row_q, bt_row, stride_btp,

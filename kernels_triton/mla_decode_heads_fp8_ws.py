@@ -41,6 +41,16 @@ stages instead of three, 64 x 4K 0.1655 -> 0.1588, 128 x 1K 0.0921 -> 0.0890, 2 
 0.1579 ms (bf16 0.1774: 1.12x its tokens a second), 64 x 32K 1.098 (1.311: 1.19x, 532
 TFLOP/s), 8 x 32K 0.1638 (0.1815: 1.11x), 2 x 128K 0.1606 (0.1805: 1.12x), 128 x 1K 0.0898
 (0.0993: 1.11x), 64 over 1K-32K 1.106 (1.276: 1.15x).
+
+With ``GATHER`` it serves ``mla_sparse`` (e4m3 KV at many heads): a program takes a split of
+one row's selected slots, and the widener gathers each tile's 64 rows and their scales by
+cp.async (16 bytes a copy, eight threads across a row's latent so that its 24 registers hold
+few row addresses), one commit group a tile; once a tile's group has landed it arrives on the
+tile's barrier for the products, which mask the slots of -1 (a tile may select nothing). The
+first tiles are gathered by the widener too: cp.async groups belong to the threads that issue
+them. H100, batch 16 x 2,048 selected rows, 128 heads (``results/h100/dsa_sparse_fp8_ws.json``,
+same run): 0.0441 ms against the Triton kernel's 0.0680 and the many-head Gluon kernel's e4m3
+form's 0.0609 (bf16 KV's Gluon form 0.0441); the DSA layer at 32K 0.1203 -> 0.1014 ms.
 """
 
 from __future__ import annotations
@@ -53,6 +63,7 @@ from splash.kernels_triton.pdl import pdl
 try:  # Gluon ships with Triton 3.5 and later
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
@@ -61,6 +72,8 @@ try:  # Gluon ships with Triton 3.5 and later
     )
 
     from splash.kernels_triton.mla_decode_gluon_tiles import (
+        _gather_scales,
+        _gather_tile,
         _load_tile,
         _plan_item,
         _quantised_query,
@@ -99,14 +112,44 @@ if gluon is not None:
     GR = gl.constexpr(WIDEN_REGS)
 
     @gluon.jit
-    def _widener(kn_s, kr_s, ks_s, wv, tile_bars, ready, free, scored, kn_desc, kr_desc,
-                 ks_desc, bt_row, stride_btp, start, end, tiles, L: gl.constexpr,
-                 PS: gl.constexpr):
+    def _copy_tile(src, bt_row, stride_btp, t0, end, kn, kr, ks, bar, L: gl.constexpr,
+                   PS: gl.constexpr, GATHER: gl.constexpr):
+        """The tile at ``t0`` into a stage (its rows' scales into ``ks``): its page by TMA,
+        signalling ``bar``, or with ``GATHER`` the rows at its slots by cp.async (the caller
+        commits the group). ``src``: the TMA descriptors, then the pool and scales' pointers
+        and strides."""
+        kn_desc, kr_desc, ks_desc, kv_ptr, scale_ptr, stride_kvp, stride_kvs, stride_sp, \
+            stride_ss = src
+        if GATHER:
+            _gather_tile(kv_ptr, bt_row, stride_btp, stride_kvp, stride_kvs, t0, end, kn, kr, L,
+                         PS, gl.num_warps(), 8)  # (in 24 registers a thread)
+            _gather_scales(ks, scale_ptr, bt_row, stride_btp, stride_sp, stride_ss, t0, end, PS,
+                           gl.num_warps())
+        else:
+            _load_tile(kn_desc, kr_desc, ks_desc, bt_row, stride_btp, t0, kn, kr, ks, bar, L,
+                       PS)
+
+    @gluon.jit
+    def _widener(kn_s, kr_s, ks_s, wv, tile_bars, ready, free, scored, src, bt_row,
+                 stride_btp, start, end, tiles, L: gl.constexpr, PS: gl.constexpr,
+                 GATHER: gl.constexpr):
         S: gl.constexpr = kn_s.shape[0]
+        if GATHER:  # the first tiles' gathers, a cp.async group each (TMA: issued before)
+            for j in gl.static_range(S):
+                if j < tiles:
+                    _copy_tile(src, bt_row, stride_btp, start + j * GN, end, kn_s.index(j),
+                               kr_s.index(j), ks_s.index(j), tile_bars.index(j), L, PS, True)
+                async_copy.commit_group()
         for i in range(tiles):
             st = i % S
             t0 = start + i * GN
-            mbarrier.wait(tile_bars.index(st), (i // S) & 1)
+            if GATHER:  # tile i's group landed (one group a tile): the products may score it
+                async_copy.wait_group(S - 1)
+                fence_async_shared()
+                gl.thread_barrier()
+                mbarrier.arrive(tile_bars.index(st), count=1)
+            else:
+                mbarrier.wait(tile_bars.index(st), (i // S) & 1)
             mbarrier.wait(free, (i & 1) ^ 1)  # the value product before is done with wv
             _widen_values(kn_s.index(st), wv, end - t0, L, gl.num_warps())
             fence_async_shared()
@@ -114,29 +157,40 @@ if gluon is not None:
             if i + S < tiles:  # the stage again once both have read it
                 mbarrier.wait(scored.index(st), (i // S) & 1)
                 fence_async_shared()
-                _load_tile(kn_desc, kr_desc, ks_desc, bt_row, stride_btp, t0 + S * GN,
-                           kn_s.index(st), kr_s.index(st), ks_s.index(st),
-                           tile_bars.index(st), L, PS)
+                _copy_tile(src, bt_row, stride_btp, t0 + S * GN, end, kn_s.index(st),
+                           kr_s.index(st), ks_s.index(st), tile_bars.index(st), L, PS, GATHER)
+            if GATHER:
+                async_copy.commit_group()
+
+    @gluon.jit
+    def _chosen(bt_row, stride_btp, t0, end, cols, GATHER: gl.constexpr):
+        """Which of the tile at ``t0``'s ``cols`` hold a token: before ``end``, and with
+        ``GATHER`` (``bt_row`` the slot list) of a slot other than -1."""
+        ok = t0 + cols < end
+        if GATHER:
+            ok = gl.load(bt_row + (t0 + cols) * stride_btp, mask=ok, other=-1) >= 0
+        return ok
 
     @gluon.jit
     def _products(qn_s, qr_s, kn_s, kr_s, ks_s, wv, p_s, tile_bars, ready, free, scored,
-                  qsc, start, end, tiles, L: gl.constexpr, mma_s: gl.constexpr,
-                  mma_o: gl.constexpr):
+                  qsc, bt_row, stride_btp, start, end, tiles, L: gl.constexpr,
+                  mma_s: gl.constexpr, mma_o: gl.constexpr, GATHER: gl.constexpr):
         S: gl.constexpr = kn_s.shape[0]
         acc = gl.zeros((GH, L), gl.float32, layout=mma_o)
         m_i = gl.full((GH,), float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma_s))
         l_acc = gl.zeros((GH, GN), gl.float32, layout=mma_s)
         cols = gl.arange(0, GN, layout=gl.SliceLayout(0, mma_s))
         s = gl.zeros((GH, GN), gl.float32, layout=mma_s)
+        ok = _chosen(bt_row, stride_btp, start, end, cols, GATHER)  # tile 0's
         if tiles > 0:  # tile 0's scores
             mbarrier.wait(tile_bars.index(0), 0)
             s = warpgroup_mma_wait(0, deps=(_scores(qn_s, qr_s, kn_s.index(0), kr_s.index(0),
                                                     s),))
         for i in range(tiles):  # s: tile i's scores
             t0 = start + i * GN
-            ks, ok = _tile_scales(ks_s.index(i % S), t0, end, cols)
+            ks = _tile_scales(ks_s.index(i % S), t0, end, cols)[0]
             p, alpha, m_i, l_acc = _softmax_step(s * qsc[:, None] * ks[None, :], ok, m_i,
-                                                 l_acc)
+                                                 l_acc, GATHER)  # (a gathered tile: maybe empty)
             p_s.store((p * ks[None, :]).to(gl.float16))  # both warpgroups' halves of p
             alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))
             fence_async_shared()
@@ -148,6 +202,7 @@ if gluon is not None:
                 st = (i + 1) % S
                 mbarrier.wait(tile_bars.index(st), ((i + 1) // S) & 1)
                 s_tok = _scores(qn_s, qr_s, kn_s.index(st), kr_s.index(st), s)
+                ok = _chosen(bt_row, stride_btp, t0 + GN, end, cols, GATHER)  # under the MMAs
                 acc = warpgroup_mma_wait(1, deps=(acc_tok,))
                 gl.thread_barrier()
                 mbarrier.arrive(free, count=1)
@@ -156,24 +211,27 @@ if gluon is not None:
                 acc = warpgroup_mma_wait(0, deps=(acc_tok,))
         return acc, m_i, l_acc
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["splits"])  # (as heads_gluon's kernel: Triton 3.6)
     def _mla_decode_heads_fp8_ws_kernel(
         kn_desc, kr_desc,  # TMA: kv (pages * PS, L + R) e4m3
         ks_desc,  # TMA: the rows' scales (pages, PS) fp32, a tile's row
         bt_ptr, o_ptr, o_low_ptr, lse_ptr, out_ptr, lse_out_ptr, plan_ptr,  # as heads_gluon's
         q_ptr, stride_qn, stride_qh,  # q (N, H, L + R), 16-bit, quantised here
+        kv_ptr, scale_ptr,  # GATHER: the pool (pages, PS, L + R) and its scales (pages, PS)
         qk_scale, H, N,
+        splits, split_len, K,  # GATHER: bt_ptr is (N, K) slots, each row's in these splits
+        stride_kvp, stride_kvs, stride_sp, stride_ss,
         stride_btn, stride_btp,
         stride_os, stride_oh,
         stride_ls,
         stride_outn, stride_outh,
         stride_lon,
         L: gl.constexpr, R: gl.constexpr, PS: gl.constexpr, LOW_SPLITS: gl.constexpr,
-        num_warps: gl.constexpr,
+        GATHER: gl.constexpr, num_warps: gl.constexpr,
     ):
         g = gl.program_id(0)
         pid = gl.program_id(1)
-        n, count, start, end = _plan_item(plan_ptr, pid, N, 1, 0, 0, False)
+        n, count, start, end = _plan_item(plan_ptr, pid, N, splits, split_len, K, GATHER)
         if n < N:
             mma_s: gl.constexpr = gl.NVMMADistributedLayout(  # fp8: an MMA's K is 32
                 version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, GN // 2, 32])
@@ -200,19 +258,23 @@ if gluon is not None:
             tiles = (end - start + GN - 1) // GN
             xn, xr = _query_rows(q_ptr + n.to(gl.int64) * stride_qn + g * GH * stride_qh,
                                  stride_qh, H - g * GH, L, R, GH, num_warps)
-            for j in gl.static_range(GS):
-                if j < tiles:
-                    _load_tile(kn_desc, kr_desc, ks_desc, bt_row, stride_btp, start + j * GN,
-                               kn_s.index(j), kr_s.index(j), ks_s.index(j),
-                               tile_bars.index(j), L, PS)
+            src = (kn_desc, kr_desc, ks_desc, kv_ptr, scale_ptr, stride_kvp, stride_kvs,
+                   stride_sp, stride_ss)
+            if not GATHER:  # (gathered tiles: by the widener, whose cp.async groups they are)
+                for j in gl.static_range(GS):
+                    if j < tiles:
+                        _load_tile(kn_desc, kr_desc, ks_desc, bt_row, stride_btp,
+                                   start + j * GN, kn_s.index(j), kr_s.index(j), ks_s.index(j),
+                                   tile_bars.index(j), L, PS)
             qs = _quantised_query(xn, xr, qn_s, qr_s, L, R, num_warps)
             qsc = gl.convert_layout(qs, gl.SliceLayout(1, mma_s)) * qk_scale
             acc, m_i, l_acc = gl.warp_specialize([
                 (_products, (qn_s, qr_s, kn_s, kr_s, ks_s, wv, p_s, tile_bars, bars.index(0),
-                             bars.index(1), scored, qsc, start, end, tiles, L, mma_s, mma_o)),
+                             bars.index(1), scored, qsc, bt_row, stride_btp, start, end, tiles,
+                             L, mma_s, mma_o, GATHER)),
                 (_widener, (kn_s, kr_s, ks_s, wv, tile_bars, bars.index(0), bars.index(1),
-                            scored, kn_desc, kr_desc, ks_desc, bt_row, stride_btp, start, end,
-                            tiles, L, PS)),
+                            scored, src, bt_row, stride_btp, start, end, tiles, L, PS,
+                            GATHER)),
             ], [GW], [GR])
             for i in gl.static_range(GS):
                 mbarrier.invalidate(tile_bars.index(i))
@@ -226,18 +288,27 @@ if gluon is not None:
 
 def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
            o_part: torch.Tensor, o_low: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
-           lse: torch.Tensor, items: torch.Tensor, qk_scale: float, low: int) -> None:
+           lse: torch.Tensor, items: torch.Tensor | None, qk_scale: float, low: int,
+           sparse: tuple[int, int] | None = None) -> None:
     """Head groups of 64 x one program per plan item (``mla_decode``'s balanced plan), each
-    quantising its 64 heads' q rows to e4m3 with a scale a head itself."""
+    quantising its 64 heads' q rows to e4m3 with a scale a head itself. With ``sparse`` =
+    (splits, split_len), ``block_table`` is ``mla_sparse``'s (N, K) slots and the programs
+    are each row's splits (partial rows (splits * N, 1, H, L), split-major), without a plan,
+    as ``mla_decode_heads_gluon.launch`` takes them."""
     N, H, D = q.shape
     L = out.shape[2]
     q = q if q.stride(2) == 1 else q.contiguous()
     rows_kv = kv_rows(kv)
-    _mla_decode_heads_fp8_ws_kernel[((H + BH - 1) // BH, items.shape[0])](
+    splits, split_len = sparse or (1, 0)
+    programs = items.shape[0] if items is not None else splits * N
+    _mla_decode_heads_fp8_ws_kernel[((H + BH - 1) // BH, programs)](
         descriptor(rows_kv, L), descriptor(rows_kv, D - L), scale_descriptor(scale),
-        block_table, o_part, o_low, lse_part, out, lse, items, q, q.stride(0), q.stride(1),
-        qk_scale, H, N, block_table.stride(0),
+        block_table, o_part, o_low, lse_part, out, lse,
+        block_table if items is None else items, q, q.stride(0), q.stride(1), kv, scale,
+        qk_scale, H, N, splits, split_len, block_table.shape[1], kv.stride(0), kv.stride(1),
+        scale.stride(0), scale.stride(1), block_table.stride(0),
         block_table.stride(1), o_part.stride(0), o_part.stride(2), lse_part.stride(0),
         out.stride(0), out.stride(1), lse.stride(0), L=L, R=D - L, PS=kv.shape[1],
-        LOW_SPLITS=low, num_warps=8, maxnreg=MAXNREG, launch_pdl=pdl(q.device),
+        LOW_SPLITS=low, GATHER=sparse is not None, num_warps=8, maxnreg=MAXNREG,
+        launch_pdl=pdl(q.device),
     )

@@ -32,8 +32,10 @@ past the list arrive as zeros), one program an SM over a split of the row's list
 ``lse_merge``. H200, batch 16 x 2,048 selected rows (``dsa_sparse_gluon*.json``, against the
 Triton kernel in the same run): 128 heads bf16 0.0519 -> 0.0418 ms (8 tiles a split); 64
 heads 0.0292 -> 0.0300 and 16 heads 0.0163 -> 0.0171 (4 tiles a split: the copies have no
-time to overlap), e4m3 KV through the widening forms slower, so the tuning table keeps the
-Triton kernel there.
+time to overlap), so the tuning table keeps the Triton kernel there. e4m3 KV at many heads:
+the warp-specialised kernel (``mla_decode_heads_fp8_ws``, its widening warpgroup gathering
+the rows), H100 128 heads 0.0680 -> 0.0441 ms (``results/h100/dsa_sparse_fp8_ws.json``); at
+few heads the Triton kernel (the Gluon forms widen serially: 0.0194 -> 0.0272 on an H200).
 
 Tried at 16 heads (``dsa_sparse_prefetch_tried.json``): each split's selected rows asked of
 L2 at its start (one bulk prefetch a row), 0.0162 -> 0.0189 ms bf16, and 32-token tiles in 4
@@ -50,6 +52,7 @@ import triton.language as tl
 
 from splash.backends import device_tuning
 from splash.kernels_triton import _validate as V
+from splash.kernels_triton import mla_decode_heads_fp8_ws as heads_fp8_ws
 from splash.kernels_triton import mla_decode_heads_gluon as heads_gluon
 from splash.kernels_triton import mla_decode_tokens_gluon as tokens_gluon
 from splash.kernels_triton.lse_merge import _merge_into
@@ -275,6 +278,8 @@ def _gluon_sparse(form: str, q: torch.Tensor, kv: torch.Tensor, kv_scale: torch.
     o_part = torch.empty((splits * N, 1, H, L), dtype=dtype, device=q.device)
     lse_part = torch.empty((splits * N, 1, H), dtype=torch.float32, device=q.device)
     launch = tokens_gluon.launch if form == "tokens" else heads_gluon.launch
+    if form == "heads" and heads_fp8_ws.serves(kv, cfg):
+        launch = heads_fp8_ws.launch
     launch(q, kv, kv_scale if kv_scale is not None else lse, slots, o_part, o_part, lse_part,
            out, lse, None, qk_scale, splits if dtype != torch.float32 else 0, sparse=split)
     if splits > 1:
