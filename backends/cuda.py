@@ -134,7 +134,10 @@ class CUDABackend(BaseBackend):
         # results/h100/dsa_sparse_fp8_ws.json, H100, batch 16 x 2,048 selected rows, 128
         # heads, against the Triton kernel in the same run): 0.0680 -> 0.0441 ms at 32K
         # (bf16's Gluon form 0.0441 at 128K), the DSA layer 0.1203 -> 0.1014 at 32K, 0.2109
-        # -> 0.1925 at 128K
+        # -> 0.1925 at 128K; at 64 heads (a split of 4 tiles: no "gluon_min_split_tiles")
+        # 0.0430 -> 0.0351 ms, the layer 0.0974 -> 0.0917 (results/h100/dsa_sparse_fp8_16_64.json;
+        # at 16 heads the few-head Gluon kernel's e4m3 gathered form still loses there with
+        # 16-byte copies, 0.0196 -> 0.0288)
         "mla_sparse": {"default": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3,
                                    "gather_slots": True, "dim_chunks": True,
                                    "low_partials": False, "gluon": False,
@@ -144,7 +147,8 @@ class CUDABackend(BaseBackend):
                                    "fp8": {"num_warps": 8, "gluon": False,
                                            "many_heads": {"fp8_fp16": False,
                                                           "gather_slots": True,
-                                                          "gluon": True}}}},
+                                                          "gluon": True,
+                                                          "gluon_min_split_tiles": 0}}}},
         # mla_extend: 64-token KV tiles (298 vs 199 TFLOP/s); compute-bound, so fp8 KV keeps
         # bf16 products (185 vs 145 TFLOP/s with fp16 products)
         "mla_extend": {"default": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2,

@@ -163,13 +163,11 @@ if gluon is not None:
                 async_copy.commit_group()
 
     @gluon.jit
-    def _chosen(bt_row, stride_btp, t0, end, cols, GATHER: gl.constexpr):
-        """Which of the tile at ``t0``'s ``cols`` hold a token: before ``end``, and with
-        ``GATHER`` (``bt_row`` the slot list) of a slot other than -1."""
+    def _chosen(bt_row, stride_btp, t0, end, cols):
+        """Which of a gathered tile's ``cols`` (from ``t0``) hold a token: before ``end`` and
+        of a slot other than -1 (``bt_row``: the row's slot list)."""
         ok = t0 + cols < end
-        if GATHER:
-            ok = gl.load(bt_row + (t0 + cols) * stride_btp, mask=ok, other=-1) >= 0
-        return ok
+        return gl.load(bt_row + (t0 + cols) * stride_btp, mask=ok, other=-1) >= 0
 
     @gluon.jit
     def _products(qn_s, qr_s, kn_s, kr_s, ks_s, wv, p_s, tile_bars, ready, free, scored,
@@ -181,14 +179,19 @@ if gluon is not None:
         l_acc = gl.zeros((GH, GN), gl.float32, layout=mma_s)
         cols = gl.arange(0, GN, layout=gl.SliceLayout(0, mma_s))
         s = gl.zeros((GH, GN), gl.float32, layout=mma_s)
-        ok = _chosen(bt_row, stride_btp, start, end, cols, GATHER)  # tile 0's
+        ok = cols < 0
+        if GATHER:  # tile 0's slots
+            ok = _chosen(bt_row, stride_btp, start, end, cols)
         if tiles > 0:  # tile 0's scores
             mbarrier.wait(tile_bars.index(0), 0)
             s = warpgroup_mma_wait(0, deps=(_scores(qn_s, qr_s, kn_s.index(0), kr_s.index(0),
                                                     s),))
         for i in range(tiles):  # s: tile i's scores
             t0 = start + i * GN
-            ks = _tile_scales(ks_s.index(i % S), t0, end, cols)[0]
+            if GATHER:  # (ok: taken under the MMAs before)
+                ks = _tile_scales(ks_s.index(i % S), t0, end, cols)[0]
+            else:
+                ks, ok = _tile_scales(ks_s.index(i % S), t0, end, cols)
             p, alpha, m_i, l_acc = _softmax_step(s * qsc[:, None] * ks[None, :], ok, m_i,
                                                  l_acc, GATHER)  # (a gathered tile: maybe empty)
             p_s.store((p * ks[None, :]).to(gl.float16))  # both warpgroups' halves of p
@@ -202,7 +205,8 @@ if gluon is not None:
                 st = (i + 1) % S
                 mbarrier.wait(tile_bars.index(st), ((i + 1) // S) & 1)
                 s_tok = _scores(qn_s, qr_s, kn_s.index(st), kr_s.index(st), s)
-                ok = _chosen(bt_row, stride_btp, t0 + GN, end, cols, GATHER)  # under the MMAs
+                if GATHER:  # the next tile's slots, under the MMAs
+                    ok = _chosen(bt_row, stride_btp, t0 + GN, end, cols)
                 acc = warpgroup_mma_wait(1, deps=(acc_tok,))
                 gl.thread_barrier()
                 mbarrier.arrive(free, count=1)

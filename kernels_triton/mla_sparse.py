@@ -34,8 +34,10 @@ Triton kernel in the same run): 128 heads bf16 0.0519 -> 0.0418 ms (8 tiles a sp
 heads 0.0292 -> 0.0300 and 16 heads 0.0163 -> 0.0171 (4 tiles a split: the copies have no
 time to overlap), so the tuning table keeps the Triton kernel there. e4m3 KV at many heads:
 the warp-specialised kernel (``mla_decode_heads_fp8_ws``, its widening warpgroup gathering
-the rows), H100 128 heads 0.0680 -> 0.0441 ms (``results/h100/dsa_sparse_fp8_ws.json``); at
-few heads the Triton kernel (the Gluon forms widen serially: 0.0194 -> 0.0272 on an H200).
+the rows), H100 128 heads 0.0680 -> 0.0441 ms (``results/h100/dsa_sparse_fp8_ws.json``), 64
+heads at 4 tiles a split 0.0430 -> 0.0351 (``dsa_sparse_fp8_16_64.json``); it reads q in e4m3
+(``query_as_read``); at few heads the Triton kernel (the Gluon forms widen serially: 0.0194
+-> 0.0272 on an H200, 0.0196 -> 0.0288 on an H100 with 16-byte gathers).
 
 Tried at 16 heads (``dsa_sparse_prefetch_tried.json``): each split's selected rows asked of
 L2 at its start (one bulk prefetch a row), 0.0162 -> 0.0189 ms bf16, and 32-token tiles in 4
@@ -55,6 +57,7 @@ from splash.kernels_triton import _validate as V
 from splash.kernels_triton import mla_decode_heads_fp8_ws as heads_fp8_ws
 from splash.kernels_triton import mla_decode_heads_gluon as heads_gluon
 from splash.kernels_triton import mla_decode_tokens_gluon as tokens_gluon
+from splash.kernels_triton.kv_cache_ops import quantise_rows
 from splash.kernels_triton.lse_merge import _merge_into
 from splash.kernels_triton.mla_decode import choose_num_splits, decode_config, gluon_form
 from splash.kernels_triton.mla_decode_gluon_tiles import BN as GLUON_TILE
@@ -210,20 +213,16 @@ def mla_sparse(
     if N > 65535:
         raise ValueError(f"mla_sparse takes at most 65535 rows per launch, got N={N}")
     fp8 = V.is_fp8(kv.dtype)
-    config = {**device_tuning(dev, "mla_sparse"), **(config or {})}
-    cfg: dict[str, Any] = decode_config(H, dev, config, fp8=fp8, fp32_q=q.dtype == torch.float32)
+    cfg = _sparse_config(q, kv, config)
     block_h, block_n = cfg["BLOCK_H"], cfg["BLOCK_N"]
     head_groups = triton.cdiv(H, block_h)
     if num_splits is not None and (not isinstance(num_splits, int)
                                    or not 1 <= num_splits <= 65535):
         raise ValueError(f"num_splits={num_splits!r} must be an int in [1, 65535]")
-    gluon = gluon_form(q, kv, L, R, block_h, cfg)
-    if gluon is not None:
-        split = _gluon_split(gluon, N, H, K, dev, num_splits)
-        if num_splits is not None or split[1] >= int(cfg.get("gluon_min_split_tiles", 0)) * GLUON_TILE:
-            _gluon_sparse(gluon, q, kv, kv_scale, slots, float(sm_scale) * _LOG2E, out, lse,
-                          split, cfg)
-            return out, lse
+    route = _gluon_route(q, kv, L, K, num_splits, cfg)
+    if route is not None:
+        _gluon_sparse(*route, q, kv, kv_scale, slots, float(sm_scale) * _LOG2E, out, lse, cfg)
+        return out, lse
     if num_splits is None:
         num_splits = choose_num_splits(N, head_groups, K, dev, cfg)
     if num_splits == 1:
@@ -254,6 +253,44 @@ def mla_sparse(
     return out, lse
 
 
+def _sparse_config(q: torch.Tensor, kv: torch.Tensor, config: dict | None) -> dict[str, Any]:
+    """Launch parameters: ``mla_decode``'s (``decode_config``) under the backend's
+    ``mla_sparse`` entry, then ``config``."""
+    config = {**device_tuning(q.device, "mla_sparse"), **(config or {})}
+    return decode_config(q.shape[1], q.device, config, fp8=V.is_fp8(kv.dtype),
+                         fp32_q=q.dtype == torch.float32)
+
+
+def _gluon_route(q: torch.Tensor, kv: torch.Tensor, L: int, K: int, num_splits: int | None,
+                 cfg: dict[str, Any]) -> tuple[str, tuple[int, int]] | None:
+    """(Gluon form, split) where a Gluon decode kernel serves the selection: its form
+    (``gluon_form``) and, unless ``num_splits`` is given, a split of at least
+    ``gluon_min_split_tiles`` tiles; else None (the Triton kernels)."""
+    form = gluon_form(q, kv, L, q.shape[2] - L, cfg["BLOCK_H"], cfg)
+    if form is None:
+        return None
+    split = _gluon_split(form, q.shape[0], q.shape[1], K, q.device, num_splits)
+    if num_splits is None and split[1] < int(cfg.get("gluon_min_split_tiles", 0)) * GLUON_TILE:
+        return None
+    return form, split
+
+
+def query_as_read(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+                  kv_lora_rank: int, num_splits: int | None = None,
+                  config: dict | None = None) -> torch.Tensor:
+    """q as ``mla_sparse`` reads it for this cache, selection, split count and config: where
+    a many-head Gluon kernel serves e4m3 KV (their scores' product reads q in e4m3, a scale
+    a head), q quantised so and dequantised (fp32); else q. A reference fed this checks the
+    kernels alone."""
+    kv = V.check_kv_cache(kv_cache, q.device)
+    route = _gluon_route(q, kv, kv_lora_rank, slots.shape[1], num_splits,
+                         _sparse_config(q, kv, config))
+    if route is None or route[0] != "heads" or not V.is_fp8(kv.dtype):
+        return q
+    data, scale = quantise_rows(q.reshape(-1, q.shape[2]), kv.dtype)
+    return (data.float() * scale[:, None]).view(q.shape)
+
+
 def _gluon_split(form: str, N: int, H: int, K: int, device: torch.device,
                  num_splits: int | None) -> tuple[int, int]:
     """(splits, slots a split) of each row's K slots for the Gluon kernels: whole 64-row
@@ -267,9 +304,9 @@ def _gluon_split(form: str, N: int, H: int, K: int, device: torch.device,
     return triton.cdiv(K, split_len), split_len
 
 
-def _gluon_sparse(form: str, q: torch.Tensor, kv: torch.Tensor, kv_scale: torch.Tensor | None,
-                  slots: torch.Tensor, qk_scale: float, out: torch.Tensor, lse: torch.Tensor,
-                  split: tuple[int, int], cfg: dict[str, Any]) -> None:
+def _gluon_sparse(form: str, split: tuple[int, int], q: torch.Tensor, kv: torch.Tensor,
+                  kv_scale: torch.Tensor | None, slots: torch.Tensor, qk_scale: float,
+                  out: torch.Tensor, lse: torch.Tensor, cfg: dict[str, Any]) -> None:
     """``mla_sparse`` by a Gluon kernel over ``split`` (``_gluon_split``), then ``lse_merge``
     over the splits (partial rows in ``low_partials``' dtype)."""
     N, H, L = out.shape
