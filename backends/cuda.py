@@ -60,7 +60,7 @@ class CUDABackend(BaseBackend):
         # then with q read in e4m3 for the scores ("fp8_query", decode_heads_fp8_scores.json)
         # 64 x 4K 0.458 -> 0.270, 64 x 32K 3.29 -> 1.95 (bf16 in the same run 0.181 / 1.344);
         # then the value product turned around with its e4m3 operand widened in registers
-        # ("fp8_register_values", mla_decode_heads_fp8, decode_heads_fp8_registers.json):
+        # (a kernel since removed, decode_heads_fp8_registers.json):
         # 64 x 4K 0.269 -> 0.225, 64 x 32K 1.93 -> 1.52, 128 x 1K 0.158 -> 0.147 (bf16 0.181 /
         # 1.352 / 0.106); then as one-warpgroup programs of 32 heads, two an SM
         # (decode_heads_fp8_tried_s29.json): 8 x 32K 0.232 -> 0.214, 128 x 1K 0.147 -> 0.131,
@@ -102,8 +102,7 @@ class CUDABackend(BaseBackend):
                         "many_heads": {"BLOCK_N": 64, "gather_pages": False, "num_warps": 8,
                                        "num_stages": 2, "programs_per_sm": 1,
                                        "fp8_fp16": True, "gluon_programs_per_sm": 1,
-                                       "fp8_query": True, "fp8_register_values": True,
-                                       "fp8_widen_worker": True}},
+                                       "fp8_query": True, "fp8_widen_worker": True}},
             },
         },
         # mla_sparse (benchmarks/results/h200/dsa_sweep.json, batch 16 x 2,048 selected rows):

@@ -28,7 +28,6 @@ except ImportError:
 
 from splash.kernels_triton import dsa_index_gluon as index_gluon
 from splash.kernels_triton import mla_decode_gluon_tiles as tiles
-from splash.kernels_triton import mla_decode_heads_fp8 as heads_fp8
 from splash.kernels_triton import mla_decode_heads_fp8_ws as heads_fp8_ws
 from splash.kernels_triton import mla_decode_heads_gluon as heads
 from splash.kernels_triton import mla_decode_tokens_fp8 as tokens_fp8
@@ -110,9 +109,6 @@ def main() -> int:
                  tokens_fp8._mla_decode_fp8_tokens_kernel,
                  {**OUTS, **descriptors(e4m3, e4m3, 16), "q_ptr": "*bf16"}, {**base, "BH": 16},
                  4))
-    runs.append(("heads fp8 (values in registers, q quantised in the kernel)",
-                 heads_fp8._mla_decode_fp8_heads_kernel,
-                 {**OUTS, **descriptors(e4m3, e4m3, heads_fp8.BH), "q_ptr": "*bf16"}, base, 4))
     for gather in (False, True):
         runs.append((f"heads fp8 (widened by a worker warpgroup){' sparse' if gather else ''}",
                      heads_fp8_ws._mla_decode_heads_fp8_ws_kernel,

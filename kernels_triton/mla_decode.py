@@ -54,9 +54,9 @@ Design:
   overflowing to inf / NaN; the references dequantise the same fp8 values with the unclamped q.
   Without it (CPU default) the tile is widened to q's dtype. The Hopper Gluon kernels
   (``config["fp8_query"]``, the CUDA default) read q in e4m3 too, with a scale a head, for
-  an fp8 scores' product: 2.1x faster at 128 heads, 2.3x at 16 (both with the value operand
-  widened in registers: ``mla_decode_heads_fp8``, ``mla_decode_tokens_fp8``; at 128 heads
-  now widened by a warpgroup of its own, ``mla_decode_heads_fp8_ws``), at e4m3's
+  an fp8 scores' product: 2.1x faster at 128 heads, 2.3x at 16 (the value operand widened
+  in registers at 16 heads, ``mla_decode_tokens_fp8``; by a warpgroup of its own at 128,
+  ``mla_decode_heads_fp8_ws``), at e4m3's
   rounding of q (``query_as_read`` gives the q they read; ``fp8_query: False`` keeps fp16
   products). With fp16 products on an
   NVIDIA GPU of sm_89 or newer (``config["fp8_ptx"]``, default on there) the e4m3 tile widens
@@ -100,9 +100,8 @@ Design:
   and two KV tiles come in by TMA and both products are warpgroup MMAs (128 heads bf16
   407-439 TFLOP/s a layer, 1.5x the Triton kernel; e4m3 KV: ``mla_decode_heads_fp8_ws.py``,
   the two warpgroups multiply while a third widens the value columns and issues the copies,
-  1.11-1.19x bf16's tokens a second on an H100; ``mla_decode_heads_fp8.py``, the value
-  product turned around in one warpgroup on 32 heads, 0.85-0.89x there, is its fallback
-  with ``fp8_widen_worker`` off); at few heads (``mla_decode_tokens_gluon.py``) the tokens sit on
+  1.11-1.19x bf16's tokens a second on an H100; with ``fp8_widen_worker`` off the
+  two warpgroups widen the values themselves); at few heads (``mla_decode_tokens_gluon.py``) the tokens sit on
   the MMA's M side, 16-bit tiles by TMA (16 heads bf16 64 x 4K 88-90% of copy a layer);
   e4m3 tiles by TMA too, read as they landed by the scores' product and widened in
   registers for the values' (``mla_decode_tokens_fp8.py``, 16 heads: 1.51 / 1.77 / 1.72x
@@ -123,7 +122,6 @@ import triton
 
 from splash.backends import device_tuning
 from splash.kernels_triton import _validate as V
-from splash.kernels_triton import mla_decode_heads_fp8 as heads_fp8
 from splash.kernels_triton import mla_decode_heads_fp8_ws as heads_fp8_ws
 from splash.kernels_triton import mla_decode_heads_gluon as heads_gluon
 from splash.kernels_triton import mla_decode_tokens_fp8 as tokens_fp8
@@ -360,9 +358,6 @@ def mla_decode(
         elif gluon == "heads" and heads_fp8_ws.serves(kv, cfg):
             heads_fp8_ws.launch(q, kv, scale, block_table, o_part, o_low, lse_part, out, lse,
                                 items, float(sm_scale) * _LOG2E, low)
-        elif gluon == "heads" and heads_fp8.serves(kv, cfg):
-            heads_fp8.launch(q, kv, scale, block_table, o_part, o_low, lse_part, out, lse,
-                             items, float(sm_scale) * _LOG2E, low)
         elif gluon == "heads":
             heads_gluon.launch(q, kv, scale, block_table, o_part, o_low, lse_part, out, lse,
                                items, float(sm_scale) * _LOG2E, low)

@@ -26,8 +26,9 @@ widened tile (64 KB) and p (8 KB): 185 KB, one program an SM; the widener keeps 
 a thread, the products 240 (no spills in the loop; the output's stores after it spill
 ~1.6 KB).
 
-H100, a layer, 128 heads, against ``mla_decode_heads_fp8`` (32-head one-warpgroup programs
-widening in registers, two an SM) and bf16 KV in the same run
+H100, a layer, 128 heads, against the form it replaced (32-head one-warpgroup programs
+widening in registers, two an SM; removed once this kernel was faster at every shape) and
+bf16 KV in the same run
 (``benchmarks/results/h100/decode_heads_fp8_ws.json``), the first form (three stages, q
 quantised by a launch before): 64 x 4K 0.2066 -> 0.1760 ms (bf16 0.1752), 64 x 32K 1.519 ->
 1.176 (1.301), 8 x 32K 0.2049 -> 0.1770 (0.1784), 2 x 128K 0.2071 -> 0.1682 (0.1791), 64

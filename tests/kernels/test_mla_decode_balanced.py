@@ -199,11 +199,6 @@ _GLUON_CASES = [  # (module, setting, heads, page size, config)
     *[("heads", name, H, PS, cfg) for name in ("fp16", "bf16", "fp16-fp8kv", "bf16-fp8kv")
       for H, PS, cfg in [(128, 64, {}), (64, 128, {}), (128, 64, {"low_partials": 2}),
                          (40, 64, {"programs_per_sm": 4})]],
-    # e4m3 values widened in registers (mla_decode_heads_fp8)
-    *[("heads_fp8", name, H, PS, {"fp8_register_values": True, **cfg})
-      for name in ("fp16-fp8kv", "bf16-fp8kv")
-      for H, PS, cfg in [(128, 64, {}), (64, 128, {}), (128, 64, {"low_partials": 2}),
-                         (40, 64, {"programs_per_sm": 4})]],
     # e4m3 values widened by a worker warpgroup (mla_decode_heads_fp8_ws)
     *[("heads_fp8_ws", name, H, PS, {"fp8_widen_worker": True, **cfg})
       for name in ("fp16-fp8kv", "bf16-fp8kv")
@@ -220,7 +215,7 @@ def test_gluon_kernels_match_reference(module, name, H, PS, cfg, monkeypatch):
     pages, split or not, with the reference's results, though the pages' unused rows hold
     NaN."""
     setting = make_setting(name)
-    # (the few-head form over e4m3 KV is a module of its own, as is heads_fp8)
+    # (the few-head form over e4m3 KV is a module of its own, as is heads_fp8_ws)
     form = "tokens_fp8" if module == "tokens" and setting.fp8 else \
         module if module.startswith("heads_fp8") else f"{module}_gluon"
     gluon = importlib.import_module(f"splash.kernels_triton.mla_decode_{form}")
@@ -243,9 +238,7 @@ def test_gluon_kernels_match_reference(module, name, H, PS, cfg, monkeypatch):
     else:
         kv[unused] = float("nan")
     cfg = {**cfg, "gluon": True, "fp8": {"many_heads": {"gluon": True}}}  # wherever it applies
-    if module == "heads":  # the widened value tile's form over e4m3 KV
-        cfg["fp8_register_values"] = False
-    if module != "heads_fp8_ws":  # (which serves first where it is on)
+    if module == "heads":  # the two warpgroups widen e4m3 values themselves
         cfg["fp8_widen_worker"] = False
     out, lse = mla_decode(q, kv, table, seq_lens, 576 ** -0.5, 512, kv_scale=scale, config=cfg)
     assert launches
