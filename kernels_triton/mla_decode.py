@@ -100,9 +100,9 @@ Design:
   and two KV tiles come in by TMA and both products are warpgroup MMAs (128 heads bf16
   407-439 TFLOP/s a layer, 1.5x the Triton kernel; e4m3 KV: ``mla_decode_heads_fp8_ws.py``,
   the two warpgroups multiply while a third widens the value columns and issues the copies,
-  1.11-1.19x bf16's tokens a second on an H100; with ``fp8_widen_worker`` off the
-  two warpgroups widen the values themselves); at few heads (``mla_decode_tokens_gluon.py``) the tokens sit on
-  the MMA's M side, 16-bit tiles by TMA (16 heads bf16 64 x 4K 88-90% of copy a layer);
+  1.11-1.19x bf16's tokens a second on an H100; with ``fp8_widen_worker`` off the two
+  warpgroups widen the values themselves); at few heads (``mla_decode_tokens_gluon.py``) the
+  tokens sit on the MMA's M side, 16-bit tiles by TMA (16 heads bf16 64 x 4K 88-90% of copy a layer);
   e4m3 tiles by TMA too, read as they landed by the scores' product and widened in
   registers for the values' (``mla_decode_tokens_fp8.py``, 16 heads: 1.51 / 1.77 / 1.72x
   bf16's tokens a second at 64 x 4K / 64 x 32K / 16 x 128K). The Gluon kernels read the
