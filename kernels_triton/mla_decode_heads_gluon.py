@@ -20,8 +20,8 @@ H200, a layer against the Triton kernel: 128 heads bf16 64 x 4K 0.264 -> 0.179 m
 
 e4m3 KV (``config["fp8_widen_worker"]`` off; on, the CUDA default,
 ``mla_decode_heads_fp8_ws`` serves it, 1.5-1.6x faster on an H100): each program quantises
-its 64 heads' q rows to e4m3 with a scale a head (``quantise_rows``' operations, as the cache's rows are; instead of a launch
-before the kernel, H100 a layer: 64 x 4K 0.2639 -> 0.2548 ms, 128 x 1K 0.1516 -> 0.1401,
+its 64 heads' q rows to e4m3 with a scale a head (``quantise_rows``' operations, as the
+cache's rows are; instead of a launch before the kernel, H100 a layer: 64 x 4K 0.2639 -> 0.2548 ms, 128 x 1K 0.1516 -> 0.1401,
 ``benchmarks/results/h100/decode_heads_gluon_fp8_query.json``), and the scores' product
 reads q and the tile as they landed (fp8 x fp8, Hopper's fp8 accumulator: about 14 bits a
 partial sum); the scores take q's and the rows' scales. The tile's value columns widen to fp16 into one shared tile that the value product reads, p in
