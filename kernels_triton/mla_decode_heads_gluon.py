@@ -18,24 +18,24 @@ after the last tile. The next tile's scores are issued with this tile's value pr
 H200, a layer against the Triton kernel: 128 heads bf16 64 x 4K 0.264 -> 0.179 ms, 64 x 32K
 2.003 -> 1.329 (439 TFLOP/s) (``decode_heads_gluon.json``, ``decode_heads_defer_sum.json``).
 
-e4m3 KV (``config["fp8_widen_worker"]`` off; on, the CUDA default,
-``mla_decode_heads_fp8_ws`` serves it, 1.5-1.6x faster on an H100): each program quantises
-its 64 heads' q rows to e4m3 with a scale a head (``quantise_rows``' operations, as the
-cache's rows are; instead of a launch before the kernel, H100 a layer: 64 x 4K 0.2639 -> 0.2548 ms, 128 x 1K 0.1516 -> 0.1401,
-``benchmarks/results/h100/decode_heads_gluon_fp8_query.json``), and the scores' product
-reads q and the tile as they landed (fp8 x fp8, Hopper's fp8 accumulator: about 14 bits a
-partial sum); the scores take q's and the rows' scales. The tile's value columns widen to fp16 into one shared tile that the value product reads, p in
-fp16 times the rows' scales; that widening runs under the next tile's scores once this
-tile's value product is done with the shared tile, and is masked on a split's partial last
-tile only. 64 x 32K 3.29 -> 1.95 ms (0.69 x bf16's speed, was 0.41 x) against the earlier
-form, which widened the whole tile to fp16 for both products in one serial step a tile
-(``decode_heads_fp8_scores.json``, which also holds what was tried: the next tile's scores
-issued before this tile's softmax, 2.15 against 2.05 ms then; one e4m3 stage with two widened
-tiles, so the widening ran under both products, 3.04 ms: the stage's copy waited; and with
-no widening at all, wrong values for timing only, 1.46 ms: the widening is the gap to bf16).
-Without a scale q's largest entry would have to fit e4m3 (448) and its smallest
-keep some precision; a head's scale keeps the error to e4m3's (at most 1/16 an entry), on
-the order of what quantising the cache already costs.
+e4m3 KV (``config["fp8_widen_worker"]`` off; on, the CUDA default, ``mla_decode_heads_fp8_ws``
+serves it, 1.5-1.6x faster on an H100): each program quantises its 64 heads' q rows to e4m3
+with a scale a head (``quantise_rows``' operations, as the cache's rows are; instead of a
+launch before the kernel, H100 a layer: 64 x 4K 0.2639 -> 0.2548 ms, 128 x 1K 0.1516 -> 0.1401,
+``benchmarks/results/h100/decode_heads_gluon_fp8_query.json``), and the scores' product reads q
+and the tile as they landed (fp8 x fp8, Hopper's fp8 accumulator: about 14 bits a partial sum);
+the scores take q's and the rows' scales. The tile's value columns widen to fp16 into one
+shared tile that the value product reads, p in fp16 times the rows' scales; that widening runs
+under the next tile's scores once this tile's value product is done with the shared tile, and
+is masked on a split's partial last tile only. 64 x 32K 3.29 -> 1.95 ms (0.69 x bf16's speed,
+was 0.41 x) against the earlier form, which widened the whole tile to fp16 for both products in
+one serial step a tile (``decode_heads_fp8_scores.json``, which also holds what was tried: the
+next tile's scores issued before this tile's softmax, 2.15 against 2.05 ms then; one e4m3 stage
+with two widened tiles, so the widening ran under both products, 3.04 ms: the stage's copy
+waited; and with no widening at all, wrong values for timing only, 1.46 ms: the widening is the
+gap to bf16). Without a scale q's largest entry would have to fit e4m3 (448) and its smallest
+keep some precision; a head's scale keeps the error to e4m3's (at most 1/16 an entry), on the
+order of what quantising the cache already costs.
 
 The last tile of a split zeroes its rows past the range in shared memory before the value
 product (a page's unused rows may hold anything, NaN included, and 0 x NaN is NaN).
