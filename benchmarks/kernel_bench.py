@@ -1,7 +1,7 @@
 """Kernel benchmark: SPLASH's Triton kernels against ceilings measured in the same run.
 
     python benchmarks/kernel_bench.py --out benchmarks/results/h200/kernels.json [--no-sweep]
-        [--sweep-configs] [--only-decode] [--only-dsa] [--shapes 16x64x4096,128x8x32768]
+        [--sweep-configs] [--only-decode [--merge]] [--only-dsa] [--shapes 16x64x4096,128x8x32768]
         [--kinds bf16,fp8]
 
 Measures, on the current GPU:
@@ -17,7 +17,8 @@ Measures, on the current GPU:
 - DSA decode (``dsa_kernels.py``): indexer scores, top-k, sparse MLA and the three together at
   batch 16, 16 / 128 heads, 32K / 128K, index_topk 2048, as % of the bytes roofline (indexer
   keys of the history + the selected latent rows). ``--only-dsa`` runs just these and merges
-  them into an existing ``--out`` file.
+  them into an existing ``--out`` file; ``--only-decode --merge`` likewise replaces just the
+  decode records of the shapes and kinds it measured (the rest of the file is kept).
 
 Decode FLOPs are 2·H·(D + L) per KV token per query; effective bandwidth counts the KV bytes
 (rows + fp8 scales) read once. Peer figures: the Triton MLA decode kernel SGLang/vLLM ship, best
@@ -46,6 +47,7 @@ import argparse
 import datetime
 import functools
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -269,6 +271,31 @@ def decode_records(dev, ceil, sweep: bool, records: list, tried: list, save,
             save()  # after every shape, so a cut-off run keeps what it measured
 
 
+def merge_decode(path: str, records: list[dict], ceil: dict[str, float]) -> None:
+    """Replace the ``mla_decode`` records of ``path`` with ``records`` where heads, batch,
+    context and dtype match (others kept, new ones placed before the DSA records); each new
+    record and the file's ``decode_<H>_heads_*`` keys carry this run's date and ceilings."""
+    with open(path) as f:
+        result = json.load(f)
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    ceil = {k: round(v, 1) for k, v in ceil.items()}
+
+    def key(r: dict) -> tuple:
+        return r["heads"], r["batch"], r["context"], r["dtype"]
+
+    new = {key(r) for r in records}
+    kept = [r for r in result["records"] if r["kernel"] != "mla_decode" or key(r) not in new]
+    at = next((i for i, r in enumerate(kept) if r["kernel"].startswith("dsa_")), len(kept))
+    stamped = [{**r, "measured": now, "ceilings_same_run": ceil} for r in records]
+    result["records"] = kept[:at] + stamped + kept[at:]
+    for heads in sorted({r["heads"] for r in records}):
+        result[f"decode_{heads}_heads_date"] = now
+        result[f"decode_{heads}_heads_ceilings"] = ceil
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"merged {len(records)} decode records into {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
@@ -277,6 +304,8 @@ def main() -> None:
                         help="also try the tile configs in SWEEP (default: split counts only)")
     parser.add_argument("--only-decode", action="store_true",
                         help="mla_decode only (skip mla_extend and the copies)")
+    parser.add_argument("--merge", action="store_true",
+                        help="with --only-decode: merge the records into an existing --out file")
     parser.add_argument("--shapes", default="",
                         help="decode shapes HxNxT, comma-separated (default: all six)")
     parser.add_argument("--kinds", default="bf16,fp8", help="KV kinds: bf16, fp8 (comma-separated)")
@@ -293,6 +322,10 @@ def main() -> None:
     kinds = tuple(k for k in args.kinds.split(",") if k)
     if not kinds or any(k not in ("bf16", "fp8") for k in kinds):
         sys.exit(f"--kinds: {args.kinds!r}; expected bf16 and/or fp8")
+    if args.merge and not args.only_decode:
+        sys.exit("--merge goes with --only-decode (--only-dsa always merges)")
+    if args.merge and not os.path.exists(args.out):
+        sys.exit(f"--merge: {args.out} does not exist")
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernel_bench.py needs a GPU")
     if args.verify_one:  # one config in its own process: a faulting kernel cannot stop the run
@@ -342,6 +375,12 @@ def main() -> None:
     result["shapes"] = [list(s) for s in shapes]
     result["kinds"] = list(kinds)
     precheck(result)
+    if args.merge:
+        records: list[dict] = []
+        decode_records(dev, ceil, not args.no_sweep, records, result["decode_sweep"],
+                       lambda: None, shapes, kinds)
+        merge_decode(args.out, records, ceil)
+        return
     decode_records(dev, ceil, not args.no_sweep, result["records"], result["decode_sweep"], save,
                    shapes, kinds)
     save()
