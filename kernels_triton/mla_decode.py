@@ -102,7 +102,8 @@ Design:
   the two warpgroups multiply while a third widens the value columns and issues the copies,
   1.11-1.19x bf16's tokens a second on an H100; with ``fp8_widen_worker`` off the two
   warpgroups widen the values themselves); at few heads (``mla_decode_tokens_gluon.py``) the
-  tokens sit on the MMA's M side, 16-bit tiles by TMA (16 heads bf16 64 x 4K 88-90% of copy a layer);
+  tokens sit on the MMA's M side, 16-bit tiles by TMA (16 heads bf16 64 x 4K 88-90% of copy
+  a layer);
   e4m3 tiles by TMA too, read as they landed by the scores' product and widened in
   registers for the values' (``mla_decode_tokens_fp8.py``, 16 heads: 1.51 / 1.77 / 1.72x
   bf16's tokens a second at 64 x 4K / 64 x 32K / 16 x 128K). The Gluon kernels read the
@@ -226,7 +227,12 @@ def query_as_read(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
     if not (_balanced(num_splits, cfg) and _fp8_query(kv_cache, cfg)
             and gluon_form(q, kv_cache, L, R, cfg["BLOCK_H"], cfg)):
         return q
-    data, scale = quantise_rows(q.reshape(-1, q.shape[2]), kv_cache.dtype)
+    return e4m3_query(q, kv_cache.dtype)
+
+
+def e4m3_query(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``q`` quantised to ``dtype`` a scale a head (``quantise_rows``), dequantised (fp32)."""
+    data, scale = quantise_rows(q.reshape(-1, q.shape[2]), dtype)
     return (data.float() * scale[:, None]).view(q.shape)
 
 

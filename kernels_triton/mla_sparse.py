@@ -57,9 +57,13 @@ from splash.kernels_triton import _validate as V
 from splash.kernels_triton import mla_decode_heads_fp8_ws as heads_fp8_ws
 from splash.kernels_triton import mla_decode_heads_gluon as heads_gluon
 from splash.kernels_triton import mla_decode_tokens_gluon as tokens_gluon
-from splash.kernels_triton.kv_cache_ops import quantise_rows
 from splash.kernels_triton.lse_merge import _merge_into
-from splash.kernels_triton.mla_decode import choose_num_splits, decode_config, gluon_form
+from splash.kernels_triton.mla_decode import (
+    choose_num_splits,
+    decode_config,
+    e4m3_query,
+    gluon_form,
+)
 from splash.kernels_triton.mla_decode_gluon_tiles import BN as GLUON_TILE
 from splash.kernels_triton.mla_decode_kernels import (
     _LOG2E,
@@ -287,8 +291,7 @@ def query_as_read(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
                          _sparse_config(q, kv, config))
     if route is None or route[0] != "heads" or not V.is_fp8(kv.dtype):
         return q
-    data, scale = quantise_rows(q.reshape(-1, q.shape[2]), kv.dtype)
-    return (data.float() * scale[:, None]).view(q.shape)
+    return e4m3_query(q, kv.dtype)
 
 
 def _gluon_split(form: str, N: int, H: int, K: int, device: torch.device,

@@ -217,7 +217,7 @@ def test_gluon_kernels_match_reference(module, name, H, PS, cfg, monkeypatch):
     setting = make_setting(name)
     # (the few-head form over e4m3 KV is a module of its own, as is heads_fp8_ws)
     form = "tokens_fp8" if module == "tokens" and setting.fp8 else \
-        module if module.startswith("heads_fp8") else f"{module}_gluon"
+        module if module == "heads_fp8_ws" else f"{module}_gluon"
     gluon = importlib.import_module(f"splash.kernels_triton.mla_decode_{form}")
     if not compiled_gpu() or gluon.gluon is None or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels run on a compiled sm_90 GPU with Gluon")
