@@ -66,7 +66,7 @@ class CUDABackend(BaseBackend):
         # (decode_heads_fp8_tried_s29.json): 8 x 32K 0.232 -> 0.214, 128 x 1K 0.147 -> 0.131,
         # 64 x 32K 1.526 either way. Then two warpgroups on 64 heads again, with the widening
         # and the tile copies in a warpgroup of their own and the rows' scales by TMA
-        # ("fp8_widen_worker", mla_decode_heads_fp8_ws; H100, same run,
+        # (mla_decode_heads_fp8_ws, since the only e4m3 form at many heads; H100, same run,
         # results/h100/decode_heads_fp8_ws.json): 64 x 4K 0.2066 -> 0.1760 (bf16 0.1752),
         # 64 x 32K 1.519 -> 1.176 (1.301), 8 x 32K 0.2049 -> 0.1770 (0.1784), 2 x 128K
         # 0.2071 -> 0.1682 (0.1791), 128 x 1K 0.1118 -> 0.1077 (0.0985); with q quantised in
@@ -102,7 +102,7 @@ class CUDABackend(BaseBackend):
                         "many_heads": {"BLOCK_N": 64, "gather_pages": False, "num_warps": 8,
                                        "num_stages": 2, "programs_per_sm": 1,
                                        "fp8_fp16": True, "gluon_programs_per_sm": 1,
-                                       "fp8_query": True, "fp8_widen_worker": True}},
+                                       "fp8_query": True}},
             },
         },
         # mla_sparse (benchmarks/results/h200/dsa_sweep.json, batch 16 x 2,048 selected rows):

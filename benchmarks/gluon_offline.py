@@ -95,11 +95,7 @@ def main() -> int:
         tag, g = " sparse" if gather else "", {**base, "GATHER": gather}
         runs += [
             (f"heads bf16{tag}", heads_fn, {**OUTS, **descriptors(bf16, bf16, 64),
-                                            "kv_ptr": "*bf16", "q_ptr": "*bf16"},
-             {**g, "FP8": False}, 8),
-            (f"heads fp8{tag}", heads_fn, {**OUTS, **descriptors(e4m3, e4m3, 64),
-                                           "kv_ptr": "*fp8e4nv", "q_ptr": "*bf16"},
-             {**g, "FP8": True, "qn_desc": None, "qr_desc": None}, 8),
+                                            "kv_ptr": "*bf16"}, g, 8),
             (f"tokens bf16{tag}", tma_fn, {**OUTS, **descriptors(bf16, bf16, 16),
                                            "kv_ptr": "*bf16"}, {**g, "BH": 16}, 4),
             (f"tokens fp8{tag}", fp8_fn, {**OUTS, "q_ptr": "*fp16", "kv_ptr": "*fp8e4nv"},

@@ -26,15 +26,12 @@ from dsa_kernels import INDEX_DIM, TOPK, decode_layer  # noqa: E402
 import splash.kernels_triton as K
 
 # (name, config, num_splits): the Triton kernels, then the Gluon ones at any split length (at
-# many heads with fp8 KV asked for fp16 products, which they run), with 16-bit partial rows, at
-# other split counts
+# many heads with fp8 KV asked for fp16 products, which they run: the warp-specialised
+# kernel), with 16-bit partial rows, at other split counts
 _ANY = {"gluon": True, "gluon_min_split_tiles": 0}
-GLUON = {**_ANY, "many_heads": _ANY,
-         "fp8": {"many_heads": {"fp8_fp16": True, "fp8_widen_worker": False}}}
-WORKER = {**_ANY, "many_heads": _ANY,  # e4m3 at many heads: widened by a warpgroup of its own
-          "fp8": {"many_heads": {"fp8_fp16": True, "fp8_widen_worker": True}}}
+GLUON = {**_ANY, "many_heads": _ANY, "fp8": {"many_heads": {"fp8_fp16": True}}}
 FORMS = [("triton", {"gluon": False}, None), ("gluon", GLUON, None),
-         ("gluon widen worker", WORKER, None), ("gluon widen worker splits=8", WORKER, 8),
+         ("gluon splits=8", GLUON, 8),
          ("gluon 16-bit partials", {**GLUON, "low_partials": 64}, None),
          ("gluon splits=4", GLUON, 4), ("gluon splits=16", GLUON, 16)]
 
@@ -50,8 +47,6 @@ def _shape_records(dev, ceil, kind: str, heads: int, batch: int, context: int) -
     ref = K.mla_sparse_ref(q, layer.kv, slots, SM_SCALE, L, kv_scale=layer.scale)[0]
     records = []
     for name, cfg, splits in FORMS:
-        if "worker" in name and (kind != "fp8" or heads <= 16):
-            continue
         def sparse(s=slots, cfg=cfg, splits=splits):
             return K.mla_sparse(q, layer.kv, s, SM_SCALE, L, kv_scale=layer.scale, config=cfg,
                                 num_splits=splits)

@@ -96,12 +96,11 @@ Design:
   holds one loop (``benchmarks/results/h200/decode_gather_choice.json``).
 - Gluon kernels on Hopper (``config["gluon"]``, the CUDA default on sm_90, balanced plan
   only; ``gluon_programs_per_sm`` their occupancy): at many heads
-  (``mla_decode_heads_gluon.py``, 16-bit or e4m3 KV) two warpgroups hold 64 heads, the query
+  (``mla_decode_heads_gluon.py``, 16-bit KV) two warpgroups hold 64 heads, the query
   and two KV tiles come in by TMA and both products are warpgroup MMAs (128 heads bf16
   407-439 TFLOP/s a layer, 1.5x the Triton kernel; e4m3 KV: ``mla_decode_heads_fp8_ws.py``,
   the two warpgroups multiply while a third widens the value columns and issues the copies,
-  1.11-1.19x bf16's tokens a second on an H100; with ``fp8_widen_worker`` off the two
-  warpgroups widen the values themselves); at few heads (``mla_decode_tokens_gluon.py``) the
+  1.11-1.19x bf16's tokens a second on an H100); at few heads (``mla_decode_tokens_gluon.py``) the
   tokens sit on the MMA's M side, 16-bit tiles by TMA (16 heads bf16 64 x 4K 88-90% of copy
   a layer);
   e4m3 tiles by TMA too, read as they landed by the scores' product and widened in
@@ -199,7 +198,8 @@ def gluon_form(q: torch.Tensor, kv: torch.Tensor, L: int, R: int, block_h: int,
     or fewer, "heads" above 32 in head groups of ``block_h`` = 64; None: the Triton kernels."""
     if tokens_gluon.usable(q, kv, L, R, kv.shape[1], cfg):
         return "tokens"
-    if block_h == heads_gluon.BH and heads_gluon.usable(q, kv, L, R, kv.shape[1], cfg):
+    if block_h == heads_gluon.BH and heads_gluon.usable(q, kv, L, R, kv.shape[1], cfg) \
+            and (not V.is_fp8(kv.dtype) or heads_fp8_ws.serves(kv)):
         return "heads"
     return None
 
@@ -361,11 +361,11 @@ def mla_decode(
         elif gluon == "tokens":
             tokens_gluon.launch(q, kv, scale, block_table, o_part, o_low, lse_part, out, lse,
                                 items, float(sm_scale) * _LOG2E, low)
-        elif gluon == "heads" and heads_fp8_ws.serves(kv, cfg):
+        elif gluon == "heads" and heads_fp8_ws.serves(kv):
             heads_fp8_ws.launch(q, kv, scale, block_table, o_part, o_low, lse_part, out, lse,
                                 items, float(sm_scale) * _LOG2E, low)
         elif gluon == "heads":
-            heads_gluon.launch(q, kv, scale, block_table, o_part, o_low, lse_part, out, lse,
+            heads_gluon.launch(q, kv, block_table, o_part, o_low, lse_part, out, lse,
                                items, float(sm_scale) * _LOG2E, low)
         else:
             kernel[(head_groups, launched)](

@@ -1,8 +1,8 @@
-"""MLA decode for many heads over an e4m3 cache on Hopper, in Gluon, warp-specialised
-(``config["fp8_widen_worker"]``): the many-head Gluon kernel's e4m3 form
-(``mla_decode_heads_gluon``: two warpgroups on 64 heads, fp8 x fp8 scores, the value columns
-widened to fp16 in shared memory) with the widening and the tile copies moved out of the
-warpgroups that multiply, into a warpgroup of their own (``gl.warp_specialize``).
+"""MLA decode for many heads over an e4m3 cache on Hopper, in Gluon, warp-specialised: the
+many-head Gluon form (``mla_decode_heads_gluon``: two warpgroups on 64 heads) over e4m3 KV,
+fp8 x fp8 scores and the value columns widened to fp16 in shared memory, with the widening and
+the tile copies in a warpgroup of their own (``gl.warp_specialize``) beside the two that
+multiply.
 
 Partitions of one program, meeting on mbarriers:
 
@@ -27,8 +27,9 @@ a thread, the products 240 (no spills in the loop; the output's stores after it 
 ~1.6 KB).
 
 H100, a layer, 128 heads, against the form it replaced (32-head one-warpgroup programs
-widening in registers, two an SM; removed once this kernel was faster at every shape) and
-bf16 KV in the same run
+widening in registers, two an SM; removed once this kernel was faster at every shape, as was
+the two-warpgroup kernel widening the values itself between its products, 1.5-1.6x slower)
+and bf16 KV in the same run
 (``benchmarks/results/h100/decode_heads_fp8_ws.json``), the first form (three stages, q
 quantised by a launch before): 64 x 4K 0.2066 -> 0.1760 ms (bf16 0.1752), 64 x 32K 1.519 ->
 1.176 (1.301), 8 x 32K 0.2049 -> 0.1770 (0.1784), 2 x 128K 0.2071 -> 0.1682 (0.1791), 64
@@ -86,7 +87,6 @@ try:  # Gluon ships with Triton 3.5 and later
         _scores,
         _softmax_step,
         _store_heads,
-        _widen_values,
     )
 except ImportError:  # pragma: no cover - an older Triton: the other kernels serve
     gluon = None
@@ -98,11 +98,10 @@ WIDEN_REGS = 24  # registers a widener thread (setmaxnreg): the products' warps 
 MAXNREG = 168  # 12 warps an SM: 65,536 registers / 384 threads
 
 
-def serves(kv: torch.Tensor, cfg: dict) -> bool:
-    """Whether this kernel takes an e4m3 cache where the many-head Gluon kernel would
-    (``mla_decode_heads_gluon.usable``, q read in e4m3): ``config["fp8_widen_worker"]``."""
-    return gluon is not None and kv.dtype == torch.float8_e4m3fn \
-        and bool(cfg.get("fp8_query")) and bool(cfg.get("fp8_widen_worker"))
+def serves(kv: torch.Tensor) -> bool:
+    """Whether this kernel takes the many-head Gluon form (``mla_decode_heads_gluon.usable``)
+    here: an e4m3 cache, with a Gluon that has ``warp_specialize``."""
+    return gluon is not None and kv.dtype == torch.float8_e4m3fn
 
 
 if gluon is not None:
@@ -111,6 +110,30 @@ if gluon is not None:
     GS = gl.constexpr(STAGES)
     GW = gl.constexpr(WIDEN_WARPS)
     GR = gl.constexpr(WIDEN_REGS)
+
+    @gluon.jit
+    def _widen_rows(k8n, wv, valid, L: gl.constexpr, num_warps: gl.constexpr,
+                    MASK: gl.constexpr):
+        """The staged e4m3 tile's value columns widened to fp16 into ``wv``; with ``MASK``
+        rows ``valid`` and on as zeros."""
+        CW: gl.constexpr = 64
+        ld: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
+        ok = (gl.arange(0, GN, layout=gl.SliceLayout(1, ld)) < valid)[:, None]
+        for c in gl.static_range(L // CW):
+            x = k8n.slice(c * CW, CW, dim=1).load(ld).to(gl.float16)
+            if MASK:
+                x = gl.where(ok, x, gl.zeros_like(x))
+            wv.slice(c * CW, CW, dim=1).store(x)
+
+    @gluon.jit
+    def _widen_values(k8n, wv, valid, L: gl.constexpr, num_warps: gl.constexpr):
+        """``_widen_rows``, masking only a split's last, partial tile (a page's unused rows
+        may hold NaN, and 0 x NaN is NaN); the mask on every tile cost 8% at 64 x 32K in the
+        kernel that widened between its products (2.04 against 1.89 ms)."""
+        if valid < GN:
+            _widen_rows(k8n, wv, valid, L, num_warps, True)
+        else:
+            _widen_rows(k8n, wv, valid, L, num_warps, False)
 
     @gluon.jit
     def _copy_tile(src, bt_row, stride_btp, t0, end, kn, kr, ks, bar, L: gl.constexpr,

@@ -1,7 +1,7 @@
 """MLA decode for many heads on Hopper, written in Gluon (Triton's layout-explicit dialect):
 a program of two warpgroups holds 64 heads of one request over one split of the balanced
-plan (``config["gluon"]``, the CUDA default on sm_90 at more than 32 heads; 16-bit or e4m3
-KV).
+plan (``config["gluon"]``, the CUDA default on sm_90 at more than 32 heads), over 16-bit KV;
+``mla_decode_heads_fp8_ws`` is its form over e4m3 KV.
 
 The 64 heads' query (64 x 576, 72 KB) and the KV tiles (64 tokens x 576, 72 KB each, two
 stages) come into shared memory by the bulk tensor copy engine (TMA), one page's 64 rows a
@@ -18,24 +18,10 @@ after the last tile. The next tile's scores are issued with this tile's value pr
 H200, a layer against the Triton kernel: 128 heads bf16 64 x 4K 0.264 -> 0.179 ms, 64 x 32K
 2.003 -> 1.329 (439 TFLOP/s) (``decode_heads_gluon.json``, ``decode_heads_defer_sum.json``).
 
-e4m3 KV (``config["fp8_widen_worker"]`` off; on, the CUDA default, ``mla_decode_heads_fp8_ws``
-serves it, 1.5-1.6x faster on an H100): each program quantises its 64 heads' q rows to e4m3
-with a scale a head (``quantise_rows``' operations, as the cache's rows are; instead of a
-launch before the kernel, H100 a layer: 64 x 4K 0.2639 -> 0.2548 ms, 128 x 1K 0.1516 -> 0.1401,
-``benchmarks/results/h100/decode_heads_gluon_fp8_query.json``), and the scores' product reads q
-and the tile as they landed (fp8 x fp8, Hopper's fp8 accumulator: about 14 bits a partial sum);
-the scores take q's and the rows' scales. The tile's value columns widen to fp16 into one
-shared tile that the value product reads, p in fp16 times the rows' scales; that widening runs
-under the next tile's scores once this tile's value product is done with the shared tile, and
-is masked on a split's partial last tile only. 64 x 32K 3.29 -> 1.95 ms (0.69 x bf16's speed,
-was 0.41 x) against the earlier form, which widened the whole tile to fp16 for both products in
-one serial step a tile (``decode_heads_fp8_scores.json``, which also holds what was tried: the
-next tile's scores issued before this tile's softmax, 2.15 against 2.05 ms then; one e4m3 stage
-with two widened tiles, so the widening ran under both products, 3.04 ms: the stage's copy
-waited; and with no widening at all, wrong values for timing only, 1.46 ms: the widening is the
-gap to bf16). Without a scale q's largest entry would have to fit e4m3 (448) and its smallest
-keep some precision; a head's scale keeps the error to e4m3's (at most 1/16 an entry), on the
-order of what quantising the cache already costs.
+An e4m3 form of this kernel, each tile's value columns widened to fp16 in shared memory by
+the warpgroups themselves between their products (64 x 32K 1.95 ms, 0.69x bf16's speed,
+``decode_heads_fp8_scores.json``), is removed: the warp-specialised kernel, whose own warpgroup
+widens beside the products, was 1.5-1.6x faster on an H100.
 
 The last tile of a split zeroes its rows past the range in shared memory before the value
 product (a page's unused rows may hold anything, NaN included, and 0 x NaN is NaN).
@@ -52,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from splash.kernels_triton import _validate as V
-from splash.kernels_triton.mla_decode_gluon_tiles import BN, descriptor, kv_rows, tma_rows
+from splash.kernels_triton.mla_decode_gluon_tiles import BN, descriptor, tma_rows
 from splash.kernels_triton.pdl import pdl
 
 try:  # Gluon ships with Triton 3.5 and later
@@ -68,9 +54,6 @@ try:  # Gluon ships with Triton 3.5 and later
 
     from splash.kernels_triton.mla_decode_gluon_tiles import (
         _plan_item,
-        _quantised_query,
-        _query_buffers,
-        _query_rows,
         _refill,
         _start_copies,
         _tile_rows,
@@ -86,7 +69,8 @@ BH = 64  # heads a program (the MMA's M)
 def usable(q: torch.Tensor, kv: torch.Tensor, L: int, R: int, page_size: int,
            cfg: dict) -> bool:
     """Whether ``config["gluon"]`` applies here: 16-bit KV of q's dtype, or e4m3 KV with a
-    16-bit q read in e4m3 (``config["fp8_query"]``), with DeepSeek's dims (L 512, R 64) in
+    16-bit q read in e4m3 (``config["fp8_query"]``; ``mla_decode_heads_fp8_ws``'s kernel
+    serves it), with DeepSeek's dims (L 512, R 64) in
     pages of a multiple of 64 tokens laid end to end, more than 32 heads, compiled on an
     NVIDIA sm_90 GPU."""
     kv_ok = q.dtype == kv.dtype if kv.dtype in (torch.bfloat16, torch.float16) else \
@@ -122,40 +106,16 @@ if gluon is not None:
         return tok
 
     @gluon.jit
-    def _widen_rows(k8n, wv, valid, L: gl.constexpr, num_warps: gl.constexpr,
-                    MASK: gl.constexpr):
-        """The staged e4m3 tile's value columns widened to fp16 into ``wv``; with ``MASK``
-        rows ``valid`` and on as zeros."""
-        CW: gl.constexpr = 64
-        ld: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
-        ok = (gl.arange(0, GN, layout=gl.SliceLayout(1, ld)) < valid)[:, None]
-        for c in gl.static_range(L // CW):
-            x = k8n.slice(c * CW, CW, dim=1).load(ld).to(gl.float16)
-            if MASK:
-                x = gl.where(ok, x, gl.zeros_like(x))
-            wv.slice(c * CW, CW, dim=1).store(x)
-
-    @gluon.jit
-    def _widen_values(k8n, wv, valid, L: gl.constexpr, num_warps: gl.constexpr):
-        """``_widen_rows``, masking only a split's last, partial tile (a page's unused rows
-        may hold NaN, and 0 x NaN is NaN); the mask on every tile cost 8% at 64 x 32K
-        (2.04 against 1.89 ms)."""
-        if valid < GN:
-            _widen_rows(k8n, wv, valid, L, num_warps, True)
-        else:
-            _widen_rows(k8n, wv, valid, L, num_warps, False)
-
-    @gluon.jit
-    def _softmax(s, ok, ks, m_i, l_acc, dtype: gl.constexpr, p_layout: gl.constexpr,
+    def _softmax(s, ok, m_i, l_acc, dtype: gl.constexpr, p_layout: gl.constexpr,
                  mma_o: gl.constexpr, MAYBE_EMPTY: gl.constexpr = False):
-        """One tile's online-softmax step: scores ``s`` (already scaled, columns ``ok``), the
-        rows' value scales ``ks``. Returns p as the value product's operand, the
+        """One tile's online-softmax step: scores ``s`` (already scaled, columns ``ok``).
+        Returns p as the value product's operand, the
         accumulator's rescale, the running max, and the running sums of p each thread keeps
         for its own columns (``l_acc``; one reduction after the last tile instead of one a
         tile across the warpgroups: 2-5% faster at 128 heads, decode_heads_defer_sum.json).
         ``MAYBE_EMPTY``: a tile may hold no token (a sparse tile of skipped slots)."""
         p, alpha, m_new, l_acc = _softmax_step(s, ok, m_i, l_acc, MAYBE_EMPTY)
-        p_op = gl.convert_layout((p * ks[None, :]).to(dtype), p_layout)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
         return p_op, gl.convert_layout(alpha, gl.SliceLayout(1, mma_o)), m_new, l_acc
 
     @gluon.jit
@@ -214,9 +174,7 @@ if gluon is not None:
     # in Triton 3.6's lowering to LLVM
     @gluon.jit(do_not_specialize=["splits"])
     def _mla_decode_heads_gluon_kernel(
-        qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q (N * H, L + R) (None: fp8), kv rows
-        scale_ptr,  # (pages, PS) fp32 (fp8 KV)
-        q_ptr, stride_qn, stride_qh,  # q (N, H, L + R), 16-bit, quantised here (fp8 KV)
+        qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q (N * H, L + R), kv rows
         bt_ptr,  # (N, max_pages) int
         o_ptr,  # (P, 1, H, L) fp32 partial rows
         o_low_ptr,  # (P, 1, H, L) 16-bit partial rows (o_ptr's strides)
@@ -227,21 +185,20 @@ if gluon is not None:
         kv_ptr,  # (pages, PS, L + R) (GATHER: bt_ptr is then (N, K) slots)
         qk_scale, H, N,
         splits, split_len, K,  # GATHER: each row's K slots in splits of split_len
-        stride_sp, stride_ss,
         stride_btn, stride_btp,
         stride_kvp, stride_kvs,
         stride_os, stride_oh,
         stride_ls,
         stride_outn, stride_outh,
         stride_lon,
-        L: gl.constexpr, R: gl.constexpr, PS: gl.constexpr, FP8: gl.constexpr,
+        L: gl.constexpr, R: gl.constexpr, PS: gl.constexpr,
         LOW_SPLITS: gl.constexpr, GATHER: gl.constexpr, num_warps: gl.constexpr,
     ):
         g = gl.program_id(0)
         pid = gl.program_id(1)
         n, count, start, end = _plan_item(plan_ptr, pid, N, splits, split_len, K, GATHER)
         if n < N:
-            dtype: gl.constexpr = kn_desc.dtype  # the scores' operands (e4m3 with FP8)
+            dtype: gl.constexpr = kn_desc.dtype
             mma_s: gl.constexpr = gl.NVMMADistributedLayout(  # an MMA's K: 32 bytes
                 version=[3, 0], warps_per_cta=[4, 2],
                 instr_shape=[16, GN // 2, 256 // dtype.primitive_bitwidth])
@@ -249,97 +206,50 @@ if gluon is not None:
                 version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, L // 2, 16])
             p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o,
                                                          k_width=2)
-            if FP8:  # q quantised by the program itself, below
-                qn_s, qr_s = _query_buffers(GH, L, R)
-                xn, xr = _query_rows(q_ptr + n.to(gl.int64) * stride_qn + g * GH * stride_qh,
-                                     stride_qh, H - g * GH, L, R, GH, num_warps)
-            else:
-                qn_s = gl.allocate_shared_memory(dtype, [GH, L], qn_desc.layout)
-                qr_s = gl.allocate_shared_memory(dtype, [GH, R], qr_desc.layout)
-            kn_s = gl.allocate_shared_memory(kn_desc.dtype, [2, GN, L], kn_desc.layout)
-            kr_s = gl.allocate_shared_memory(kr_desc.dtype, [2, GN, R], kr_desc.layout)
+            qn_s = gl.allocate_shared_memory(dtype, [GH, L], qn_desc.layout)
+            qr_s = gl.allocate_shared_memory(dtype, [GH, R], qr_desc.layout)
+            kn_s = gl.allocate_shared_memory(dtype, [2, GN, L], kn_desc.layout)
+            kr_s = gl.allocate_shared_memory(dtype, [2, GN, R], kr_desc.layout)
             bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
             bt_row = bt_ptr + n.to(gl.int64) * stride_btn
             tiles = (end - start + GN - 1) // GN
             _start_copies(qn_desc, qr_desc, kn_desc, kr_desc, None, n * H + g * GH, bt_row,
                           stride_btp, start, tiles, qn_s, qr_s, kn_s, kr_s, None, bars, kv_ptr,
                           stride_kvp, stride_kvs, end, L, PS, GATHER, num_warps)
-            if not FP8:
-                mbarrier.wait(bars.index(2), 0)
+            mbarrier.wait(bars.index(2), 0)
 
             acc = gl.zeros((GH, L), gl.float32, layout=mma_o)
             m_i = gl.full((GH,), float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma_s))
             l_acc = gl.zeros((GH, GN), gl.float32, layout=mma_s)  # p's sums, a thread's columns
             cols = gl.arange(0, GN, layout=gl.SliceLayout(0, mma_s))
             s = gl.zeros((GH, GN), gl.float32, layout=mma_s)
-            if FP8:
-                # q (a scale a head) and the tiles in e4m3: the scores' product reads both as
-                # they landed; a tile's value columns widen to fp16 into ``wv``, under the
-                # next tile's scores once this tile's value product is done with ``wv``
-                wv = gl.allocate_shared_memory(
-                    gl.float16, [GN, L], gl.NVMMASharedLayout.get_default_for([GN, L],
-                                                                              gl.float16))
-                qs = _quantised_query(xn, xr, qn_s, qr_s, L, R, num_warps)
-                qsc = gl.convert_layout(qs, gl.SliceLayout(1, mma_s)) * qk_scale
-                if tiles > 0:  # tile 0's scores and values
-                    _wait_tile(bars, 0, 0, 1, GATHER)
-                    s_tok = _scores(qn_s, qr_s, kn_s.index(0), kr_s.index(0), s)
-                    _widen_values(kn_s.index(0), wv, end - start, L, num_warps)
-                    fence_async_shared()
-                    s = warpgroup_mma_wait(0, deps=(s_tok,))
-                for i in range(tiles):  # s: tile i's scores, wv: its values
-                    st = i % 2
-                    t0 = start + i * GN
-                    # stage st is read (scores) and widened (values): refill it
-                    _refill(kn_desc, kr_desc, None, bt_row, stride_btp, t0 + 2 * GN, end,
-                            kn_s.index(st), kr_s.index(st), None, bars.index(st), i + 2 < tiles,
-                            kv_ptr, stride_kvp, stride_kvs, L, PS, GATHER, num_warps)
-                    off, ok = _tile_rows(bt_row, stride_btp, t0, end, cols, stride_sp,
-                                         stride_ss, PS, GATHER)
-                    ks = gl.load(scale_ptr + off, mask=ok, other=0.0)
-                    p_op, alpha_o, m_i, l_acc = _softmax(s * qsc[:, None] * ks[None, :], ok,
-                                                         ks, m_i, l_acc, gl.float16, p_layout,
-                                                         mma_o, GATHER)
-                    gl.thread_barrier()  # wv widened by every warp
-                    acc_tok = warpgroup_mma(p_op, wv, acc * alpha_o[:, None], is_async=True)
-                    s_tok = _next_scores(qn_s, qr_s, kn_s, kr_s, bars, s, i, i + 1 < tiles, 1,
-                                         GATHER)
-                    if i + 1 < tiles:  # tile i + 1's values, under its scores' product
-                        warpgroup_mma_wait(1, deps=(acc_tok,))  # this tile's values are done
-                        gl.thread_barrier()  # in both warpgroups: wv is free
-                        _widen_values(kn_s.index((i + 1) % 2), wv, end - t0 - GN, L,
-                                      num_warps)
+            if tiles > 0:  # tile 0's scores
+                _wait_tile(bars, 0, 0, 1, GATHER)
+                s = warpgroup_mma_wait(0, deps=(_scores(qn_s, qr_s, kn_s.index(0),
+                                                        kr_s.index(0), s),))
+            for i in range(tiles):  # s: tile i's scores
+                st = i % 2
+                t0 = start + i * GN
+                kn = kn_s.index(st)
+                ok = _tile_rows(bt_row, stride_btp, t0, end, cols, 0, 0, PS, GATHER)[1]
+                p_op, alpha_o, m_i, l_acc = _softmax(s * qk_scale, ok, m_i, l_acc, dtype,
+                                                     p_layout, mma_o, GATHER)
+                if not GATHER:  # (gathered rows past the range are zeros)
+                    if t0 + GN > end:  # the split's last, partial tile
+                        _zero_rows_past(kn, end - t0, L, num_warps)
                         fence_async_shared()
-                    acc, s = warpgroup_mma_wait(0, deps=(acc_tok, s_tok))
-            else:
-                ones = gl.full((GN,), 1.0, gl.float32, layout=gl.SliceLayout(0, mma_s))
-                if tiles > 0:  # tile 0's scores
-                    _wait_tile(bars, 0, 0, 1, GATHER)
-                    s = warpgroup_mma_wait(0, deps=(_scores(qn_s, qr_s, kn_s.index(0),
-                                                            kr_s.index(0), s),))
-                for i in range(tiles):  # s: tile i's scores
-                    st = i % 2
-                    t0 = start + i * GN
-                    kn = kn_s.index(st)
-                    ok = _tile_rows(bt_row, stride_btp, t0, end, cols, 0, 0, PS, GATHER)[1]
-                    p_op, alpha_o, m_i, l_acc = _softmax(s * qk_scale, ok, ones, m_i, l_acc,
-                                                         dtype, p_layout, mma_o, GATHER)
-                    if not GATHER:  # (gathered rows past the range are zeros)
-                        if t0 + GN > end:  # the split's last, partial tile
-                            _zero_rows_past(kn, end - t0, L, num_warps)
-                            fence_async_shared()
-                            gl.thread_barrier()
-                    acc_tok = warpgroup_mma(p_op, kn, acc * alpha_o[:, None], is_async=True)
-                    # tile i + 1's scores after this tile's value product, so its copy has
-                    # had the softmax's time to land (issued before the softmax, they waited
-                    # on a copy just started: 26% slower, decode_heads_gluon.json)
-                    s_tok = _next_scores(qn_s, qr_s, kn_s, kr_s, bars, s, i, i + 1 < tiles, 0,
-                                         GATHER)
-                    acc, s = warpgroup_mma_wait(0, deps=(acc_tok, s_tok))
-                    # both warpgroups are done with this stage: refill it
-                    _refill(kn_desc, kr_desc, None, bt_row, stride_btp, t0 + 2 * GN, end, kn,
-                            kr_s.index(st), None, bars.index(st), i + 2 < tiles, kv_ptr,
-                            stride_kvp, stride_kvs, L, PS, GATHER, num_warps)
+                        gl.thread_barrier()
+                acc_tok = warpgroup_mma(p_op, kn, acc * alpha_o[:, None], is_async=True)
+                # tile i + 1's scores after this tile's value product, so its copy has had
+                # the softmax's time to land (issued before the softmax, they waited on a
+                # copy just started: 26% slower, decode_heads_gluon.json)
+                s_tok = _next_scores(qn_s, qr_s, kn_s, kr_s, bars, s, i, i + 1 < tiles, 0,
+                                     GATHER)
+                acc, s = warpgroup_mma_wait(0, deps=(acc_tok, s_tok))
+                # both warpgroups are done with this stage: refill it
+                _refill(kn_desc, kr_desc, None, bt_row, stride_btp, t0 + 2 * GN, end, kn,
+                        kr_s.index(st), None, bars.index(st), i + 2 < tiles, kv_ptr,
+                        stride_kvp, stride_kvs, L, PS, GATHER, num_warps)
             for i in gl.static_range(3):
                 mbarrier.invalidate(bars.index(i))
 
@@ -348,33 +258,29 @@ if gluon is not None:
                          stride_outh, stride_lon, L, LOW_SPLITS, mma_s, mma_o, num_warps)
 
 
-def launch(q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor, block_table: torch.Tensor,
+def launch(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor,
            o_part: torch.Tensor, o_low: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
            lse: torch.Tensor, items: torch.Tensor | None, qk_scale: float, low: int,
            sparse: tuple[int, int] | None = None) -> None:
     """Head groups of 64 x one program per plan item (``_decode_plan_kernel``'s); the rest
-    as the balanced Triton launch takes them. e4m3 KV: q quantised to e4m3, a scale a head
-    (the module docstring). With ``sparse`` = (splits, split_len), ``block_table`` is
-    ``mla_sparse``'s (N, K) slots and the programs are each row's splits (partial rows
-    (splits * N, 1, H, L), split-major), without a plan."""
+    as the balanced Triton launch takes them; 16-bit KV of q's dtype. With ``sparse`` =
+    (splits, split_len), ``block_table`` is ``mla_sparse``'s (N, K) slots and the programs
+    are each row's splits (partial rows (splits * N, 1, H, L), split-major), without a
+    plan."""
     N, H, D = q.shape
     L = out.shape[2]
-    fp8 = kv.dtype == torch.float8_e4m3fn
-    if fp8:  # e4m3 q, a scale a head, quantised by each program from its 16-bit rows
-        q = q if q.stride(2) == 1 else q.contiguous()
-        q_desc, rows_kv = (None, None), kv_rows(kv)
-    else:
-        rows_q, rows_kv = tma_rows(q, kv)
-        q_desc = (descriptor(rows_q, L), descriptor(rows_q, D - L))
+    if kv.dtype != q.dtype:
+        raise ValueError(f"the many-head Gluon kernel reads 16-bit KV of q's dtype ({q.dtype}); "
+                         f"got {kv.dtype} (e4m3: mla_decode_heads_fp8_ws)")
+    rows_q, rows_kv = tma_rows(q, kv)
     splits, split_len = sparse or (1, 0)
     programs = items.shape[0] if items is not None else splits * N
     _mla_decode_heads_gluon_kernel[((H + BH - 1) // BH, programs)](
-        *q_desc, descriptor(rows_kv, L), descriptor(rows_kv, D - L), scale, q,
-        q.stride(0), q.stride(1), block_table, o_part, o_low, lse_part, out, lse,
+        descriptor(rows_q, L), descriptor(rows_q, D - L), descriptor(rows_kv, L),
+        descriptor(rows_kv, D - L), block_table, o_part, o_low, lse_part, out, lse,
         block_table if items is None else items, kv, qk_scale, H, N, splits, split_len,
-        block_table.shape[1], scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0,
-        block_table.stride(0), block_table.stride(1), kv.stride(0), kv.stride(1),
-        o_part.stride(0), o_part.stride(2), lse_part.stride(0), out.stride(0), out.stride(1),
-        lse.stride(0), L=L, R=D - L, PS=kv.shape[1], FP8=fp8, LOW_SPLITS=low,
+        block_table.shape[1], block_table.stride(0), block_table.stride(1), kv.stride(0),
+        kv.stride(1), o_part.stride(0), o_part.stride(2), lse_part.stride(0), out.stride(0),
+        out.stride(1), lse.stride(0), L=L, R=D - L, PS=kv.shape[1], LOW_SPLITS=low,
         GATHER=sparse is not None, num_warps=8, launch_pdl=pdl(q.device),
     )

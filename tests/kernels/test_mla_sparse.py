@@ -107,20 +107,17 @@ def test_sparse_partials_in_the_output_dtype(setting, case, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name, worker", [("bf16", False), ("bf16-fp8kv", False),
-                                          ("bf16-fp8kv", True)])
+@pytest.mark.parametrize("name", ["bf16", "bf16-fp8kv"])
 @pytest.mark.parametrize("num_splits", [1, 3, None])
 @pytest.mark.parametrize("H", [16, 8, 128, 48])
-def test_gluon_sparse_matches_reference(H, num_splits, name, worker, monkeypatch):
+def test_gluon_sparse_matches_reference(H, num_splits, name, monkeypatch):
     """On an sm_90 GPU the Gluon decode kernels gather the selected rows (tokens on M at 16
     heads or fewer, heads on M above 32; bf16 or e4m3 KV, at many heads the e4m3 one widened
-    in the heads kernel or by a warpgroup of its own, ``worker``): 2,100 slots a row (a
-    partial last tile), selections partly empty, empty, with a whole tile of -1 and with -1
-    scattered, over a pool whose unselected rows hold NaN."""
+    by a warpgroup of its own): 2,100 slots a row (a partial last tile), selections partly
+    empty, empty, with a whole tile of -1 and with -1 scattered, over a pool whose
+    unselected rows hold NaN."""
     module = "tokens" if H <= 16 else "heads"
-    if worker and module == "tokens":
-        pytest.skip("the widening warpgroup serves many heads")
-    form = "heads_fp8_ws" if worker else f"{module}_gluon"
+    form = "heads_fp8_ws" if module == "heads" and "fp8" in name else f"{module}_gluon"
     gluon = importlib.import_module(f"splash.kernels_triton.mla_decode_{form}")
     if not compiled_gpu() or gluon.gluon is None or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels run on a compiled sm_90 GPU with Gluon")
@@ -148,8 +145,8 @@ def test_gluon_sparse_matches_reference(H, num_splits, name, worker, monkeypatch
                           num_splits=num_splits,
                           config={"gluon": True, "gluon_min_split_tiles": 0,
                                   "many_heads": {"gluon": True, "gluon_min_split_tiles": 0},
-                                  "fp8": {"many_heads": {"fp8_fp16": True, "fp8_query": True,
-                                                         "fp8_widen_worker": worker}}})
+                                  "fp8": {"many_heads": {"fp8_fp16": True,
+                                                         "fp8_query": True}}})
     assert launches and launches[0].get("sparse")
     if module == "heads" and scale is not None:  # its scores' product reads an e4m3 q
         q = fp8_query(q, kv.dtype)
