@@ -318,13 +318,16 @@ def _gluon_sparse(form: str, split: tuple[int, int], q: torch.Tensor, kv: torch.
     o_part = torch.empty((splits * N, 1, H, L), dtype=dtype, device=q.device)
     lse_part = torch.empty((splits * N, 1, H), dtype=torch.float32, device=q.device)
     low = splits if dtype != torch.float32 else 0
-    if form == "heads" and not heads_fp8_ws.serves(kv):
+    scale = kv_scale if kv_scale is not None else lse  # (never read without fp8 KV)
+    if form == "tokens":
+        tokens_gluon.launch(q, kv, scale, slots, o_part, o_part, lse_part, out, lse, None,
+                            qk_scale, low, sparse=split)
+    elif heads_fp8_ws.serves(kv):
+        heads_fp8_ws.launch(q, kv, scale, slots, o_part, o_part, lse_part, out, lse, None,
+                            qk_scale, low, sparse=split)
+    else:
         heads_gluon.launch(q, kv, slots, o_part, o_part, lse_part, out, lse, None, qk_scale, low,
                            sparse=split)
-    else:
-        launch = tokens_gluon.launch if form == "tokens" else heads_fp8_ws.launch
-        launch(q, kv, kv_scale if kv_scale is not None else lse, slots, o_part, o_part,
-               lse_part, out, lse, None, qk_scale, low, sparse=split)
     if splits > 1:
         _merge_into(o_part.view(splits, N, H, L), lse_part.view(splits, N, H), out, lse)
 
