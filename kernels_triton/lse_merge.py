@@ -19,7 +19,10 @@ the merge's whole time: a request of more than ``MANY`` partials folds ``ROUND``
 binary built with that path only when the caller's bound says some request may need it (the
 path's registers slow every other launch): 16 heads, that batch's layer 0.0675 -> 0.0626 ms
 (fp8 KV), 8 x 4K 0.0204 -> 0.0197, uniform batches unchanged
-(``benchmarks/results/h200/lse_merge_rounds_many.json``).
+(``benchmarks/results/h200/lse_merge_rounds_many.json``). Reading the plan's ranges before
+the PDL wait instead of after it moved a layer within noise on an H100 (16 and 128 heads,
+64 x 4K, bf16 and e4m3; ``results/h100/lse_merge_ranges_first_tried.json``): the merge is
+dispatched once the attention programs have triggered or exited, and that window is short.
 """
 
 from __future__ import annotations
