@@ -8,7 +8,10 @@ waits for the oldest step issued (a second step may be submitted before the firs
 collected: the workers launch it behind the first), `execute` does both. A dead or silent
 worker, or one that reports an error, raises WorkerDiedError within seconds (the first error
 ends the wait: its peers may be stuck in a collective); nothing waits forever. A step that
-failed on a worker that kept its state raises StepFailedError.
+failed on a worker that kept its state raises StepFailedError. The time a silent worker is
+given (SPLASH_WORKER_TIMEOUT_S) counts only while the controller runs: after the controller
+was paused (Ctrl-Z then fg, a suspended machine) its workers get their full time again
+instead of being declared dead for the pause.
 
 Spawned workers start with SIGINT ignored (Ctrl-C in a terminal reaches the whole process
 group; the controller alone handles it and stops its workers) and, on the CPU backend, with
@@ -217,7 +220,7 @@ class MPExecutor(_Executor):
     def _gather_into(self, got: dict[int, object], timeout_s: float, what: str) -> list:
         if any(_fatal(m) for m in got.values()):
             return [*(m for m in got.values() if _fatal(m)), *self._errors_within(0.5)]
-        deadline = time.monotonic() + timeout_s
+        deadline = _Deadline(timeout_s)
         while len(got) < self.world:
             if self.sock.poll(200):
                 with sigint_deferred():  # a message taken off the socket is always kept
@@ -239,7 +242,7 @@ class MPExecutor(_Executor):
             if dead and not all(r in got for r in dead):
                 codes = {r: self.procs[r].exitcode for r in dead}
                 raise WorkerDiedError(f"worker(s) {dead} exited (codes {codes}) during {what}")
-            if time.monotonic() > deadline:
+            if deadline.passed():
                 missing = sorted(set(range(self.world)) - set(got))
                 self._dump_stacks(missing)
                 raise WorkerDiedError(f"worker(s) {missing} did not answer within "
@@ -421,6 +424,27 @@ class ExternalExecutor(MPExecutor):
         time.sleep(0.2)
         self.sock.close()
         self.ctx.term()
+
+
+class _Deadline:
+    """A time limit on waiting that counts only the time this process ran: a turn of the
+    waiting loop far longer than its poll (PAUSE_S) means the process was stopped, not that
+    the workers were slow, and moves the limit on by that turn."""
+
+    PAUSE_S = 5.0
+
+    def __init__(self, seconds: float) -> None:
+        self.last = time.monotonic()
+        self.end = self.last + seconds
+
+    def passed(self) -> bool:
+        now = time.monotonic()
+        if now - self.last > self.PAUSE_S:
+            self.end += now - self.last
+            logger.warning("the controller did not run for %.0f s (stopped or suspended): "
+                           "the pause does not count against its workers", now - self.last)
+        self.last = now
+        return now > self.end
 
 
 def _fatal(msg: object) -> bool:
