@@ -75,6 +75,9 @@ class _Counters:
     dropped_connections: int = 0
 
 
+PAUSE_S = 5.0  # a turn of the serving loop this long means the loop was not running
+
+
 class ZmqServer:
     """Serve ``engine`` (an LLMEngine, or anything with its methods) on ``endpoint``.
 
@@ -109,6 +112,7 @@ class ZmqServer:
         self._failed_at = 0.0
         self._exit_code = 0
         self._next_lease_check = 0.0
+        self._last_turn = time.monotonic()  # when the loop last looked at the leases
         self._next_health_check = 0.0
         self._bad_log_times: list[float] = []
 
@@ -301,6 +305,10 @@ class ZmqServer:
 
     def _expire_leases(self) -> None:
         now = time.monotonic()
+        paused, self._last_turn = now - self._last_turn, now
+        if paused > PAUSE_S:  # this loop did not run (the process stopped, a long step): the
+            for lease in self._leases.values():  # clients' renewals wait unread, not missing
+                lease.last_seen += paused
         if now < self._next_lease_check or not self._leases:
             return
         self._next_lease_check = now + min(0.5, self.config.client_timeout_s / 4)

@@ -23,6 +23,7 @@ from splash.errors import (
 )
 from splash.sampling_params import SamplingParams
 from splash.server import protocol as P
+from splash.server import zmq_server
 
 pytestmark = pytest.mark.timeout(60)
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0)
@@ -94,6 +95,39 @@ def test_silent_client_lease_expires() -> None:
             _wait_for(lambda: c.stats()["server"]["lease_expired"] == 1)
             assert c.stats()["kv_pages_used"] == [0, 0]
         peer.close()
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_a_paused_server_keeps_its_leases(monkeypatch) -> None:
+    # the server process stopped for 30 s (Ctrl-Z, then fg): its clients' renewals wait
+    # unread on the socket, so the pause must not count as their silence; a client that
+    # then stays silent still loses its lease
+    clock = _Clock()
+    monkeypatch.setattr(zmq_server, "time", clock)
+    engine = FakeEngine()
+    server = zmq_server.ZmqServer(engine, "tcp://127.0.0.1:*",  # type: ignore[arg-type]
+                                  zmq_server.ServerConfig(client_timeout_s=10.0))
+    try:
+        rid = engine.add_request([1, 2], SamplingParams(max_tokens=4))
+        server._leases[rid] = zmq_server._Lease(b"peer", True, clock.now)
+        clock.now = 1.0
+        server._expire_leases()
+        clock.now = 31.0  # the loop's next turn, after the pause
+        server._expire_leases()
+        assert rid in server._leases and server._counters.lease_expired == 0
+        for _ in range(22):  # 11 s of the loop's turns, renewed by nobody
+            clock.now += 0.5
+            server._expire_leases()
+        assert rid not in server._leases and server._counters.lease_expired == 1
+    finally:
+        server._close()
 
 
 def test_bad_frames_get_error_replies() -> None:
