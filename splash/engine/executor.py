@@ -42,6 +42,7 @@ import zmq
 from safetensors.torch import save_file
 
 from splash import envs
+from splash.core.pause import PauseClock
 from splash.core.protocol import (
     WORKER_PROTOCOL_VERSION,
     KVPoolSize,
@@ -427,24 +428,19 @@ class ExternalExecutor(MPExecutor):
 
 
 class _Deadline:
-    """A time limit on waiting that counts only the time this process ran: a turn of the
-    waiting loop far longer than its poll (PAUSE_S) means the process was stopped, not that
-    the workers were slow, and moves the limit on by that turn."""
-
-    PAUSE_S = 5.0
+    """A time limit on waiting that counts only the time this process ran (``PauseClock``)."""
 
     def __init__(self, seconds: float) -> None:
-        self.last = time.monotonic()
-        self.end = self.last + seconds
+        self.clock = PauseClock()
+        self.end = self.clock.last + seconds
 
     def passed(self) -> bool:
-        now = time.monotonic()
-        if now - self.last > self.PAUSE_S:
-            self.end += now - self.last
+        paused = self.clock.pause()
+        if paused:
+            self.end += paused
             logger.warning("the controller did not run for %.0f s (stopped or suspended): "
-                           "the pause does not count against its workers", now - self.last)
-        self.last = now
-        return now > self.end
+                           "the pause does not count against its workers", paused)
+        return self.clock.last > self.end
 
 
 def _fatal(msg: object) -> bool:

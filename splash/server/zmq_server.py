@@ -30,6 +30,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from splash.core.pause import PauseClock
 from splash.engine.api import EngineAPI
 from splash.errors import InvalidRequestError, NotFoundError, ProtocolError, WorkerDiedError
 from splash.logging_utils import get_logger
@@ -75,9 +76,6 @@ class _Counters:
     dropped_connections: int = 0
 
 
-PAUSE_S = 5.0  # a turn of the serving loop this long means the loop was not running
-
-
 class ZmqServer:
     """Serve ``engine`` (an LLMEngine, or anything with its methods) on ``endpoint``.
 
@@ -112,7 +110,7 @@ class ZmqServer:
         self._failed_at = 0.0
         self._exit_code = 0
         self._next_lease_check = 0.0
-        self._last_turn = time.monotonic()  # when the loop last looked at the leases
+        self._turns = PauseClock()  # the loop's own pauses do not count as clients' silence
         self._next_health_check = 0.0
         self._bad_log_times: list[float] = []
 
@@ -304,11 +302,11 @@ class ZmqServer:
                           "limit was dropped", logging.INFO)
 
     def _expire_leases(self) -> None:
-        now = time.monotonic()
-        paused, self._last_turn = now - self._last_turn, now
-        if paused > PAUSE_S:  # this loop did not run (the process stopped, a long step): the
-            for lease in self._leases.values():  # clients' renewals wait unread, not missing
+        paused = self._turns.pause()
+        if paused:  # the process stopped, or a long step: the clients' renewals wait unread
+            for lease in self._leases.values():
                 lease.last_seen += paused
+        now = time.monotonic()
         if now < self._next_lease_check or not self._leases:
             return
         self._next_lease_check = now + min(0.5, self.config.client_timeout_s / 4)

@@ -11,6 +11,7 @@ import collections
 
 import pytest
 
+import splash.core.pause as pause_module
 import splash.engine.executor as executor_module
 from splash.core.protocol import WORKER_PROTOCOL_VERSION, StepResult, encode
 from splash.engine.executor import MPExecutor
@@ -101,6 +102,7 @@ class _PausedSocket:
 def test_a_pause_of_the_controller_does_not_count_against_its_workers(monkeypatch):
     clock = _Clock()
     monkeypatch.setattr(executor_module, "time", clock)
+    monkeypatch.setattr(pause_module, "time", clock)
     # stopped for 100 s during a 60 s wait; the workers answer 1 s after it resumes
     ex = _executor(_PausedSocket(clock, pause_s=100.0, answer_at=6))
     results = ex._gather(60.0, "step 7")
@@ -111,6 +113,7 @@ def test_a_pause_of_the_controller_does_not_count_against_its_workers(monkeypatc
 def test_silent_workers_still_time_out(monkeypatch, pause_s):
     clock = _Clock()
     monkeypatch.setattr(executor_module, "time", clock)
+    monkeypatch.setattr(pause_module, "time", clock)
     sock = _PausedSocket(clock, pause_s=pause_s, answer_at=None)
     ex = _executor(sock)
     with pytest.raises(WorkerDiedError, match="did not answer within 60 s during step 7"):

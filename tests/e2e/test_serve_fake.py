@@ -13,6 +13,7 @@ import pytest
 from serve_helpers import FakeEngine, RawPeer, fake_tokens, thread_server
 from tiny_tokenizer import load_tokenizer
 
+import splash.core.pause as pause_module
 from splash.client import AsyncClient, Client
 from splash.errors import (
     InvalidRequestError,
@@ -111,6 +112,7 @@ def test_a_paused_server_keeps_its_leases(monkeypatch) -> None:
     # then stays silent still loses its lease
     clock = _Clock()
     monkeypatch.setattr(zmq_server, "time", clock)
+    monkeypatch.setattr(pause_module, "time", clock)
     engine = FakeEngine()
     server = zmq_server.ZmqServer(engine, "tcp://127.0.0.1:*",  # type: ignore[arg-type]
                                   zmq_server.ServerConfig(client_timeout_s=10.0))
